@@ -1,0 +1,41 @@
+# flashflex developer entry points. Every target sets itself up: a fresh machine needs only python3.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.flashflex-setup
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench lint plans profiles clean
+
+setup: $(STAMP)
+
+# torch is pinned and installed first, so the package's unpinned torch requirement is already met
+# (an unpinned torch would pull the CUDA build and gigabytes of packages).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	bash scripts/demo.sh
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	bash scripts/bench.sh
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+
+profiles: setup
+	bash scripts/make_profiles.sh
+
+plans: setup
+	bash scripts/make_plans.sh
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

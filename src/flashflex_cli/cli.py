@@ -1,0 +1,77 @@
+"""The `flashflex` command line: a thin typer app. Each command group lives in `commands/`.
+
+Errors of the FlashflexError family become one line on stderr and their exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+import typer
+
+from . import __version__
+from .commands import data as data_commands
+from .commands import launch as launch_commands
+from .commands import planning as planning_commands
+from .commands import profile as profile_commands
+from .errors import FlashflexError
+
+app = typer.Typer(
+    name="flashflex",
+    help="Plan and run asymmetric data/pipeline/tensor-parallel LLM training on heterogeneous GPU fleets.\n\n"
+    "Workflow: `profile` the hardware -> `plan` a layout -> `show`/`diff` it -> `launch` it.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"flashflex {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """flashflex: heterogeneous LLM training planner and runtime."""
+
+
+profile_commands.register(app)
+planning_commands.register(app)
+launch_commands.register(app)
+data_commands.register(app)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns (and exits with) the process exit code."""
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name="flashflex", standalone_mode=False)
+        code = result if isinstance(result, int) else 0
+    except FlashflexError as exc:
+        click.echo(f"error: {exc}", err=True)
+        code = exc.exit_code
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        code = exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        code = 130
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        code = 130
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    main()

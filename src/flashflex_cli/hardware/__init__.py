@@ -1,0 +1,1 @@
+"""Hardware description: device catalog, cluster schema, synthetic specs, probes."""

@@ -1,0 +1,227 @@
+"""Cluster schema ("flashflex.cluster/1"): nodes, devices, links; validated on load.
+
+Devices are addressed as "NODE/INDEX" (e.g. "node0/3"). `Cluster.link(a, b)` answers the bandwidth
+and latency between any two devices: per-pair measurements where present, else link and NIC classes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import cached_property
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+from ..errors import InputError
+from ..fileio import dumps_json, load_model, write_model
+from .catalog import device_type
+from .links import INTRA_LINKS, NIC_LINKS, SAME_DEVICE, IntraKind, Link, NicKind
+
+CLUSTER_SCHEMA = "flashflex.cluster/1"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Device(_Strict):
+    """One accelerator. peak_flops: dense FLOP/s per dtype; achieved_flops: measured matmul FLOP/s."""
+
+    type: str
+    memory_bytes: PositiveInt
+    peak_flops: dict[str, PositiveFloat]
+    memory_bandwidth: PositiveFloat
+    source: Literal["catalog", "measured"] = "catalog"
+    achieved_flops: dict[str, PositiveFloat] | None = None
+    slowdown: PositiveFloat = 1.0  # emulated devices compute this many times slower; the runtime honours it
+
+    def flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for `dtype`, divided by the emulation slowdown.
+
+        Falls back bf16 -> fp16 -> fp32 when the device has no fast path for `dtype`.
+        """
+        for candidate in (dtype, "fp16" if dtype == "bf16" else dtype, "fp32"):
+            if candidate in self.peak_flops:
+                return self.peak_flops[candidate] / self.slowdown
+        raise InputError(f"device type {self.type!r} has no peak FLOP/s for {dtype!r}")
+
+
+class IntraLink(_Strict):
+    """The fabric inside one node: kind and bandwidth (bytes/s per direction)."""
+
+    kind: IntraKind
+    bandwidth: PositiveFloat | None = None
+    latency_s: PositiveFloat | None = None
+
+
+class DevicePair(_Strict):
+    """A measured link between two devices of one node, by local index."""
+
+    a: int
+    b: int
+    bandwidth: PositiveFloat
+    latency_s: PositiveFloat | None = None
+
+
+class Node(_Strict):
+    """One host: its NIC class, its devices and its intra-node fabric."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
+    nic: NicKind = "eth"
+    nic_bandwidth: PositiveFloat | None = None  # bytes/s; overrides the NIC class default
+    hostname: str | None = None
+    devices: list[Device] = Field(min_length=1)
+    intra_link: IntraLink = IntraLink(kind="pcie")
+    intra_pairs: list[DevicePair] = []
+
+    @model_validator(mode="after")
+    def _pairs_in_range(self) -> Node:
+        for pair in self.intra_pairs:
+            for index in (pair.a, pair.b):
+                if not 0 <= index < len(self.devices):
+                    raise ValueError(f"intra_pairs names device {index}, node {self.name} has {len(self.devices)}")
+        return self
+
+
+class NodePair(_Strict):
+    """A measured (or configured) link between two nodes: bandwidth in bytes/s."""
+
+    a: str
+    b: str
+    bandwidth: PositiveFloat
+    latency_s: PositiveFloat | None = None
+
+
+class InterNode(_Strict):
+    """Links between nodes: per-pair measurements, else `default_bandwidth`, else the NIC classes."""
+
+    default_bandwidth: PositiveFloat | None = None
+    latency_s: PositiveFloat | None = None
+    pairs: list[NodePair] = []
+
+
+class Cluster(_Strict):
+    """A heterogeneous cluster: nodes of devices joined by links."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    schema_: Literal["flashflex.cluster/1"] = Field(CLUSTER_SCHEMA, alias="schema")
+    name: str = "cluster"
+    description: str | None = None
+    nodes: list[Node] = Field(min_length=1)
+    inter_node: InterNode = InterNode()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Cluster:
+        names = [node.name for node in self.nodes]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate node names: {', '.join(duplicates)}")
+        for pair in self.inter_node.pairs:
+            for end in (pair.a, pair.b):
+                if end not in names:
+                    raise ValueError(f"inter_node pair names unknown node {end!r}")
+        return self
+
+    # ---- addressing ---------------------------------------------------------------------------
+    @cached_property
+    def device_ids(self) -> list[str]:
+        """Every device id "NODE/INDEX", nodes in file order, devices in index order."""
+        return [f"{node.name}/{i}" for node in self.nodes for i in range(len(node.devices))]
+
+    @cached_property
+    def _node_index(self) -> dict[str, Node]:
+        return {node.name: node for node in self.nodes}
+
+    def split_id(self, device_id: str) -> tuple[Node, int]:
+        """Resolve "NODE/INDEX" to (node, index); unknown ids raise InputError."""
+        node_name, _, index_text = device_id.rpartition("/")
+        node = self._node_index.get(node_name)
+        if node is None or not index_text.isdigit() or int(index_text) >= len(node.devices):
+            raise InputError(f"unknown device {device_id!r} in cluster {self.name!r}")
+        return node, int(index_text)
+
+    def device(self, device_id: str) -> Device:
+        """The Device addressed by "NODE/INDEX"."""
+        node, index = self.split_id(device_id)
+        return node.devices[index]
+
+    def node_of(self, device_id: str) -> str:
+        """The node name of a device id."""
+        return self.split_id(device_id)[0].name
+
+    # ---- links --------------------------------------------------------------------------------
+    def link(self, a: str, b: str) -> Link:
+        """Bandwidth (bytes/s) and latency (s) between devices `a` and `b` ("NODE/INDEX")."""
+        node_a, index_a = self.split_id(a)
+        node_b, index_b = self.split_id(b)
+        if node_a.name == node_b.name:
+            if index_a == index_b:
+                return SAME_DEVICE
+            return self._intra(node_a, index_a, index_b)
+        return self.node_link(node_a.name, node_b.name)
+
+    def _intra(self, node: Node, i: int, j: int) -> Link:
+        klass = INTRA_LINKS[node.intra_link.kind]
+        latency = node.intra_link.latency_s or klass.latency_s
+        for pair in node.intra_pairs:
+            if {pair.a, pair.b} == {i, j}:
+                return Link(pair.bandwidth, pair.latency_s or latency, node.intra_link.kind)
+        return Link(node.intra_link.bandwidth or klass.bandwidth, latency, node.intra_link.kind)
+
+    def node_link(self, a: str, b: str) -> Link:
+        """The link between two different nodes.
+
+        Order of precedence: a measured pair; `inter_node.default_bandwidth`; the NIC classes, where
+        two unlike RDMA fabrics (InfiniBand and RoCE) cannot talk RDMA to each other and fall back to
+        Ethernet (Holmes, arXiv 2312.03549), and otherwise the slower NIC sets the pace.
+        """
+        node_a, node_b = self._node_index[a], self._node_index[b]
+        kind = node_a.nic if node_a.nic == node_b.nic else "eth"
+        klass = NIC_LINKS[kind]
+        latency = self.inter_node.latency_s or klass.latency_s
+        for pair in self.inter_node.pairs:
+            if {pair.a, pair.b} == {a, b}:
+                return Link(pair.bandwidth, pair.latency_s or latency, "measured")
+        if self.inter_node.default_bandwidth is not None:
+            return Link(self.inter_node.default_bandwidth, latency, kind)
+        if kind == "eth" and node_a.nic != node_b.nic:
+            bandwidth = klass.bandwidth
+        else:
+            ends = [node.nic_bandwidth or NIC_LINKS[node.nic].bandwidth for node in (node_a, node_b)]
+            bandwidth = min(ends)
+        return Link(bandwidth, latency, kind)
+
+    # ---- identity and I/O -----------------------------------------------------------------------
+    def to_json(self) -> str:
+        """Stable JSON text of this cluster."""
+        return dumps_json(self.model_dump(mode="json", by_alias=True, exclude_none=True))
+
+    def sha256(self) -> str:
+        """Content hash of the canonical JSON; plans record it to detect a mismatched cluster."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+def load_cluster(path: str | os.PathLike[str]) -> Cluster:
+    """Load and validate a cluster file; every device type must be known to the catalog or measured."""
+    cluster: Cluster = load_model(path, Cluster, CLUSTER_SCHEMA)
+    for node in cluster.nodes:
+        for device in node.devices:
+            if device.source == "catalog":
+                try:
+                    device_type(device.type)
+                except InputError as exc:
+                    raise InputError(f"{path}: node {node.name}: {exc}") from None
+    return cluster
+
+
+def save_cluster(path: str | os.PathLike[str], cluster: Cluster) -> None:
+    """Write a cluster file atomically, with stable key order."""
+    from ..fileio import atomic_write_text
+
+    atomic_write_text(path, cluster.to_json())
+
+
+__all__ = ["CLUSTER_SCHEMA", "Cluster", "Device", "DevicePair", "InterNode", "IntraLink", "Node", "NodePair",
+           "load_cluster", "save_cluster", "write_model"]

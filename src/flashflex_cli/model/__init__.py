@@ -1,0 +1,1 @@
+"""Model descriptions: Llama-family ModelSpec, presets, Hugging Face configs."""

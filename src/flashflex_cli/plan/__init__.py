@@ -1,0 +1,1 @@
+"""Plan schema, validation against cluster and model, diff."""

@@ -1,0 +1,176 @@
+"""Plan schema ("flashflex.plan/1"): an asymmetric DP x PP x TP layout, validated on load.
+
+A pipeline is a data-parallel replica: an ordered list of stages covering every transformer layer once.
+A stage is a tensor-parallel group: `tp == len(devices)` devices running layers [start, end).
+Ranks are numbered pipelines in order, stages in order, devices in order (`Plan.ranks()`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
+
+from ..fileio import dumps_json, load_model
+from ..model.spec import ModelSpec
+
+PLAN_SCHEMA = "flashflex.plan/1"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class TrainConfig(_Strict):
+    """What one optimizer step processes. global_batch and micro_batch_size count sequences."""
+
+    global_batch: PositiveInt
+    seq_len: PositiveInt
+    micro_batch_size: PositiveInt = 1
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    recompute: bool = False
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens in one global batch."""
+        return self.global_batch * self.seq_len
+
+
+class StagePlan(_Strict):
+    """One stage: a TP group of `tp` devices running transformer layers [layers[0], layers[1])."""
+
+    devices: list[str] = Field(min_length=1)
+    tp: PositiveInt
+    layers: tuple[NonNegativeInt, NonNegativeInt]
+
+    @model_validator(mode="after")
+    def _shape(self) -> StagePlan:
+        if self.tp != len(self.devices):
+            raise ValueError(f"tp {self.tp} does not match {len(self.devices)} devices")
+        if self.layers[1] <= self.layers[0]:
+            raise ValueError(f"empty layer range {list(self.layers)}")
+        return self
+
+    @property
+    def num_layers(self) -> int:
+        """Transformer layers held by this stage."""
+        return self.layers[1] - self.layers[0]
+
+
+class PipelinePlan(_Strict):
+    """One data-parallel replica: its stages and its share of the global batch (in micro-batches)."""
+
+    micro_batch_size: PositiveInt
+    num_micro_batches: PositiveInt
+    stages: list[StagePlan] = Field(min_length=1)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences of the global batch this pipeline processes per step."""
+        return self.micro_batch_size * self.num_micro_batches
+
+
+class UnusedDevice(_Strict):
+    """A device the plan leaves idle, and why."""
+
+    device: str
+    reason: str
+
+
+class PlanInputs(_Strict):
+    """What the plan was made from: the cluster (by hash), the model, the training configuration."""
+
+    cluster_sha256: str
+    cluster_name: str = ""
+    model: ModelSpec
+    train: TrainConfig
+    strategy: str = "manual"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One process of a plan: where it sits (pipeline, stage, TP rank) and which device it drives."""
+
+    rank: int
+    pipeline: int
+    stage: int
+    tp_rank: int
+    device: str
+
+
+class Plan(_Strict):
+    """An asymmetric layout plus the cost model's predictions for it."""
+
+    schema_: Literal["flashflex.plan/1"] = Field(PLAN_SCHEMA, alias="schema")
+    inputs: PlanInputs
+    pipelines: list[PipelinePlan] = Field(min_length=1)
+    unused_devices: list[UnusedDevice] = []
+    predicted: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        model, train = self.inputs.model, self.inputs.train
+        seen: set[str] = set()
+        batch = 0
+        for p, pipe in enumerate(self.pipelines):
+            expected_start = 0
+            for s, stage in enumerate(pipe.stages):
+                where = f"pipelines.{p}.stages.{s}"
+                if stage.layers[0] != expected_start:
+                    raise ValueError(f"{where}: layers start at {stage.layers[0]}, expected {expected_start}")
+                expected_start = stage.layers[1]
+                if not model.supports_tp(stage.tp):
+                    raise ValueError(
+                        f"{where}: tp {stage.tp} must divide num_heads {model.num_heads}, "
+                        f"num_kv_heads {model.num_kv_heads} and intermediate_size {model.intermediate_size}"
+                    )
+                for device in stage.devices:
+                    if device in seen:
+                        raise ValueError(f"{where}: device {device} is used twice")
+                    seen.add(device)
+            if expected_start != model.num_layers:
+                raise ValueError(f"pipelines.{p}: stages cover layers [0, {expected_start}), "
+                                 f"the model has {model.num_layers}")
+            if pipe.num_micro_batches < len(pipe.stages):
+                raise ValueError(f"pipelines.{p}: {pipe.num_micro_batches} micro-batches for "
+                                 f"{len(pipe.stages)} stages; 1F1B needs at least one per stage")
+            batch += pipe.sequences
+        if batch != train.global_batch:
+            raise ValueError(f"pipelines process {batch} sequences per step, global_batch is {train.global_batch}")
+        for unused in self.unused_devices:
+            if unused.device in seen:
+                raise ValueError(f"unused device {unused.device} is also used by a stage")
+        return self
+
+    def ranks(self) -> list[RankInfo]:
+        """Every process of the plan in rank order: pipelines, then stages, then devices."""
+        out: list[RankInfo] = []
+        for p, pipe in enumerate(self.pipelines):
+            for s, stage in enumerate(pipe.stages):
+                for t, device in enumerate(stage.devices):
+                    out.append(RankInfo(len(out), p, s, t, device))
+        return out
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes (devices used)."""
+        return sum(len(stage.devices) for pipe in self.pipelines for stage in pipe.stages)
+
+    def to_json(self) -> str:
+        """Stable JSON text of this plan (byte-identical for equal plans)."""
+        return dumps_json(self.model_dump(mode="json", by_alias=True, exclude_none=True))
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    """Load and validate a plan file."""
+    return load_model(path, Plan, PLAN_SCHEMA)
+
+
+def save_plan(path: str | os.PathLike[str], plan: Plan) -> None:
+    """Write a plan file atomically."""
+    from ..fileio import atomic_write_text
+
+    atomic_write_text(path, plan.to_json())

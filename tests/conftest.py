@@ -1,0 +1,24 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FLASHFLEX = str(Path(sys.executable).with_name("flashflex"))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep multi-process tests from oversubscribing the 2-core CI machine."""
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+@pytest.fixture
+def repo() -> Path:
+    """The repository root."""
+    return REPO

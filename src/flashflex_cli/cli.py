@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 
 from . import __version__
@@ -49,24 +48,17 @@ data_commands.register(app)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point; returns (and exits with) the process exit code."""
-    command = typer.main.get_command(app)
+    """Console entry point; returns (and, when called from the shell, exits with) the process exit code."""
     try:
-        result = command.main(args=argv, prog_name="flashflex", standalone_mode=False)
-        code = result if isinstance(result, int) else 0
+        app(args=argv, prog_name="flashflex")
+        code = 0
     except FlashflexError as exc:
-        click.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {exc}", err=True)
         code = exc.exit_code
-    except click.exceptions.Exit as exc:
-        code = exc.exit_code
-    except click.ClickException as exc:
-        exc.show()
-        code = exc.exit_code
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        code = 130
+    except SystemExit as exc:  # typer/click usage errors (2), typer.Exit(code), --help (0)
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
+        typer.echo("interrupted", err=True)
         code = 130
     if argv is None:
         sys.exit(code)

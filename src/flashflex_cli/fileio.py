@@ -13,6 +13,13 @@ from pydantic import BaseModel, ValidationError
 from .errors import InputError
 
 
+def _umask() -> int:
+    """The process umask (read by setting and restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """Write `text` to `path` via a temporary file in the same folder and a rename.
 
@@ -25,6 +32,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            os.fchmod(handle.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())

@@ -1,0 +1,97 @@
+"""Cluster schema: addressing, link precedence, validation, stable I/O."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flashflex_cli.errors import InputError
+from flashflex_cli.hardware.cluster import InterNode, NodePair, load_cluster, save_cluster
+from flashflex_cli.hardware.links import INTRA_LINKS, NIC_LINKS
+from flashflex_cli.hardware.synthetic import build_cluster
+
+MIXED = "1x2xA100-80G-SXM:nic=ib:bw=200:name=ib,1x2xA100-80G-SXM:nic=roce:bw=100:name=roce,2x2x4090:nic=eth:bw=25"
+
+
+def test_device_ids_and_lookup():
+    cluster = build_cluster(MIXED)
+    assert cluster.device_ids == ["ib0/0", "ib0/1", "roce0/0", "roce0/1", "node0/0", "node0/1", "node1/0", "node1/1"]
+    assert cluster.device("node1/1").type == "RTX-4090"
+    assert cluster.node_of("roce0/1") == "roce0"
+    for bad in ("node9/0", "node0/2", "node0", "node0/x"):
+        with pytest.raises(InputError, match="unknown device"):
+            cluster.device(bad)
+
+
+def test_links_follow_fabric_classes():
+    cluster = build_cluster(MIXED)
+    assert cluster.link("ib0/0", "ib0/0").bandwidth == float("inf")
+    assert cluster.link("ib0/0", "ib0/1").bandwidth == INTRA_LINKS["nvlink"].bandwidth
+    assert cluster.link("node0/0", "node0/1").bandwidth == INTRA_LINKS["pcie"].bandwidth
+    # InfiniBand and RoCE cannot talk RDMA to each other: Ethernet class (Holmes)
+    ib_roce = cluster.link("ib0/0", "roce0/0")
+    assert ib_roce.kind == "eth" and ib_roce.bandwidth == NIC_LINKS["eth"].bandwidth
+    # like NICs: the slower end's configured bandwidth, 25 Gbit/s = 3.125e9 bytes/s
+    assert cluster.link("node0/0", "node1/1").bandwidth == pytest.approx(25e9 / 8)
+
+
+def test_measured_pair_beats_classes_and_defaults():
+    cluster = build_cluster("3x1x4090:nic=eth")
+    assert cluster.link("node0/0", "node1/0").bandwidth == NIC_LINKS["eth"].bandwidth
+    measured = cluster.model_copy(update={"inter_node": InterNode(
+        default_bandwidth=5e8, pairs=[NodePair(a="node1", b="node0", bandwidth=1.2e8, latency_s=1e-4)])})
+    link = measured.link("node0/0", "node1/0")
+    assert (link.bandwidth, link.latency_s, link.kind) == (1.2e8, 1e-4, "measured")
+    assert measured.link("node0/0", "node2/0").bandwidth == 5e8
+    assert link.transfer_time(1.2e8) == pytest.approx(1.0 + 1e-4)
+
+
+def test_slowdown_divides_flops_and_dtype_falls_back():
+    cluster = build_cluster("1x2xcpu:slowdown=1,4,1x1xV100-16G")
+    assert cluster.device("node0/1").flops("fp32") == pytest.approx(cluster.device("node0/0").flops("fp32") / 4)
+    # V100 has no bf16 fast path: falls back to its fp16 tensor rate
+    assert cluster.device("node1/0").flops("bf16") == pytest.approx(125e12)
+
+
+def test_save_load_round_trip_is_byte_stable(tmp_path):
+    cluster = build_cluster(MIXED, name="mixed", description="test")
+    path = tmp_path / "c.json"
+    save_cluster(path, cluster)
+    text = path.read_text()
+    loaded = load_cluster(path)
+    assert loaded == cluster and loaded.sha256() == cluster.sha256()
+    save_cluster(path, loaded)
+    assert path.read_text() == text and text.endswith("\n")
+    assert list(json.loads(text))[:3] == ["schema", "name", "description"]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(schema="flashflex.cluster/9"), "unknown schema"),
+        (lambda d: d["nodes"].append(dict(d["nodes"][0])), "duplicate node names"),
+        (lambda d: d["nodes"][0]["devices"][0].update(type="A100-80"), "did you mean"),
+        (lambda d: d["nodes"][0]["devices"][0].update(memory_bytes=-1), "memory_bytes"),
+        (lambda d: d["nodes"][0].update(nic="wifi"), "nic"),
+        (lambda d: d["inter_node"].update(pairs=[{"a": "node0", "b": "ghost", "bandwidth": 1.0}]), "ghost"),
+        (lambda d: d["nodes"][0].update(colour="red"), "colour"),
+    ],
+)
+def test_invalid_files_give_one_line_input_errors(tmp_path, mutate, message):
+    data = json.loads(build_cluster("1x2x4090").to_json())
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InputError) as info:
+        load_cluster(path)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_measured_device_type_need_not_be_in_catalog(tmp_path):
+    data = json.loads(build_cluster("1x1x4090").to_json())
+    data["nodes"][0]["devices"][0].update(type="Some-Future-GPU", source="measured")
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(data))
+    assert load_cluster(path).device("node0/0").type == "Some-Future-GPU"

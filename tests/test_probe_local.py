@@ -1,0 +1,131 @@
+"""Local probe: real quick measurements on CPU, GPU-name matching, probe -> Node conversion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashflex_cli.cli import main
+from flashflex_cli.hardware.cluster import load_cluster
+from flashflex_cli.hardware.probe_local import (
+    CopyProbe,
+    DeviceProbe,
+    NodeProbe,
+    catalog_match,
+    copy_bandwidth,
+    default_node_name,
+    host_memory_bytes,
+    matmul_flops,
+    memory_bandwidth,
+    node_from_probe,
+    probe_node,
+    sig,
+)
+from flashflex_cli.hardware.probe_network import unique_names
+
+GIB = 1024**3
+CPU = torch.device("cpu")
+
+
+def test_matmul_rate_is_plausible_and_grows_with_work():
+    small = matmul_flops(CPU, torch.float32, 32, repeats=3)
+    large = matmul_flops(CPU, torch.float32, 256, repeats=3)
+    # a CPU core does between 0.1 and 1000 GFLOP/s; a larger matmul amortises overheads better
+    assert 1e8 < large < 1e12
+    assert large > small
+
+
+def test_memory_and_copy_bandwidth_are_plausible():
+    rate = memory_bandwidth(CPU, 8 * 2**20, repeats=3)
+    copy = copy_bandwidth(CPU, CPU, 8 * 2**20, repeats=3)
+    assert 1e8 < rate < 1e13 and 1e8 < copy < 1e13
+
+
+def test_host_memory_matches_meminfo():
+    with open("/proc/meminfo") as handle:
+        total_kib = int(next(line for line in handle if line.startswith("MemTotal:")).split()[1])
+    assert host_memory_bytes() == total_kib * 1024
+
+
+def test_quick_cpu_probe_describes_shared_host():
+    probe = probe_node(quick=True, cpu_devices=3, progress=False)
+    assert probe.kind == "cpu" and len(probe.devices) == 3
+    node = node_from_probe(probe, node_name="here")
+    assert node.name == "here" and node.hostname == probe.hostname
+    assert node.intra_link.kind == "shm" and node.intra_link.bandwidth > 1e8
+    total = sum(d.memory_bytes for d in node.devices)
+    assert host_memory_bytes() - 3 < total <= host_memory_bytes()
+    for device in node.devices:
+        assert device.source == "measured" and device.type == "cpu"
+        assert device.peak_flops == device.achieved_flops and device.peak_flops["fp32"] > 1e8
+
+
+def test_profile_command_quick_on_cpu(tmp_path, capsys):
+    out = tmp_path / "me.json"
+    assert main(["profile", "--quick", "--cpu-devices", "2", "--node-name", "box", "--nic", "roce",
+                 "--out", str(out)]) == 0
+    cluster = load_cluster(out)
+    assert [n.name for n in cluster.nodes] == ["box"] and cluster.nodes[0].nic == "roce"
+    assert len(cluster.device_ids) == 2 and cluster.device("box/1").source == "measured"
+    err = capsys.readouterr().err
+    assert "probing" in err and "box" in err
+
+
+def test_profile_command_rejects_bad_options(tmp_path, capsys):
+    assert main(["profile", "--quick", "--nic", "wifi", "--out", str(tmp_path / "x.json")]) == 2
+    assert main(["profile", "--quick", "--node-name", "a b", "--out", str(tmp_path / "x.json")]) == 2
+    assert main(["profile", "--quick", "--cpu-devices", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("name", "memory_gib", "expected"),
+    [
+        ("NVIDIA A100-SXM4-80GB", 80, "A100-80G-SXM"),
+        ("NVIDIA A100-SXM4-40GB", 40, "A100-40G-SXM"),
+        ("NVIDIA A100-PCIE-40GB", 40, "A100-40G-PCIe"),
+        ("NVIDIA A100 80GB PCIe", 80, "A100-80G-PCIe"),
+        ("NVIDIA H100 80GB HBM3", 80, "H100-SXM"),
+        ("NVIDIA H100 PCIe", 80, "H100-PCIe"),
+        ("NVIDIA H100 NVL", 94, "H100-NVL"),
+        ("NVIDIA H200", 141, "H200"),
+        ("NVIDIA GeForce RTX 4090", 24, "RTX-4090"),
+        ("NVIDIA GeForce RTX 3080 Ti", 12, "RTX-3080Ti"),
+        ("NVIDIA GeForce RTX 3090", 24, "RTX-3090"),
+        ("NVIDIA L40S", 48, "L40S"),
+        ("NVIDIA L4", 24, "L4"),
+        ("NVIDIA A10G", 24, "A10G"),
+        ("Tesla V100-SXM2-32GB", 32, "V100-32G"),
+        ("Tesla T4", 16, "T4"),
+        ("AMD Instinct MI300X", 192, "MI300X"),
+        ("NVIDIA GeForce GTX 1080", 8, None),
+    ],
+)
+def test_catalog_match(name, memory_gib, expected):
+    assert catalog_match(name, memory_gib * GIB) == expected
+
+
+def test_gpu_probe_becomes_node_with_catalog_peaks_and_measured_pairs():
+    probe = NodeProbe(
+        hostname="gpu-host.example.org",
+        kind="cuda",
+        devices=[DeviceProbe(i, "NVIDIA A100-SXM4-80GB", "bf16", 2.5e14, 80 * GIB, 1.7e12) for i in range(2)]
+        + [DeviceProbe(2, "Mystery GPU", "bf16", 1.0e14, 16 * GIB, 5e11)],
+        copies=[CopyProbe(0, 1, 2.3e11), CopyProbe(0, 2, 2.0e10), CopyProbe(1, 2, 2.1e10)],
+    )
+    node = node_from_probe(probe)
+    assert node.name == "gpu-host" and node.hostname == "gpu-host.example.org"
+    a100 = node.devices[0]
+    assert a100.type == "A100-80G-SXM" and a100.peak_flops["bf16"] == 312e12
+    assert a100.achieved_flops == {"bf16": 2.5e14} and a100.source == "measured"
+    mystery = node.devices[2]
+    assert mystery.type == "Mystery-GPU" and mystery.peak_flops == {"bf16": 1e14}
+    assert node.intra_link.kind == "pcie" and node.intra_link.bandwidth == 2.0e10
+    assert [(p.a, p.b, p.bandwidth) for p in node.intra_pairs] == [(0, 1, 2.3e11), (0, 2, 2e10), (1, 2, 2.1e10)]
+
+
+def test_helpers():
+    assert sig(123456789.0) == 123500000.0
+    assert default_node_name("worker_7.cluster.local") == "worker_7"
+    assert default_node_name("###") == "node"
+    assert unique_names(["a", "b", "a"]) == ["a-0", "b", "a-2"]

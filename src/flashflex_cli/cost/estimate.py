@@ -1,0 +1,178 @@
+"""estimate(plan, cluster): iteration time, throughput, MFU, memory per device, for any asymmetric plan.
+
+Iteration = for every stage, the end of its last backward (1F1B simulation of its pipeline), then the
+part of its DP gradient reduction that is not hidden, then its optimizer step; the latest stage sets the
+iteration time. docs/cost-model.md writes the formulas out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..hardware.cluster import Cluster
+from ..model import flops as F
+from ..plan.schema import Plan
+from .comm import p2p_time
+from .compute import layer_times
+from .dp import dp_reduction
+from .memory import MemoryBreakdown, device_capacity, device_reserve, stage_memory, stage_params_per_device
+from .params import CostParams
+from .schedule import simulate_1f1b
+from .view import view
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """One stage: per-micro-batch fwd_s/bwd_s (s), p2p_s to the next stage (s, 0 for the last), time_s =
+    busy compute time per iteration (s), dp_s = its DP reduction time (s), memory per device (bytes),
+    memory_capacity = the smallest usable capacity among its devices (bytes), headroom = capacity - need."""
+
+    pipeline: int
+    stage: int
+    devices: tuple[str, ...]
+    tp: int
+    layers: tuple[int, int]
+    fwd_s: float
+    bwd_s: float
+    p2p_s: float
+    time_s: float
+    memory: MemoryBreakdown
+    memory_capacity: float
+    headroom_bytes: float
+    dp_s: float = 0.0
+    optimizer_s: float = 0.0
+    end_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """One pipeline: 1F1B time (s), idle share, tokens per iteration, micro-batches."""
+
+    time_s: float
+    bubble_fraction: float
+    tokens: int
+    num_micro_batches: int = 0
+    micro_batch_size: int = 0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The cost model's answer for one plan on one cluster (SI units)."""
+
+    iteration_time_s: float
+    tokens_per_s: float
+    mfu: float
+    model_flops_per_token: float
+    peak_flops_used: float
+    dp_exposed_s: float
+    pipelines: list[PipelineEstimate]
+    stages: list[StageEstimate]
+    fits: bool
+    problems: list[str] = field(default_factory=list)
+    optimizer_s: float = 0.0
+
+    def to_predicted(self) -> dict[str, Any]:
+        """JSON-ready dict for Plan.predicted: stable key order, floats to 6 significant digits."""
+        return {
+            "iteration_time_s": _r(self.iteration_time_s),
+            "tokens_per_s": _r(self.tokens_per_s),
+            "mfu": _r(self.mfu),
+            "fits": self.fits,
+            "model_flops_per_token": _r(self.model_flops_per_token),
+            "peak_flops_used": _r(self.peak_flops_used),
+            "dp_exposed_s": _r(self.dp_exposed_s),
+            "optimizer_s": _r(self.optimizer_s),
+            "pipelines": [
+                {"time_s": _r(p.time_s), "bubble_fraction": _r(p.bubble_fraction), "tokens": p.tokens}
+                for p in self.pipelines
+            ],
+            "stages": [
+                {
+                    "pipeline": s.pipeline,
+                    "stage": s.stage,
+                    "time_s": _r(s.time_s),
+                    "fwd_s": _r(s.fwd_s),
+                    "bwd_s": _r(s.bwd_s),
+                    "p2p_s": _r(s.p2p_s),
+                    "dp_s": _r(s.dp_s),
+                    "memory_bytes": _r(s.memory.total),
+                    "memory_capacity_bytes": _r(s.memory_capacity),
+                    "headroom_bytes": _r(s.headroom_bytes),
+                }
+                for s in self.stages
+            ],
+            "problems": list(self.problems),
+        }
+
+
+def _r(value: float) -> float:
+    """Round to 6 significant digits so plan files are byte-stable."""
+    return float(f"{value:.6g}")
+
+
+def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> Estimate:
+    """Predict one training iteration of `plan` on `cluster`; infeasibility goes to fits/problems."""
+    params = params or CostParams()
+    model, train = plan.inputs.model, plan.inputs.train
+    cv = view(cluster)
+    stages: list[StageEstimate] = []
+    pipelines: list[PipelineEstimate] = []
+    problems: list[str] = []
+    last_backward: dict[tuple[int, int], float] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        mbs, m, count = pipe.micro_batch_size, pipe.num_micro_batches, len(pipe.stages)
+        fwd, bwd, p2p, back = [], [], [], []
+        for s, stage in enumerate(pipe.stages):
+            lt = layer_times(cluster, stage.devices, model, train, params, micro_batch_size=mbs)
+            n = stage.num_layers
+            fwd.append(n * lt.fwd_s + (lt.embed_fwd_s if s == 0 else 0.0) + (lt.head_fwd_s if s == count - 1 else 0.0))
+            bwd.append(n * lt.bwd_s + (lt.embed_bwd_s if s == 0 else 0.0) + (lt.head_bwd_s if s == count - 1 else 0.0))
+            if s + 1 < count:
+                nxt = pipe.stages[s + 1].devices
+                p2p.append(p2p_time(cluster, stage.devices, nxt, model, train, params, micro_batch_size=mbs))
+                back.append(p2p_time(cluster, nxt, stage.devices, model, train, params, micro_batch_size=mbs))
+        sched = simulate_1f1b(fwd, bwd, p2p, m, p2p_back_s=back)
+        pipelines.append(PipelineEstimate(sched.total_s, sched.bubble_fraction, pipe.sequences * train.seq_len, m, mbs))
+        for s, stage in enumerate(pipe.stages):
+            reserve = max(device_reserve(cluster, d, params) for d in stage.devices)
+            mem = stage_memory(model, train, stage.tp, stage.num_layers, s == 0, s == count - 1,
+                               min(count - s, m), params, micro_batch_size=mbs, reserve_bytes=reserve)
+            capacity, tightest = min((device_capacity(cluster, d, params), d) for d in stage.devices)
+            headroom = capacity - mem.total
+            if headroom < 0:
+                problems.append(f"pipelines.{p}.stages.{s}: needs {mem.total / GIB:.1f} GiB, "
+                                f"{tightest} has {capacity / GIB:.1f} GiB")
+            last_backward[(p, s)] = sched.last_backward_end_s[s]
+            stages.append(StageEstimate(p, s, tuple(stage.devices), stage.tp, tuple(stage.layers), fwd[s], bwd[s],
+                                        p2p[s] if s < len(p2p) else 0.0, sched.busy_s[s], mem, capacity, headroom))
+
+    dp = dp_reduction(plan, cluster, params)
+    final: list[StageEstimate] = []
+    iteration = 0.0
+    for st in stages:
+        key = (st.pipeline, st.stage)
+        comm = dp.stage_seconds.get(key, 0.0)
+        start = max([last_backward[key]] + [last_backward[k] for k in dp.partners.get(key, ())])
+        hidden = min(params.dp_overlap_fraction * comm, st.bwd_s)
+        comm_end = max(last_backward[key], start + comm - hidden) if comm > 0 else last_backward[key]
+        last = st.stage == len(plan.pipelines[st.pipeline].stages) - 1
+        n_params = sum(stage_params_per_device(model, st.tp, st.layers[1] - st.layers[0], st.stage == 0, last))
+        membw = min(cv.info(d).memory_bandwidth for d in st.devices) * params.memory_bandwidth_efficiency
+        opt = n_params * params.optimizer_bytes_per_param / membw
+        end = comm_end + opt
+        iteration = max(iteration, end)
+        final.append(replace(st, dp_s=comm, optimizer_s=opt, end_s=end))
+
+    slowest_pipeline = max(p.time_s for p in pipelines)
+    optimizer_s = max(st.optimizer_s for st in final)
+    dp_exposed = max(0.0, max(st.end_s - st.optimizer_s for st in final) - slowest_pipeline)
+    tokens = train.global_batch * train.seq_len
+    tokens_per_s = tokens / iteration if iteration > 0 else 0.0
+    mfpt = F.model_flops_per_token(model, train.seq_len)
+    peak = sum(cv.peak(d, train.dtype) for st in final for d in st.devices)
+    mfu = mfpt * tokens_per_s / peak if peak > 0 else 0.0
+    return Estimate(iteration, tokens_per_s, mfu, mfpt, peak, dp_exposed, pipelines, final,
+                    not problems, problems, optimizer_s)

@@ -1,0 +1,271 @@
+"""RankEngine: one rank's share of training under any asymmetric plan.
+
+API (stable; later versions only add optional keyword arguments)::
+
+    groups = build_groups(plan, rank)                 # runtime/groups.py, collective, after init_process_group
+    engine = RankEngine(plan, rank, groups, device, optim: OptimConfig, seed=0, slowdown=1.0)
+    result = engine.train_step(tokens)                # -> StepResult
+    engine.pipeline_slice(global_batch) -> slice      # rows of the global batch this rank's pipeline takes
+    engine.shard_specs() -> list[ShardSpec]           # global name, full shape, (dim, start, stop), owner
+    engine.state_for_checkpoint() -> dict[str, Tensor]
+    engine.load_from_full(get_full)                   # resume from full tensors (any plan)
+    engine.gather_full_state() -> dict[str, Tensor]   # full tensors of this rank's state keys (TP collective)
+    engine.gather_full_grads() / gather_full_params() # test helpers, collective over the TP group
+    engine.step                                       # optimizer steps taken
+
+`tokens`: int64 [n_seq, seq_len + 1], this pipeline's rows of the global batch (n_seq = micro_batch_size *
+num_micro_batches of the pipeline); inputs are tokens[:, :-1], targets tokens[:, 1:]. Every rank of the pipeline
+passes the same tensor (only the first and last stages read it).
+
+Loss semantics: the GLOBAL mean of per-token cross-entropy over all tokens of the global batch (the loss is
+summed over tokens and divided by the global token count), so a plan's run equals one-device training on the
+same global batch. `StepResult.loss` is that value, identical on every rank.
+
+State keys: "<name>" (fp32 master parameter shard), "<name>.exp_avg", "<name>.exp_avg_sq" (AdamW moments, same
+shard) and "step" (int64 scalar tensor). Global names are plan-independent (see runtime/model.py).
+
+Precision: fp32 parameters always; on CUDA the compute runs under autocast in the plan's dtype (bf16; fp16
+without loss scaling); on CPU everything is fp32.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InputError
+from ..plan.schema import Plan
+from .attention import LOG, choose_backend
+from .grad_sync import GradSync
+from .groups import PlanGroups
+from .init import full_init
+from .model import ParamInfo, StageModule, stage_params
+from .optimizer import OptimConfig, lr_at, make_optimizer, set_lr
+from .pipeline import PipelineRunner, PipelineTimes
+from .slowdown import Slowdown
+
+__all__ = ["OptimConfig", "RankEngine", "ShardSpec", "StepResult", "plan_shard_specs"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step: global mean loss (same on every rank), gradient norm before clipping, learning rate
+    used, and timings in seconds ("forward", "backward", "p2p", "tp_comm" (CPU only), "dp_sync", "optimizer",
+    "step")."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A local parameter: global name, full shape, the slice [start, stop) along `dim` held here (dim None: the
+    whole tensor; start/stop then span dim 0), and `owner`: True on exactly one rank per (name, dim, start,
+    stop) in the whole job."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    dim: int | None
+    start: int
+    stop: int
+    owner: bool
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This shard of a full tensor (a view)."""
+        return full if self.dim is None else full.narrow(self.dim, self.start, self.stop - self.start)
+
+
+def plan_shard_specs(plan: Plan, rank: int) -> list[ShardSpec]:
+    """ShardSpecs of `rank`, computed from the plan alone (owner = lowest rank holding the same slice)."""
+    spec = plan.inputs.model
+    holders: dict[tuple[str, int | None, int, int], int] = {}
+    mine: list[tuple[ParamInfo, tuple[str, int | None, int, int]]] = []
+    for info_r in plan.ranks():
+        pipe = plan.pipelines[info_r.pipeline]
+        stage = pipe.stages[info_r.stage]
+        for info in stage_params(spec, stage.layers, info_r.stage == 0, info_r.stage == len(pipe.stages) - 1):
+            start, stop = info.bounds(stage.tp, info_r.tp_rank)
+            key = (info.name, info.shard_dim, start, stop)
+            holders.setdefault(key, info_r.rank)
+            if info_r.rank == rank:
+                mine.append((info, key))
+    return [ShardSpec(info.name, info.shape, key[1], key[2], key[3], holders[key] == rank) for info, key in mine]
+
+
+class RankEngine:
+    """Builds this rank's stage (initialised from `seed`, plan-independent), its optimizer and its schedule."""
+
+    def __init__(self, plan: Plan, rank: int, groups: PlanGroups, device: torch.device, optim: OptimConfig,
+                 seed: int = 0, slowdown: float = 1.0, attention: str | None = None) -> None:
+        spec, train = plan.inputs.model, plan.inputs.train
+        if spec.tie_embeddings:
+            raise InputError(f"model {spec.name}: tied embeddings are not supported by the runtime")
+        if not 0 <= rank < plan.world_size or groups.rank != rank:
+            raise InputError(f"rank {rank} does not match the plan (world size {plan.world_size}) or its groups")
+        self.plan, self.rank, self.groups, self.device, self.optim = plan, rank, groups, device, optim
+        me = plan.ranks()[rank]
+        self.pipe = plan.pipelines[me.pipeline]
+        self.stage_plan = self.pipe.stages[me.stage]
+        first, last = me.stage == 0, me.stage == len(self.pipe.stages) - 1
+        self.first, self.last = first, last
+        self.amp_dtype: torch.dtype | None = None
+        if device.type == "cuda" and train.dtype != "fp32":
+            self.amp_dtype = torch.bfloat16 if train.dtype == "bf16" else torch.float16
+            if train.dtype == "fp16":
+                LOG.warning("rank %d: fp16 autocast without loss scaling; prefer bf16 where supported", rank)
+        self.backend = choose_backend(device, self.amp_dtype or torch.float32, rank, prefer=attention)
+        self.tp = groups.tp_context()
+        self.module = StageModule(spec, self.stage_plan.layers, first, last, self.tp, self.backend,
+                                  recompute=train.recompute)
+        self.params: dict[str, tuple[ParamInfo, torch.nn.Parameter]] = {
+            info.name: (info, param) for info, param in self.module.global_parameters()}
+        with torch.no_grad():
+            for info, param in self.params.values():
+                param.copy_(info.take(full_init(spec, info.name, info.shape, seed), self.tp.size, self.tp.rank))
+        self.module.to(device)
+        self.optimizer = make_optimizer(((n, p) for n, (_, p) in self.params.items()), optim)
+        self.sync = GradSync(self.params, groups)
+        self.slow = Slowdown(slowdown, comm_clock=lambda: self.tp.comm_seconds[0])
+        self.runner = PipelineRunner(self.module, groups, len(self.pipe.stages), self.pipe.num_micro_batches,
+                                     (self.pipe.micro_batch_size, train.seq_len, spec.hidden_size), device,
+                                     autocast=self._autocast, slowdown=self.slow)
+        self.step = 0
+        self._specs = plan_shard_specs(plan, rank)
+        # A first collective with every rank on the world group, so later batched P2P on it may involve only a
+        # subset of ranks (a requirement of NCCL's batch_isend_irecv).
+        dist.all_reduce(torch.zeros(1, device=device), group=groups.world_group)
+
+    def _autocast(self) -> AbstractContextManager[object]:
+        if self.amp_dtype is None:
+            return nullcontext()
+        return torch.autocast(device_type="cuda", dtype=self.amp_dtype)
+
+    def pipeline_slice(self, global_batch: int) -> slice:
+        """Rows of the global batch (int64 [global_batch, seq_len + 1]) this rank's pipeline takes."""
+        if global_batch != self.plan.inputs.train.global_batch:
+            raise InputError(f"global batch {global_batch} != plan global_batch {self.plan.inputs.train.global_batch}")
+        start = sum(p.sequences for p in self.plan.pipelines[:self.groups.pipeline])
+        return slice(start, start + self.pipe.sequences)
+
+    def shard_specs(self) -> list[ShardSpec]:
+        """One ShardSpec per local parameter, in the stage's parameter order."""
+        return list(self._specs)
+
+    def _timed(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def train_step(self, tokens: torch.Tensor) -> StepResult:
+        """One optimizer step on this pipeline's rows `tokens` int64 [n_seq, seq_len + 1] (collective)."""
+        train = self.plan.inputs.train
+        want = (self.pipe.sequences, train.seq_len + 1)
+        if tokens.dim() != 2 or tuple(tokens.shape) != want:
+            raise InputError(f"tokens have shape {list(tokens.shape)}, this pipeline expects {list(want)}")
+        t0 = self._timed()
+        lr = lr_at(self.step, self.optim)
+        set_lr(self.optimizer, lr)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.tp.comm_seconds[0] = 0.0
+        tokens = tokens.to(self.device, non_blocking=True)
+        mbs = self.pipe.micro_batch_size
+        micro = [tokens[i * mbs:(i + 1) * mbs] for i in range(self.pipe.num_micro_batches)]
+        inputs = [m[:, :-1] for m in micro]
+        targets: list[torch.Tensor | None] = [m[:, 1:] for m in micro]
+        global_tokens = train.global_batch * train.seq_len
+        times = PipelineTimes()
+        loss_sum = self.runner.run(inputs, targets, 1.0 / global_tokens, times)
+        t1 = self._timed()
+        self.sync.reduce()
+        t2 = self._timed()
+        grad_norm = self.sync.clip(self.optim.grad_clip)
+        self.optimizer.step()
+        t3 = self._timed()
+        if not (self.last and self.tp.rank == 0):
+            loss_sum.zero_()
+        dist.all_reduce(loss_sum, group=self.groups.world_group)
+        self.step += 1
+        t4 = self._timed()
+        timings = {"forward": times.forward, "backward": times.backward, "p2p": times.p2p,
+                   "dp_sync": t2 - t1, "optimizer": t3 - t2, "step": t4 - t0, "pipeline": t1 - t0}
+        if self.device.type == "cpu":
+            timings["tp_comm"] = self.tp.comm_seconds[0]
+        return StepResult(loss=float(loss_sum.item()) / global_tokens, grad_norm=grad_norm, lr=lr, timings=timings)
+
+    def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
+        """Local shards (detached views, do not modify): params, AdamW moments (zeros before the first step)
+        and "step"."""
+        out: dict[str, torch.Tensor] = {}
+        for name, (_, param) in self.params.items():
+            out[name] = param.detach()
+            state = self.optimizer.state.get(param, {})
+            for moment in MOMENTS:
+                out[f"{name}.{moment}"] = state[moment].detach() if moment in state else torch.zeros_like(param)
+        out["step"] = torch.tensor(self.step, dtype=torch.int64)
+        return out
+
+    def load_from_full(self, get_full: Callable[[str], torch.Tensor]) -> None:
+        """Load this rank's shards of params and AdamW moments, and the step count, from FULL fp32 tensors
+        (`get_full(key)` for the keys of `state_for_checkpoint`), whatever plan saved them."""
+        step = int(get_full("step").item())
+        with torch.no_grad():
+            for name, (info, param) in self.params.items():
+                param.copy_(self._shard(info, get_full(name)))
+                if step > 0:
+                    self.optimizer.state[param] = {
+                        m: self._shard(info, get_full(f"{name}.{m}")).clone() for m in MOMENTS}
+                else:
+                    self.optimizer.state.pop(param, None)
+        self.step = self.optimizer.steps = step
+
+    def _shard(self, info: ParamInfo, full: torch.Tensor) -> torch.Tensor:
+        if tuple(full.shape) != info.shape:
+            raise InputError(f"{info.name}: checkpoint shape {list(full.shape)}, model shape {list(info.shape)}")
+        return info.take(full.to(self.device, torch.float32), self.tp.size, self.tp.rank)
+
+    def _gather(self, info: ParamInfo, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor from this TP group's shards (collective over the TP group)."""
+        if info.shard_dim is None or self.tp.size == 1:
+            return local.detach().clone()
+        sizes = [info.local_shape(self.tp.size, t)[info.shard_dim] for t in range(self.tp.size)]
+        pad_shape = list(local.shape)
+        pad_shape[info.shard_dim] = max(sizes)
+        padded = torch.zeros(pad_shape, dtype=local.dtype, device=local.device)
+        padded.narrow(info.shard_dim, 0, local.shape[info.shard_dim]).copy_(local)
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=self.tp.group)
+        return torch.cat([p.narrow(info.shard_dim, 0, n) for p, n in zip(parts, sizes, strict=True)],
+                         dim=info.shard_dim)
+
+    def gather_full_grads(self) -> dict[str, torch.Tensor]:
+        """Full gradient tensors (after DP sync and clipping) of this rank's params (collective over TP group)."""
+        out = {}
+        for name, (info, param) in self.params.items():
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            out[name] = self._gather(info, grad).cpu()
+        return out
+
+    def gather_full_state(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) CPU tensors of this rank's entries of `state_for_checkpoint` (collective over the TP
+        group): what `load_from_full` takes, under any plan."""
+        out: dict[str, torch.Tensor] = {}
+        local = self.state_for_checkpoint()
+        for name, (info, _) in self.params.items():
+            for key in (name, f"{name}.exp_avg", f"{name}.exp_avg_sq"):
+                out[key] = self._gather(info, local[key]).cpu()
+        out["step"] = local["step"]
+        return out
+
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """Full parameter tensors of this rank's params (collective over the TP group)."""
+        return {name: self._gather(info, param).cpu() for name, (info, param) in self.params.items()}
+

@@ -1,0 +1,177 @@
+"""Every process group of a plan, built from the plan alone and in the same order on every rank.
+
+Order of creation (every rank calls `torch.distributed.new_group` for every group, member or not):
+1. one TP group per stage with tp > 1 (pipelines in order, stages in order);
+2. one data-parallel group per distinct set of ranks that hold a matching slice of some parameter in two or
+   more pipelines (sorted by rank tuple).
+
+Data parallelism across unlike pipelines: for every global parameter, each pipeline's stage holding it splits
+it into `tp` slices along its shard dimension. Taking every slice boundary of every holding stage partitions the
+full tensor into the finest common slices; each such slice is summed over exactly the ranks holding it, one
+contribution per pipeline (`SliceHolders.contributors`), never by gathering whole replicas.
+
+Stage boundaries where the TP degree changes (sender stage of tp_s ranks, receiver stage of tp_r ranks; the
+activation [mbs, seq, hidden] is replicated within each group): receiver j takes the activation from sender
+j % tp_s; sender i takes the gradient from receiver i % tp_r (every receiver's input gradient is the full,
+identical gradient of the replicated input).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from ..plan.schema import Plan, StagePlan
+from .model import ParamInfo, model_params
+from .tensor_parallel import TPContext, shard_bounds
+
+
+@dataclass(frozen=True)
+class SliceHolders:
+    """The finest common slice [start, stop) along `dim` of global parameter `name` (dim None: whole tensor),
+    the ranks that hold it (sorted), one contributing rank per pipeline, and the rank that counts it once in the
+    gradient norm (`owner`)."""
+
+    name: str
+    dim: int | None
+    start: int
+    stop: int
+    ranks: tuple[int, ...]
+    contributors: tuple[int, ...]
+    pipelines: int
+
+    @property
+    def owner(self) -> int:
+        """The lowest holding rank."""
+        return self.ranks[0]
+
+    @property
+    def needs_reduce(self) -> bool:
+        """True when two or more pipelines hold this slice."""
+        return self.pipelines > 1
+
+
+def _stage_of(plan: Plan, pipeline: int, info: ParamInfo) -> int:
+    stages = plan.pipelines[pipeline].stages
+    if info.name == "embed":
+        return 0
+    if info.name in ("norm", "head"):
+        return len(stages) - 1
+    layer = int(info.name.split(".")[1])
+    return next(s for s, st in enumerate(stages) if st.layers[0] <= layer < st.layers[1])
+
+
+def stage_ranks(plan: Plan) -> list[list[list[int]]]:
+    """ranks[p][s] = the global ranks of stage s of pipeline p (TP order)."""
+    out: list[list[list[int]]] = []
+    rank = 0
+    for pipe in plan.pipelines:
+        out.append([])
+        for stage in pipe.stages:
+            out[-1].append(list(range(rank, rank + stage.tp)))
+            rank += stage.tp
+    return out
+
+
+def slice_holders(plan: Plan) -> list[SliceHolders]:
+    """Every finest common slice of every parameter with its holders, in a fixed global order."""
+    ranks = stage_ranks(plan)
+    out: list[SliceHolders] = []
+    for info in model_params(plan.inputs.model):
+        holding: list[tuple[StagePlan, list[int]]] = []
+        for p in range(len(plan.pipelines)):
+            s = _stage_of(plan, p, info)
+            holding.append((plan.pipelines[p].stages[s], ranks[p][s]))
+        if info.shard_dim is None:
+            members = tuple(sorted(r for _, rs in holding for r in rs))
+            contributors = tuple(rs[0] for _, rs in holding)
+            out.append(SliceHolders(info.name, None, 0, info.shape[0], members, contributors, len(holding)))
+            continue
+        n = info.shape[info.shard_dim]
+        cuts = sorted({b for st, _ in holding for t in range(st.tp) for b in shard_bounds(n, st.tp, t)})
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            owners = []
+            for st, rs in holding:
+                t = next(t for t in range(st.tp) if shard_bounds(n, st.tp, t)[0] <= a < shard_bounds(n, st.tp, t)[1])
+                owners.append(rs[t])
+            out.append(SliceHolders(info.name, info.shard_dim, a, b, tuple(sorted(owners)), tuple(owners),
+                                    len(holding)))
+    return out
+
+
+@dataclass
+class PlanGroups:
+    """What one rank needs to communicate: its place in the plan, its TP group, its pipeline neighbours'
+    ranks, and the data-parallel groups keyed by the sorted tuple of member ranks."""
+
+    rank: int
+    world_size: int
+    pipeline: int
+    stage: int
+    tp_rank: int
+    tp_size: int
+    tp_group: dist.ProcessGroup | None
+    world_group: dist.ProcessGroup | None
+    recv_act_from: int | None
+    send_act_to: tuple[int, ...]
+    recv_grad_from: int | None
+    send_grad_to: tuple[int, ...]
+    slices: list[SliceHolders]
+    dp_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+
+    def tp_context(self) -> TPContext:
+        """A fresh TPContext over this rank's TP group."""
+        return TPContext(group=self.tp_group, size=self.tp_size, rank=self.tp_rank)
+
+
+def neighbours(plan: Plan, rank: int) -> tuple[int | None, tuple[int, ...], int | None, tuple[int, ...]]:
+    """(recv_act_from, send_act_to, recv_grad_from, send_grad_to) for `rank` (see the module docstring)."""
+    info = plan.ranks()[rank]
+    ranks = stage_ranks(plan)[info.pipeline]
+    s, i = info.stage, info.tp_rank
+    recv_act = recv_grad = None
+    send_act: tuple[int, ...] = ()
+    send_grad: tuple[int, ...] = ()
+    if s > 0:
+        prev = ranks[s - 1]
+        recv_act = prev[i % len(prev)]
+        send_grad = tuple(prev[k] for k in range(len(prev)) if k % len(ranks[s]) == i)
+    if s + 1 < len(ranks):
+        nxt = ranks[s + 1]
+        send_act = tuple(nxt[j] for j in range(len(nxt)) if j % len(ranks[s]) == i)
+        recv_grad = nxt[i % len(nxt)]
+    return recv_act, send_act, recv_grad, send_grad
+
+
+def build_groups(plan: Plan, rank: int, backend: str | None = None) -> PlanGroups:
+    """Create every process group of `plan` (collective: every rank of the job calls it, same plan).
+
+    Needs `torch.distributed` initialised with world size `plan.world_size`. `backend` is passed to
+    `new_group` (None: the default backend).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised")
+    if dist.get_world_size() != plan.world_size:
+        raise RuntimeError(f"world size {dist.get_world_size()} != plan world size {plan.world_size}")
+    me = plan.ranks()[rank]
+    tp_group = None
+    for p, pipe_ranks in enumerate(stage_ranks(plan)):
+        for s, members in enumerate(pipe_ranks):
+            if len(members) > 1:
+                group = dist.new_group(members, backend=backend)
+                if (p, s) == (me.pipeline, me.stage):
+                    tp_group = group
+    slices = slice_holders(plan)
+    dp_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for members in sorted({sl.ranks for sl in slices if sl.needs_reduce}):
+        group = dist.new_group(list(members), backend=backend)
+        if rank in members:
+            dp_groups[members] = group
+    world_group = dist.new_group(list(range(plan.world_size)), backend=backend)
+    recv_act, send_act, recv_grad, send_grad = neighbours(plan, rank)
+    stage = plan.pipelines[me.pipeline].stages[me.stage]
+    return PlanGroups(rank=rank, world_size=plan.world_size, pipeline=me.pipeline, stage=me.stage,
+                      tp_rank=me.tp_rank, tp_size=stage.tp, tp_group=tp_group, world_group=world_group,
+                      recv_act_from=recv_act, send_act_to=send_act, recv_grad_from=recv_grad,
+                      send_grad_to=send_grad, slices=slices, dp_groups=dp_groups)

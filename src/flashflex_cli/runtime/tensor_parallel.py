@@ -1,0 +1,153 @@
+"""Tensor parallelism (Megatron-LM style, Shoeybi et al. 2019) with the process group passed in explicitly.
+
+Conventions: weights are stored like `torch.nn.Linear` ([out_features, in_features]). A column-parallel linear
+holds rows [start, stop) of the full weight (output features split), a row-parallel linear holds columns
+[start, stop) (input features split). Shard bounds come from `shard_bounds`, so a shard of a TP-2 group is exactly
+the union of two shards of a TP-4 group.
+
+Autograd operators (identity when the group has one rank):
+- `copy_to_tp`: forward identity, backward all-reduce (input of a column-parallel linear);
+- `reduce_from_tp`: forward all-reduce, backward identity (output of a row-parallel linear);
+- `vocab_parallel_embedding`, `vocab_parallel_cross_entropy`: vocabulary split along dim 0 of the weight.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def shard_bounds(n: int, tp: int, tp_rank: int) -> tuple[int, int]:
+    """Rows [start, stop) of an n-long dimension held by `tp_rank` of `tp` (floor split, nested across degrees)."""
+    return n * tp_rank // tp, n * (tp_rank + 1) // tp
+
+
+@dataclass
+class TPContext:
+    """This rank's tensor-parallel group: the group (None when size 1), its size, this rank's index in it.
+
+    `comm_seconds` accumulates wall time spent in TP collectives (seconds; meaningful on CPU only, where
+    collectives are synchronous).
+    """
+
+    group: dist.ProcessGroup | None
+    size: int = 1
+    rank: int = 0
+    comm_seconds: list[float] = field(default_factory=lambda: [0.0])
+
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """All-reduce `x` in place over the group (no-op for size 1); returns `x`."""
+        if self.size > 1:
+            start = time.perf_counter()
+            dist.all_reduce(x, op=op, group=self.group)
+            self.comm_seconds[0] += time.perf_counter() - start
+        return x
+
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPContext) -> torch.Tensor:  # type: ignore[override]
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return ctx.tp.all_reduce(grad.contiguous().clone()), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, tp: TPContext) -> torch.Tensor:  # type: ignore[override]
+        return tp.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Identity forward; all-reduce of the gradient backward (a replicated input feeding sharded compute)."""
+    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """All-reduce (sum) of partial results forward; identity backward."""
+    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, tp: TPContext, copy_input: bool = True) -> torch.Tensor:
+    """Column-parallel linear: x [..., in] replicated -> [..., out/tp] local. weight [out/tp, in].
+
+    Pass `copy_input=False` when `x` already went through `copy_to_tp` (several linears sharing one input).
+    """
+    if copy_input:
+        x = copy_to_tp(x, tp)
+    return F.linear(x, weight)
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    """Row-parallel linear: x [..., in/tp] local -> [..., out] replicated (all-reduced). weight [out, in/tp]."""
+    return reduce_from_tp(F.linear(x, weight), tp)
+
+
+def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, vocab_start: int,
+                             tp: TPContext) -> torch.Tensor:
+    """Embedding lookup with the vocabulary split over TP ranks.
+
+    tokens int64 [b, s]; weight [vocab_local, hidden] holding rows [vocab_start, vocab_start + vocab_local).
+    Returns [b, s, hidden], replicated over the group (tokens outside the local range contribute zeros).
+    """
+    if tp.size == 1:
+        return F.embedding(tokens, weight)
+    local = tokens - vocab_start
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+    return reduce_from_tp(out, tp)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Per-token cross-entropy from vocabulary-sharded logits, without gathering them."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,  # type: ignore[override]
+                tp: TPContext) -> torch.Tensor:
+        logits = logits.float()
+        local_max = logits.max(dim=-1).values
+        tp.all_reduce(local_max, op=dist.ReduceOp.MAX)
+        shifted = logits - local_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        local = targets - vocab_start
+        outside = (local < 0) | (local >= logits.shape[-1])
+        safe = local.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        both = torch.stack([sum_exp, target_logit])
+        tp.all_reduce(both)
+        sum_exp, target_logit = both[0], both[1]
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), safe, outside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        softmax, safe, outside = ctx.saved_tensors
+        g = softmax.clone()
+        hit = (~outside).to(g.dtype)
+        g.scatter_add_(-1, safe.unsqueeze(-1), -hit.unsqueeze(-1))
+        return g * grad.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                                 tp: TPContext) -> torch.Tensor:
+    """Cross-entropy per token (fp32, [N]) from logits [N, vocab_local] covering [vocab_start, +vocab_local).
+
+    Identical on every rank of the group; the backward gives each rank the gradient of its own logit shard.
+    """
+    if tp.size == 1:
+        return F.cross_entropy(logits.float(), targets, reduction="none")
+    return _VocabParallelCE.apply(logits, targets, vocab_start, tp)

@@ -1,0 +1,91 @@
+"""RankEngine API on a one-rank plan (a gloo group of one in this process): steps, errors, checkpoint state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flashflex_cli.errors import InputError
+from flashflex_cli.plan.schema import Plan
+from flashflex_cli.runtime.engine import OptimConfig, RankEngine
+from flashflex_cli.runtime.groups import build_groups
+from flashflex_cli.runtime.optimizer import lr_at
+from flashflex_cli.runtime.reference import reference_train
+from tests.test_parity import make_batches, make_plan
+
+OPTIM = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2, total_steps=10)
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Iterator[Plan]:
+    """A one-device plan (2 micro-batches of 2 sequences) with torch.distributed initialised for it."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield make_plan("llama-tiny", [(2, 2, [(1, (0, 4))])])
+    finally:
+        dist.destroy_process_group()
+
+
+def _engine(plan: Plan, seed: int = 0, **kwargs: float) -> RankEngine:
+    return RankEngine(plan, 0, build_groups(plan, 0), torch.device("cpu"), OPTIM, seed=seed, **kwargs)
+
+
+def test_step_matches_reference_and_reports_timings(one_rank: Plan) -> None:
+    engine = _engine(one_rank, seed=3)
+    batches = make_batches(one_rank, steps=2)
+    ref = reference_train(one_rank.inputs.model, batches, OPTIM, seed=3)
+    for step, batch in enumerate(batches):
+        result = engine.train_step(batch[engine.pipeline_slice(4)])
+        assert result.loss == pytest.approx(ref.losses[step], rel=1e-5)
+        assert result.grad_norm == pytest.approx(ref.grad_norms[step], rel=1e-5)
+        assert result.lr == lr_at(step, OPTIM)
+    assert engine.step == 2
+    assert {"forward", "backward", "p2p", "tp_comm", "dp_sync", "optimizer", "step"} <= set(result.timings)
+    assert all(v >= 0 for v in result.timings.values())
+    assert result.timings["step"] >= result.timings["forward"] + result.timings["backward"]
+
+
+def test_bad_inputs_are_input_errors(one_rank: Plan) -> None:
+    engine = _engine(one_rank)
+    with pytest.raises(InputError, match=r"tokens have shape \[4, 10\], this pipeline expects \[4, 17\]"):
+        engine.train_step(torch.zeros(4, 10, dtype=torch.int64))
+    with pytest.raises(InputError, match="global batch 8 != plan global_batch 4"):
+        engine.pipeline_slice(8)
+    with pytest.raises(InputError, match="checkpoint shape"):
+        engine.load_from_full(lambda key: torch.zeros(3) if key != "step" else torch.tensor(1))
+    tied = Plan.model_validate({**one_rank.model_dump(by_alias=True), "inputs": {
+        **one_rank.inputs.model_dump(), "model": {**one_rank.inputs.model.model_dump(), "tie_embeddings": True}}})
+    with pytest.raises(InputError, match="tied embeddings"):
+        _engine(tied)
+
+
+def test_checkpoint_state_round_trip(one_rank: Plan) -> None:
+    batches = make_batches(one_rank, steps=3)
+    a = _engine(one_rank, seed=1)
+    for batch in batches[:2]:
+        a.train_step(batch)
+    state = a.state_for_checkpoint()
+    names = {spec.name for spec in a.shard_specs()}
+    assert set(state) == names | {f"{n}.exp_avg" for n in names} | {f"{n}.exp_avg_sq" for n in names} | {"step"}
+    assert int(state["step"]) == 2 and all(spec.owner for spec in a.shard_specs())
+    assert float(state["embed.exp_avg_sq"].abs().sum()) > 0
+    full = a.gather_full_state()
+    b = _engine(one_rank, seed=2)
+    assert not torch.equal(b.gather_full_params()["embed"], full["embed"])
+    b.load_from_full(full.__getitem__)
+    assert b.step == 2
+    ra, rb = a.train_step(batches[2]), b.train_step(batches[2])
+    assert ra.loss == rb.loss and ra.lr == rb.lr
+    for name, param in a.gather_full_params().items():
+        assert torch.equal(param, b.gather_full_params()[name]), name
+
+
+def test_slowdown_is_applied(one_rank: Plan) -> None:
+    engine = _engine(one_rank, slowdown=2.0)
+    result = engine.train_step(make_batches(one_rank, steps=1)[0])
+    compute = result.timings["forward"] + result.timings["backward"]
+    assert 0 < engine.slow.slept <= compute / 2 + 1e-3

@@ -1,9 +1,153 @@
-"""CLI commands: planning (placeholder until its issue lands)."""
+"""CLI commands: `flashflex plan`, `flashflex show`, `flashflex diff` (thin: parse, call, render)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
+from rich.console import Console
+
+from ..cost.params import CostParams
+from ..errors import CheckFailed, FlashflexError, InputError
+from ..fileio import atomic_write_text, read_json
+from ..hardware.cluster import load_cluster
+from ..model.spec import resolve_model
+from ..plan.diff import diff_plans
+from ..plan.render import render_baseline, render_diff, render_plan
+from ..plan.schema import TrainConfig, load_plan
+from ..plan.validate import reestimated, validate_plan
+
+
+def _stderr() -> Console:
+    return Console(stderr=True)
+
+
+def _cost_params(path: Path | None) -> CostParams:
+    if path is None:
+        return CostParams()
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: expected a JSON object of cost parameter overrides")
+    try:
+        return CostParams.from_overrides(data)
+    except InputError as exc:
+        raise InputError(f"{path}: {exc}") from None
+
+
+def _train(global_batch: int, seq_len: int, micro_batch: int, dtype: str, recompute: bool) -> TrainConfig:
+    from pydantic import ValidationError
+
+    from ..fileio import validation_message
+
+    try:
+        return TrainConfig(global_batch=global_batch, seq_len=seq_len, micro_batch_size=micro_batch, dtype=dtype,
+                           recompute=recompute)
+    except ValidationError as exc:
+        raise InputError(validation_message("options", exc)) from None
+
+
+def plan_command(
+    cluster_file: Path = typer.Argument(..., metavar="CLUSTER.json", help="Cluster profile (flashflex.cluster/1)."),
+    model: str = typer.Option(..., "--model", "-m", help="Model preset (e.g. llama2-7b) or a HF config.json."),
+    global_batch: int = typer.Option(..., "--global-batch", "-b", help="Sequences per optimizer step."),
+    seq_len: int = typer.Option(..., "--seq-len", "-s", help="Tokens per sequence."),
+    micro_batch: int = typer.Option(1, "--micro-batch", help="Sequences per micro-batch."),
+    strategy: str = typer.Option("flashflex", "--strategy", help="flashflex, uniform or exhaustive (<= 12 devices)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Plan file to write (atomically)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout (nothing else there)."),
+    time_budget: float = typer.Option(30.0, "--time-budget", min=0.0, help="Search time cap in seconds."),
+    seed: int = typer.Option(0, "--seed", help="Seed for METIS and the refinement order."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32."),
+    recompute: bool = typer.Option(False, "--recompute/--no-recompute", help="Full activation recompute."),
+    cost_params: Path | None = typer.Option(None, "--cost-params", help="JSON file of CostParams overrides."),
+    baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also plan the uniform baseline."),
+) -> None:
+    """Plan an asymmetric DP x PP x TP layout and print its predicted throughput next to the uniform one."""
+    from ..planner.search import SearchStats, plan_layout
+
+    cluster = load_cluster(cluster_file)
+    spec = resolve_model(model)
+    train = _train(global_batch, seq_len, micro_batch, dtype, recompute)
+    params = _cost_params(cost_params)
+    stats = SearchStats()
+    plan = plan_layout(cluster, spec, train, strategy=strategy, time_budget_s=time_budget, seed=seed,
+                       params=params, stats=stats)
+    if out is not None:
+        atomic_write_text(out, plan.to_json())
+    if json_out:
+        typer.echo(plan.to_json(), nl=False)
+    console = _stderr()
+    render_plan(console, plan)
+    uniform, why = None, ""
+    if baseline and strategy != "uniform":
+        try:
+            uniform = plan_layout(cluster, spec, train, strategy="uniform", seed=seed, params=params)
+        except FlashflexError as exc:
+            why = str(exc)
+    if strategy != "uniform":
+        render_baseline(console, plan, uniform, why)
+    console.print(f"  searched {stats.candidates} layouts, estimated {stats.estimated}, in {stats.seconds:.2f} s"
+                  + (" (time budget reached: the result may depend on machine speed)" if stats.budget_hit else ""))
+    if out is not None:
+        console.print(f"  wrote {out}")
+
+
+def show_command(
+    plan_file: Path = typer.Argument(..., metavar="PLAN.json", help="Plan file (flashflex.plan/1)."),
+    cluster_file: Path | None = typer.Option(None, "--cluster", "-c",
+                                             help="Validate against this cluster and re-estimate."),
+    json_out: bool = typer.Option(False, "--json", help="Print the plan (re-estimated with --cluster) as JSON."),
+    cost_params: Path | None = typer.Option(None, "--cost-params", help="JSON file of CostParams overrides."),
+) -> None:
+    """Render a plan; with --cluster, validate it there and predict it afresh (exit 1 if it cannot run)."""
+    plan = load_plan(plan_file)
+    console = _stderr()
+    if cluster_file is not None:
+        cluster = load_cluster(cluster_file)
+        result = validate_plan(plan, cluster, _cost_params(cost_params))
+        for line in result.warnings:
+            console.print(f"[yellow]warning[/yellow]: {line}")
+        if result.estimate is not None:
+            plan = reestimated(plan, result.estimate)
+        if json_out:
+            typer.echo(plan.to_json(), nl=False)
+        render_plan(console, plan)
+        if not result.ok:
+            raise CheckFailed(f"{plan_file} does not fit cluster {cluster.name!r}: " + "; ".join(result.errors))
+        return
+    if json_out:
+        typer.echo(plan.to_json(), nl=False)
+    render_plan(console, plan)
+
+
+def diff_command(
+    plan_a: Path = typer.Argument(..., metavar="A.json", help="The reference plan."),
+    plan_b: Path = typer.Argument(..., metavar="B.json", help="The new plan."),
+    fail_on_regression: float | None = typer.Option(
+        None, "--fail-on-regression", metavar="PCT", min=0.0,
+        help="Exit 1 when B's predicted tokens/s is more than PCT percent below A's."),
+    json_out: bool = typer.Option(False, "--json", help="Print the diff as JSON on stdout."),
+) -> None:
+    """Structural changes and predicted-metric deltas from plan A to plan B."""
+    import json
+
+    a, b = load_plan(plan_a), load_plan(plan_b)
+    result = diff_plans(a, b)
+    if json_out:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+    render_diff(_stderr(), result, str(plan_a), str(plan_b))
+    if fail_on_regression is not None:
+        drop = result.regression_pct()
+        if drop is None:
+            raise CheckFailed("cannot check for a regression: a plan has no predicted tokens_per_s "
+                              "(re-run `flashflex show PLAN --cluster CLUSTER --json`)")
+        if drop > fail_on_regression:
+            raise CheckFailed(f"predicted tokens/s fell {drop:.2f}% ({result.metric('tokens_per_s').a:,.0f} -> "
+                              f"{result.metric('tokens_per_s').b:,.0f}), more than the allowed {fail_on_regression:g}%")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to the root app."""
+    """Add `plan`, `show` and `diff` to the root app."""
+    app.command("plan")(plan_command)
+    app.command("show")(show_command)
+    app.command("diff")(diff_command)

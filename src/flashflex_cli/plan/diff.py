@@ -1,0 +1,126 @@
+"""Compare two plans: structural changes and predicted-metric deltas (`flashflex diff`).
+
+Pipelines are compared by position (pipeline i of A with pipeline i of B), stages likewise; the
+regression check compares predicted tokens/s (what CI runs as a dry-run plan diff).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .schema import Plan
+
+METRICS = ("tokens_per_s", "mfu", "iteration_time_s")
+
+
+@dataclass(frozen=True)
+class MetricDelta:
+    """One predicted metric in A and B; `pct` the relative change in percent (None when A is 0/absent)."""
+
+    name: str
+    a: float | None
+    b: float | None
+
+    @property
+    def delta(self) -> float | None:
+        """b - a (None when either is absent)."""
+        return None if self.a is None or self.b is None else self.b - self.a
+
+    @property
+    def pct(self) -> float | None:
+        """(b - a) / a in percent."""
+        if self.a is None or self.b is None or self.a == 0:
+            return None
+        return (self.b - self.a) / self.a * 100.0
+
+
+@dataclass
+class PlanDiff:
+    """Structural changes (one line each) and metric deltas from plan A to plan B."""
+
+    changes: list[str] = field(default_factory=list)
+    metrics: list[MetricDelta] = field(default_factory=list)
+
+    def metric(self, name: str) -> MetricDelta:
+        """The delta of one metric by name."""
+        return next(m for m in self.metrics if m.name == name)
+
+    def regression_pct(self) -> float | None:
+        """How much predicted tokens/s fell, in percent (negative or 0 when it rose); None if unknown."""
+        pct = self.metric("tokens_per_s").pct
+        return None if pct is None else -pct
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready form for `--json`."""
+        return {
+            "changes": list(self.changes),
+            "metrics": {m.name: {"a": m.a, "b": m.b, "delta": m.delta, "pct": m.pct} for m in self.metrics},
+            "identical": not self.changes and all(m.delta in (0, 0.0, None) for m in self.metrics),
+        }
+
+
+def _stage_text(stage: Any) -> str:
+    return f"devices {','.join(stage.devices)} tp {stage.tp} layers [{stage.layers[0]}, {stage.layers[1]})"
+
+
+def diff_plans(a: Plan, b: Plan) -> PlanDiff:
+    """Structural changes and metric deltas from `a` to `b`."""
+    out = PlanDiff()
+    ia, ib = a.inputs, b.inputs
+    if ia.model != ib.model:
+        out.changes.append(f"model: {ia.model.name} -> {ib.model.name}"
+                           + (" (same name, different shape)" if ia.model.name == ib.model.name else ""))
+    for key, va in ia.train.model_dump().items():
+        vb = getattr(ib.train, key)
+        if va != vb:
+            out.changes.append(f"train.{key}: {va} -> {vb}")
+    if ia.cluster_sha256 != ib.cluster_sha256:
+        out.changes.append(f"cluster: {ia.cluster_name or '?'} ({ia.cluster_sha256[:12]}) -> "
+                           f"{ib.cluster_name or '?'} ({ib.cluster_sha256[:12]})")
+    if ia.strategy != ib.strategy:
+        out.changes.append(f"strategy: {ia.strategy} -> {ib.strategy}")
+    if len(a.pipelines) != len(b.pipelines):
+        out.changes.append(f"pipelines: {len(a.pipelines)} -> {len(b.pipelines)}")
+    for p in range(max(len(a.pipelines), len(b.pipelines))):
+        if p >= len(a.pipelines):
+            out.changes.append(f"pipeline {p}: added ({len(b.pipelines[p].stages)} stages, "
+                               f"{b.pipelines[p].num_micro_batches} micro-batches)")
+            continue
+        if p >= len(b.pipelines):
+            out.changes.append(f"pipeline {p}: removed ({len(a.pipelines[p].stages)} stages)")
+            continue
+        pa, pb = a.pipelines[p], b.pipelines[p]
+        if (pa.num_micro_batches, pa.micro_batch_size) != (pb.num_micro_batches, pb.micro_batch_size):
+            out.changes.append(f"pipeline {p}: micro-batches {pa.num_micro_batches}x{pa.micro_batch_size} -> "
+                               f"{pb.num_micro_batches}x{pb.micro_batch_size}")
+        if len(pa.stages) != len(pb.stages):
+            out.changes.append(f"pipeline {p}: stages {len(pa.stages)} -> {len(pb.stages)}")
+        for s in range(max(len(pa.stages), len(pb.stages))):
+            sa = pa.stages[s] if s < len(pa.stages) else None
+            sb = pb.stages[s] if s < len(pb.stages) else None
+            if sa == sb:
+                continue
+            if sa is None:
+                out.changes.append(f"pipeline {p} stage {s}: added ({_stage_text(sb)})")
+            elif sb is None:
+                out.changes.append(f"pipeline {p} stage {s}: removed ({_stage_text(sa)})")
+            else:
+                parts = []
+                if sa.devices != sb.devices:
+                    parts.append(f"devices {','.join(sa.devices)} -> {','.join(sb.devices)}")
+                if sa.tp != sb.tp:
+                    parts.append(f"tp {sa.tp} -> {sb.tp}")
+                if sa.layers != sb.layers:
+                    parts.append(f"layers [{sa.layers[0]}, {sa.layers[1]}) -> [{sb.layers[0]}, {sb.layers[1]})")
+                out.changes.append(f"pipeline {p} stage {s}: " + "; ".join(parts))
+    ua, ub = {u.device for u in a.unused_devices}, {u.device for u in b.unused_devices}
+    for device in sorted(ub - ua):
+        out.changes.append(f"unused: {device} now idle")
+    for device in sorted(ua - ub):
+        out.changes.append(f"unused: {device} now used")
+    pa_, pb_ = a.predicted or {}, b.predicted or {}
+    for name in METRICS:
+        va, vb = pa_.get(name), pb_.get(name)
+        out.metrics.append(MetricDelta(name, None if va is None else float(va), None if vb is None else float(vb)))
+    return out

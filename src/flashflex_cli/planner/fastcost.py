@@ -1,0 +1,160 @@
+"""The cost model's building blocks, memoised for the planner's inner loops.
+
+Every figure comes from `flashflex_cli.cost` (the single source of truth); this module only caches it
+under keys that make equal questions share one answer: a stage is keyed by the node class and local
+indices of its devices (devices of equal nodes cost the same), a pipeline hop by both ends' keys and the
+link between their nodes. Memory caps assume the cost model's per-device memory is affine in the number
+of layers (weights, optimizer state and activations all grow per layer) and check the answer exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..cost.comm import p2p_time
+from ..cost.compute import layer_times
+from ..cost.memory import device_capacity, device_reserve, stage_memory
+from ..cost.params import CostParams
+from ..model.flops import dtype_bytes, embedding_params, head_params, layer_params
+from ..model.spec import ModelSpec
+from ..plan.schema import TrainConfig
+from .graph import DeviceGraph
+
+Devs = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Seconds per micro-batch for one stage's TP group: one layer, the embedding, the head (fwd, bwd)."""
+
+    fwd_s: float
+    bwd_s: float
+    embed_fwd_s: float
+    embed_bwd_s: float
+    head_fwd_s: float
+    head_bwd_s: float
+
+    @property
+    def layer_s(self) -> float:
+        """One layer, forward + backward."""
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def embed_s(self) -> float:
+        """Embedding, forward + backward."""
+        return self.embed_fwd_s + self.embed_bwd_s
+
+    @property
+    def head_s(self) -> float:
+        """Final norm, head and loss, forward + backward."""
+        return self.head_fwd_s + self.head_bwd_s
+
+
+class CostCache:
+    """Memoised cost questions about device groups of one cluster, model and training configuration."""
+
+    def __init__(self, graph: DeviceGraph, model: ModelSpec, train: TrainConfig, params: CostParams) -> None:
+        self.graph, self.model, self.train, self.params = graph, model, train, params
+        self._stage: dict[tuple, StageCost] = {}
+        self._p2p: dict[tuple, float] = {}
+        self._mem: dict[tuple, tuple[float, float]] = {}
+        self._fit: dict[tuple, int] = {}
+        self._keys: dict[Devs, tuple] = {}
+        self._group_cap: dict[Devs, float] = {}
+        self.pipe_memo: dict[tuple, object] = {}  # pipeline.evaluate_pipeline's results
+        self.shape_memo: dict[tuple, object] = {}  # the same, by pipeline shape (see evaluate_pipeline)
+        self.structure_memo: dict[tuple, object] = {}  # stages.best_pipeline's structures by group signature
+        self._cap: list[float] | None = None
+        grad = dtype_bytes(train.dtype)
+        self.layer_grad_bytes = float(layer_params(model) * grad)
+        self.embed_grad_bytes = float(embedding_params(model) * grad)
+        self.head_grad_bytes = float(head_params(model) * grad)
+
+    # ---- keys -------------------------------------------------------------------------------------
+    def stage_key(self, devs: Devs) -> tuple:
+        """Devices of equal nodes at equal local indices give equal answers."""
+        key = self._keys.get(devs)
+        if key is None:
+            g = self.graph
+            nodes = {int(g.node[i]) for i in devs}
+            if len(nodes) == 1:
+                key = (g.node_class[nodes.pop()], tuple(int(g.local[i]) for i in devs))
+            else:
+                key = ("multi", devs)
+            self._keys[devs] = key
+        return key
+
+    # ---- compute ----------------------------------------------------------------------------------
+    def stage(self, devs: Devs) -> StageCost:
+        """Per-micro-batch seconds of one layer / the embedding / the head on the TP group `devs`."""
+        key = self.stage_key(devs)
+        hit = self._stage.get(key)
+        if hit is None:
+            ids = [self.graph.ids[i] for i in devs]
+            t = layer_times(self.graph.cluster, ids, self.model, self.train, self.params)
+            hit = StageCost(t.fwd_s, t.bwd_s, t.embed_fwd_s, t.embed_bwd_s, t.head_fwd_s, t.head_bwd_s)
+            self._stage[key] = hit
+        return hit
+
+    def p2p(self, src: Devs, dst: Devs) -> float:
+        """Seconds to pass one micro-batch's activation from stage `src` to stage `dst`."""
+        g = self.graph
+        a, b = int(g.node[src[0]]), int(g.node[dst[0]])
+        key = (self.stage_key(src), self.stage_key(dst), a == b, float(g.node_bw[a, b]))
+        hit = self._p2p.get(key)
+        if hit is None:
+            ids_a = [g.ids[i] for i in src]
+            ids_b = [g.ids[i] for i in dst]
+            hit = p2p_time(g.cluster, ids_a, ids_b, self.model, self.train, self.params)
+            self._p2p[key] = hit
+        return hit
+
+    # ---- memory -----------------------------------------------------------------------------------
+    def capacity(self, devs: Devs) -> float:
+        """Usable bytes of the smallest device of the group."""
+        hit = self._group_cap.get(devs)
+        if hit is not None:
+            return hit
+        if self._cap is None:
+            cluster = self.graph.cluster
+            # stage_memory counts the GPU reserve; a device with another reserve (an emulated CPU) gets the
+            # difference added to its capacity, so one memory curve serves every device.
+            base = self.params.memory_reserve_bytes
+            self._cap = [float(device_capacity(cluster, d, self.params)) - device_reserve(cluster, d, self.params)
+                         + base for d in self.graph.ids]
+        hit = min(self._cap[i] for i in devs)
+        self._group_cap[devs] = hit
+        return hit
+
+    def _memory(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> float:
+        return float(stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params).total)
+
+    def max_layers(self, tp: int, first: bool, last: bool, in_flight: int, capacity: float) -> int:
+        """Most layers (0..L) a stage of degree `tp` can hold within `capacity` bytes per device."""
+        done = self._fit.get((tp, first, last, in_flight, capacity))
+        if done is not None:
+            return done
+        key = (tp, first, last, in_flight)
+        line = self._mem.get(key)
+        total = self.model.num_layers
+        if line is None:
+            one = self._memory(tp, 1, first, last, in_flight)
+            two = self._memory(tp, 2, first, last, in_flight) if total > 1 else one
+            line = (one - (two - one), two - one)  # memory(n) ~= base + n * per_layer
+            self._mem[key] = line
+        base, per = line
+        n = total if per <= 0 else int(min(total, max(0.0, (capacity - base) / per)))
+        while n > 0 and self._memory(tp, n, first, last, in_flight) > capacity:
+            n -= 1
+        while n < total and self._memory(tp, n + 1, first, last, in_flight) <= capacity:
+            n += 1
+        self._fit[(tp, first, last, in_flight, capacity)] = n
+        return n
+
+    def stage_bytes_breakdown(self, tp: int, layers: int, first: bool, last: bool, in_flight: int):  # noqa: ANN201
+        """The cost model's MemoryBreakdown of a stage (bytes per device)."""
+        return stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params)
+
+    def stage_bytes(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> float:
+        """Bytes per device of a stage (the cost model's figure)."""
+        return self._memory(tp, layers, first, last, in_flight)

@@ -1,0 +1,140 @@
+"""The device graph the planner partitions: devices weighted by compute, links weighted by bandwidth.
+
+Vertices are the cluster's devices in `Cluster.device_ids` order (index i). Arrays hold per-device
+facts the search reads in its inner loops without touching pydantic objects:
+
+- `flops[i]`: dense peak FLOP/s for the training dtype (emulation slowdown applied);
+- `node[i]`: node index; `local[i]`: index inside the node;
+- `node_class[n]`: nodes with equal content (devices, fabric, NIC; the name aside) share a class, so
+  costs computed for one node are reused for every node of its class;
+- `node_bw[a, b]`: bandwidth in bytes/s between nodes a and b (intra-node fabric on the diagonal).
+
+Edges for METIS: a complete graph inside each node and, between two nodes, one edge per pair of devices
+with the same local index (a sparse stand-in for the all-to-all fabric that keeps 1024-device graphs
+small). Edge weights grow with bandwidth, so a minimum cut falls on the slowest links.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ..hardware.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class DeviceGraph:
+    """Per-device arrays and node-level links of one cluster (see module docstring)."""
+
+    cluster: Cluster
+    dtype: str
+
+    @cached_property
+    def ids(self) -> list[str]:
+        """Device ids in cluster order."""
+        return list(self.cluster.device_ids)
+
+    @property
+    def size(self) -> int:
+        """Number of devices."""
+        return len(self.ids)
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """Device id -> vertex index."""
+        return {d: i for i, d in enumerate(self.ids)}
+
+    @cached_property
+    def node(self) -> np.ndarray:
+        """Node index of every device, shape [N] int64."""
+        return np.array([n for n, node in enumerate(self.cluster.nodes) for _ in node.devices], dtype=np.int64)
+
+    @cached_property
+    def local(self) -> np.ndarray:
+        """Index of every device inside its node, shape [N] int64."""
+        return np.array([i for node in self.cluster.nodes for i in range(len(node.devices))], dtype=np.int64)
+
+    @cached_property
+    def flops(self) -> np.ndarray:
+        """Dense peak FLOP/s of every device for the training dtype, shape [N] float64."""
+        return np.array([dev.flops(self.dtype) for node in self.cluster.nodes for dev in node.devices])
+
+    @cached_property
+    def memory(self) -> np.ndarray:
+        """Device memory in bytes, shape [N] float64."""
+        return np.array([float(dev.memory_bytes) for node in self.cluster.nodes for dev in node.devices])
+
+    @cached_property
+    def node_class(self) -> list[int]:
+        """Class of every node: nodes whose content (name and hostname aside) is equal share one class."""
+        keys: dict[str, int] = {}
+        out: list[int] = []
+        for node in self.cluster.nodes:
+            data = node.model_dump(mode="json", exclude={"name", "hostname"})
+            key = json.dumps(data, sort_keys=True)
+            out.append(keys.setdefault(key, len(keys)))
+        return out
+
+    @cached_property
+    def node_bw(self) -> np.ndarray:
+        """Bandwidth between nodes in bytes/s, shape [nodes, nodes]; the diagonal is the slowest intra link."""
+        nodes = self.cluster.nodes
+        count = len(nodes)
+        out = np.zeros((count, count))
+        for a in range(count):
+            first = f"{nodes[a].name}/0"
+            if len(nodes[a].devices) > 1:
+                out[a, a] = min(self.cluster.link(first, f"{nodes[a].name}/{j}").bandwidth
+                                for j in range(1, len(nodes[a].devices)))
+            else:
+                out[a, a] = float("inf")
+            for b in range(a + 1, count):
+                out[a, b] = out[b, a] = self.cluster.node_link(nodes[a].name, nodes[b].name).bandwidth
+        return out
+
+    def device_key(self, i: int) -> tuple[int, int]:
+        """(node class, local index): devices with equal keys are interchangeable inside their node class."""
+        return self.node_class[int(self.node[i])], int(self.local[i])
+
+    @cached_property
+    def _csr(self) -> tuple[list[int], list[int], list[int]]:
+        return self._build_csr()
+
+    def csr(self) -> tuple[list[int], list[int], list[int]]:
+        """(xadj, adjncy, eweights) of the METIS graph (see module docstring); integer weights >= 1."""
+        return self._csr
+
+    def _build_csr(self) -> tuple[list[int], list[int], list[int]]:
+        """(xadj, adjncy, eweights) of the METIS graph (see module docstring); integer weights >= 1."""
+        node, local = self.node, self.local
+        by_node: dict[int, list[int]] = {}
+        for i in range(self.size):
+            by_node.setdefault(int(node[i]), []).append(i)
+        by_local: dict[int, list[int]] = {}
+        for i in range(self.size):
+            by_local.setdefault(int(local[i]), []).append(i)
+        finite = self.node_bw[np.isfinite(self.node_bw)]
+        scale = float(finite.min()) if finite.size else 1.0
+        xadj, adjncy, weights = [0], [], []
+        for i in range(self.size):
+            a = int(node[i])
+            neighbours = [j for j in by_node[a] if j != i] + [j for j in by_local[int(local[i])] if int(node[j]) != a]
+            for j in neighbours:
+                bw = self.node_bw[a, int(node[j])]
+                bw = bw if np.isfinite(bw) else scale * 1e4
+                adjncy.append(j)
+                weights.append(max(1, int(round(100 * bw / scale))))
+            xadj.append(len(adjncy))
+        return xadj, adjncy, weights
+
+    @cached_property
+    def _weights(self) -> list[int]:
+        top = float(self.flops.max())
+        return [max(1, int(round(1000 * f / top))) for f in self.flops]
+
+    def compute_weights(self) -> list[int]:
+        """Vertex weights for METIS: FLOP/s scaled so the fastest device weighs 1000; each >= 1."""
+        return self._weights

@@ -1,0 +1,271 @@
+"""`plan_layout`: the planner's entry point, one code path for every strategy.
+
+flashflex (default): for the whole cluster and for subsets without its slowest kinds of device
+(`partition.device_subsets`), for k = 1, 2, ... pipelines (up to what memory and the batch allow), each
+level-1 partition (`partition.generators`: pymetis, contiguous, typed, striped) is turned into pipelines
+by level 2
+(`stages.best_pipeline`: TP degrees per node class, stage order, exact layer split) and the batch is
+split over them (`batch.split_batch`). The uniform baseline's layouts join as candidates too, re-split
+by our splits and exactly as the baseline runs them (the symmetric layout is part of our space, so
+flashflex never predicts below uniform). The best few candidates by the fast score are refined
+(`refine.refine`), and the finalists are ranked by `cost.estimate.estimate` alone.
+
+Determinism: candidates are generated in a fixed order, every collection is sorted, pymetis is seeded,
+and ties break on the layout's canonical signature: the same inputs and seed give a byte-identical plan.
+The time budget is only checked between whole units of work (a k, a partition, a move); when it cuts the
+search short, the result depends on the machine's speed (the CLI says so). The bundled plans and the tests
+finish far inside their budgets.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..cost.estimate import estimate
+from ..cost.params import CostParams
+from ..errors import InfeasibleError, InputError
+from ..hardware.cluster import Cluster
+from ..model.spec import ModelSpec
+from ..plan.schema import Plan, TrainConfig
+from .batch import micro_batches
+from .candidates import Candidate, build_plan, score
+from .fastcost import CostCache
+from .feasibility import check_feasible, human_bytes, model_state_bytes
+from .graph import DeviceGraph
+from .partition import device_subsets, generators
+from .refine import refine
+from .stages import best_pipeline
+
+STRATEGIES = ("flashflex", "uniform", "exhaustive")
+FINALISTS = 6
+REFINED = 2
+PHASE2_KS = 3
+
+
+class SearchStats:
+    """What the search did (for the CLI summary): candidates scored, whether the budget cut it short."""
+
+    def __init__(self) -> None:
+        self.candidates = 0
+        self.estimated = 0
+        self.budget_hit = False
+        self.seconds = 0.0
+
+
+def pipeline_counts(cache: CostCache, total_micro: int, devices: int | None = None) -> list[int]:
+    """k values to try for `devices` devices (default all): every k up to 16, then about x1.5 steps, up
+    to what memory and the batch allow."""
+    g = cache.graph
+    need = model_state_bytes(cache)
+    biggest = max(cache.capacity((i,)) - cache.params.memory_reserve_bytes for i in range(g.size))
+    fewest = max(1, int(need // max(biggest, 1.0)))  # devices one pipeline needs at least
+    top = max(1, min((devices or g.size) // fewest, total_micro))
+    ks, k = [], 1
+    while k <= top:
+        ks.append(k)
+        k = k + 1 if k < 16 else int(k * 1.5)
+    return ks
+
+
+def _collect(cache: CostCache, total_micro: int, seed: int, deadline: float, stats: SearchStats) -> list[Candidate]:
+    """Phase 1: every k on the whole cluster. Phase 2: the subsets without the slowest kinds of device,
+    for the k values near the best phase-1 candidates (scaled to the subset's size)."""
+    g = cache.graph
+    found: list[Candidate] = []
+    subsets = device_subsets(g)
+    full = subsets[0]
+    for k in pipeline_counts(cache, total_micro, len(full)):
+        if found and time.monotonic() >= deadline:
+            stats.budget_hit = True
+            return found
+        found.extend(_candidates_for(cache, total_micro, seed, k, full, stats))
+    best_ks = []
+    for cand in sorted(found, key=lambda c: (c.score_s, c.signature())):
+        if len(cand.pipes) not in best_ks:
+            best_ks.append(len(cand.pipes))
+        if len(best_ks) == PHASE2_KS:
+            break
+    for active in subsets[1:]:
+        allowed = pipeline_counts(cache, total_micro, len(active))
+        near = set()
+        for k in best_ks:
+            scaled = max(1, round(k * len(active) / len(full)))
+            near.update(x for x in (scaled - 1, scaled, scaled + 1, k) if x in allowed)
+        for k in sorted(near):
+            if time.monotonic() >= deadline:
+                stats.budget_hit = True
+                return found
+            found.extend(_candidates_for(cache, total_micro, seed, k, active, stats))
+    return found
+
+
+def _candidates_for(cache: CostCache, total_micro: int, seed: int, k: int, active: list[int],
+                    stats: SearchStats) -> list[Candidate]:
+    """One candidate per level-1 partition of `active` into k groups."""
+    g = cache.graph
+    total_flops = float(g.flops[active].sum())
+    out = []
+    for _name, groups in generators(g, k, seed, active):
+        pipes = []
+        for group in groups:
+            share = float(g.flops[group].sum()) / total_flops
+            pipe = best_pipeline(cache, group, max(1, round(total_micro * share)), total_micro)
+            if pipe is not None:
+                pipes.append(pipe)
+        cand = score(cache, pipes, total_micro)
+        stats.candidates += 1
+        if cand is not None:
+            out.append(cand)
+    return out
+
+
+def _uniform_seeds(cache: CostCache, total_micro: int) -> tuple[list[Candidate], list[Candidate]]:
+    """The uniform baseline's best layouts: (re-split by our layer and batch splits, exactly as uniform)."""
+    from .pipeline import PipeEval, evaluate_pipeline
+    from .uniform import equal_layers, uniform_layouts
+
+    resplit, exact = [], []
+    for layout in uniform_layouts(cache, total_micro)[:FINALISTS]:
+        pipes = [evaluate_pipeline(cache, stages) for stages in layout.pipelines]
+        cand = score(cache, pipes, total_micro)
+        if cand is not None:
+            resplit.append(cand)
+        counts = tuple(equal_layers(cache.model.num_layers, layout.pp))
+        same = [PipeEval(p.stages, counts, p.pace_s, p.fill_s, p.shard_bytes, True, p.stage_grad_bytes)
+                for p in pipes]
+        exact.append(Candidate(tuple(same), (total_micro // layout.dp,) * layout.dp, layout.score_s))
+    return resplit, exact
+
+
+def _ranked(cands: list[Candidate]) -> list[Candidate]:
+    unique: dict[tuple, Candidate] = {}
+    for cand in cands:
+        unique.setdefault(cand.signature(), cand)
+    return sorted(unique.values(), key=lambda c: (c.score_s, c.signature()))
+
+
+def finalise(cache: CostCache, cands: list[Candidate], strategy: str, seed: int,
+             reasons: dict[int, dict[int, str]] | None = None, limit: int = FINALISTS,
+             stats: SearchStats | None = None, always: list[Candidate] | None = None) -> Plan:
+    """Rank the best `limit` candidates (and every one of `always`) by `estimate`, fitting plans only,
+    and return the best Plan."""
+    g = cache.graph
+    best: tuple[float, int, Candidate, Any] | None = None
+    ranked = _ranked(cands)
+    must = {c.signature() for c in always or []}
+    ranked += [c for c in _ranked(always or []) if c.signature() not in {r.signature() for r in ranked}]
+    for index, cand in enumerate(ranked):
+        if index >= limit and best is not None and cand.signature() not in must:
+            continue
+        plan = build_plan(cache, cand, strategy, seed, predict=False)
+        est = estimate(plan, g.cluster, cache.params)
+        if stats is not None:
+            stats.estimated += 1
+        if est.fits and (best is None or (est.iteration_time_s, index) < best[:2]):
+            best = (est.iteration_time_s, index, cand, est)
+    if best is None:
+        raise _nothing_fits(cache)
+    _, _, cand, est = best
+    why = _idle_reasons(cache, cand, ranked)
+    why.update({g.ids[i]: text for i, text in (reasons or {}).get(id(cand), {}).items()})
+    why.update(_unused_reasons(cache, cand))
+    plan = build_plan(cache, cand, strategy, seed, why, predict=False)
+    return plan.model_copy(update={"predicted": est.to_predicted()})
+
+
+def _idle_reasons(cache: CostCache, cand: Candidate, pool: list[Candidate]) -> dict[str, str]:
+    """For each idle device: how much slower the best layout found that uses it is (fast model)."""
+    g = cache.graph
+    out: dict[str, str] = {}
+    for i in range(g.size):
+        if i in cand.used:
+            continue
+        using = min((c.score_s for c in pool if i in c.used), default=None)
+        if using is None:
+            out[g.ids[i]] = "no layout found uses it: the batch, memory or its speed leave it no useful place"
+        elif using > cand.score_s:
+            out[g.ids[i]] = (f"leaving it idle is {(using - cand.score_s) / using * 100:.1f}% faster than the "
+                             f"best layout found that uses it")
+    return out
+
+
+def _unused_reasons(cache: CostCache, cand: Candidate) -> dict[str, str]:
+    """'too small' reasons for idle devices that cannot hold one layer even at their node's largest TP."""
+    g = cache.graph
+    out: dict[str, str] = {}
+    used = cand.used
+    reserve = cache.params.memory_reserve_bytes
+    for i in range(g.size):
+        if i in used:
+            continue
+        cap = cache.capacity((i,))
+        if cache.max_layers(1, False, False, 1, cap) < 1:
+            need = cache.stage_bytes(1, 1, False, False, 1) - reserve
+            out[g.ids[i]] = (f"too small: {human_bytes(cap - reserve)} cannot hold one layer's state "
+                             f"(needs {human_bytes(need)})")
+    return out
+
+
+def _nothing_fits(cache: CostCache) -> InfeasibleError:
+    model, g, train = cache.model, cache.graph, cache.train
+    fitting = [pipe.num_stages for pipe in cache.pipe_memo.values() if pipe.ok]  # type: ignore[attr-defined]
+    total = train.global_batch // train.micro_batch_size
+    if fitting and min(fitting) > total:
+        need = min(fitting)
+        return InfeasibleError(
+            f"global batch {train.global_batch} gives {total} micro-batches of {train.micro_batch_size}, but the "
+            f"smallest pipeline of {model.name} that fits in memory has {need} stages and 1F1B needs a "
+            f"micro-batch per stage; use a global batch of at least {need * train.micro_batch_size}"
+        )
+    need = model_state_bytes(cache)
+    have = sum(cache.capacity((i,)) - cache.params.memory_reserve_bytes for i in range(g.size))
+    return InfeasibleError(
+        f"no layout of {model.name} fits in memory: weights, gradients and optimizer state need "
+        f"{human_bytes(need)} plus activations for seq_len {cache.train.seq_len}; the cluster has "
+        f"{human_bytes(have)} usable; add devices, enable --recompute or lower --micro-batch"
+    )
+
+
+def plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy: str = "flashflex",
+                time_budget_s: float = 30.0, seed: int = 0, params: CostParams | None = None,
+                stats: SearchStats | None = None) -> Plan:
+    """Plan an asymmetric layout of `model` on `cluster` for `train` (module docstring); InfeasibleError
+    when none exists; InputError for an unknown strategy."""
+    if strategy not in STRATEGIES:
+        raise InputError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    started = time.monotonic()
+    stats = stats if stats is not None else SearchStats()
+    params = params or CostParams()
+    total = micro_batches(train.global_batch, train.micro_batch_size)
+    cache = CostCache(DeviceGraph(cluster, train.dtype), model, train, params)
+    check_feasible(cache, total)
+    deadline = started + max(0.0, time_budget_s)
+    if strategy == "uniform":
+        from .uniform import best_uniform
+
+        plan = best_uniform(cache, total, seed)
+    elif strategy == "exhaustive":
+        from .exhaustive import exhaustive_candidates
+
+        cut = [False]
+        cands = exhaustive_candidates(cache, total, deadline, cut)
+        stats.budget_hit = cut[0]
+        if not cands:
+            raise _nothing_fits(cache)
+        plan = finalise(cache, cands, strategy, seed, stats=stats, limit=2 * FINALISTS)
+    else:
+        resplit, exact = _uniform_seeds(cache, total)
+        cands = _ranked(_collect(cache, total, seed, deadline, stats) + resplit)
+        reasons: dict[int, dict[int, str]] = {}
+        refined = []
+        for cand in cands[:REFINED]:
+            if time.monotonic() >= deadline:
+                stats.budget_hit = True
+                break
+            better, why = refine(cache, cand, total, seed, deadline)
+            reasons[id(better)] = why
+            refined.append(better)
+        plan = finalise(cache, refined + cands, strategy, seed, reasons, stats=stats, always=exact)
+    stats.seconds = time.monotonic() - started
+    return plan

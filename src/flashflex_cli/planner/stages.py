@@ -1,0 +1,232 @@
+"""Level 2: split one pipeline's devices into ordered stages (TP groups).
+
+Rules: a TP group never straddles a node (the links between nodes are the slow ones, Holmes arXiv
+2312.03549: keep TP on the fastest fabric); its degree d is any value the model supports
+(`ModelSpec.supports_tp`: d divides query heads, key/value heads and the MLP width, powers of two or
+not). Stages of one node stay contiguous in the pipeline (a "block"), so a pipeline hop crosses a node
+boundary only between blocks. The search: first every node class picks one degree (a node's devices
+cut into groups of that degree in local-index order, a remainder r into the largest supported degrees
+<= r), under every block order for up to 3 blocks, else four (node order, memory descending -- stage 0 keeps the most micro-batches
+in flight and holds the embedding --, speed descending and ascending); then coordinate descent lets
+each block pick its own mix of group sizes (any partition of its devices into supported degrees, e.g.
+TP 1 + TP 2 + TP 1) and re-tries the block orders (every permutation up to 4 blocks), until no change
+helps (at most 3 rounds). Clusters of at most 32 devices get a more thorough search: every order of
+a block's group sizes, and descent from the 3 best starting points (pipelines of up to 4 blocks). A structure is scored by its time per micro-batch at the pipeline's expected share of the
+batch. A pipeline with more stages than layers drops its slowest stages (their devices go unused).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+from ..model.spec import ModelSpec
+from .fastcost import CostCache, Devs
+from .pipeline import PipeEval, evaluate_pipeline
+
+MAX_OPTIONS = 12
+MAX_OPTIONS_THOROUGH = 16
+MAX_BLOCK_DESCENT = 16
+MAX_ROUNDS = 3
+STARTS = 3
+THOROUGH_DEVICES = 32  # clusters up to this size get the multi-start, all-orders search
+
+
+def tp_degrees(model: ModelSpec, largest: int) -> list[int]:
+    """Supported TP degrees from 1 to `largest`, ascending."""
+    return [d for d in range(1, largest + 1) if model.supports_tp(d)]
+
+
+def chunk(devs: Sequence[int], degree: int, degrees: Sequence[int]) -> list[Devs]:
+    """Cut `devs` into groups of `degree`; the remainder into the largest supported degrees that fit."""
+    out: list[Devs] = []
+    whole = len(devs) - len(devs) % degree
+    out.extend(tuple(devs[i:i + degree]) for i in range(0, whole, degree))
+    rest = list(devs[whole:])
+    while rest:
+        size = max(d for d in degrees if d <= len(rest))
+        out.append(tuple(rest[:size]))
+        rest = rest[size:]
+    return out
+
+
+def node_blocks(cache: CostCache, group: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """(node index, its devices of `group` by local index), nodes ascending."""
+    g = cache.graph
+    blocks: dict[int, list[int]] = {}
+    for i in sorted(group):
+        blocks.setdefault(int(g.node[i]), []).append(i)
+    return sorted(blocks.items())
+
+
+def cut(devs: Sequence[int], sizes: Sequence[int]) -> list[Devs]:
+    """Cut `devs` (local-index order) into consecutive groups of the given sizes."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(tuple(devs[start:start + size]))
+        start += size
+    return out
+
+
+def size_options(count: int, degrees: Sequence[int], limit: int = MAX_OPTIONS,
+                 every: bool = True) -> list[tuple[int, ...]]:
+    """Group sizes for a node block of `count` devices: partitions into supported degrees, fewest groups
+    first, each in every distinct order (with `every` and up to 4 groups; else descending and ascending),
+    at most `limit`."""
+    parts = _partitions(count, tuple(degrees))
+    out: list[tuple[int, ...]] = []
+    for part in sorted(parts, key=lambda p: (len(p), p)):
+        seqs = sorted(set(itertools.permutations(part)), reverse=True) if every and len(part) <= 4 else \
+            [part, tuple(reversed(part))]
+        for seq in seqs:
+            if seq not in out:
+                out.append(seq)
+    return out[:limit]
+
+
+def _partitions(n: int, degrees: tuple[int, ...]) -> list[tuple[int, ...]]:
+    if n == 0:
+        return [()]
+    out = []
+    for d in sorted(degrees, reverse=True):
+        if d <= n:
+            out.extend((d, *rest) for rest in _partitions(n - d, tuple(x for x in degrees if x <= d)))
+    return out
+
+
+def assemble(cache: CostCache, blocks: list[tuple[int, list[int]]], sizes: dict[int, tuple[int, ...]],
+             order: Sequence[int]) -> tuple[Devs, ...]:
+    """Stages of a pipeline: block b cut into groups of `sizes[b]`, blocks in `order` (block positions).
+
+    A pipeline with more stages than layers drops its slowest stages."""
+    stages: list[Devs] = []
+    for b in order:
+        stages.extend(cut(blocks[b][1], sizes[b]))
+    layers = cache.model.num_layers
+    if len(stages) > layers:
+        speed = {st: cache.stage(st).layer_s for st in stages}
+        keep = sorted(sorted(range(len(stages)), key=lambda s: (speed[stages[s]], s))[:layers])
+        stages = [stages[s] for s in keep]
+    return tuple(stages)
+
+
+def _amortised(pipe: PipeEval, micro: int, max_stages: int) -> float:
+    """Seconds per micro-batch when the pipeline runs `micro` micro-batches (inf when it does not fit, or
+    has more stages than the `max_stages` micro-batches the whole batch has: 1F1B needs one per stage)."""
+    if not pipe.ok or pipe.num_stages > max_stages:
+        return float("inf")
+    m = max(micro, pipe.num_stages)
+    return (pipe.fill_s + (m - 1) * pipe.pace_s) / m
+
+
+def block_orders(cache: CostCache, blocks: list[tuple[int, list[int]]], every: bool) -> list[tuple[int, ...]]:
+    """Orders of node blocks: node order, memory descending, speed descending, speed ascending; with
+    `every`, all permutations instead when there are at most 4 blocks."""
+    g = cache.graph
+    count = len(blocks)
+    if every and count <= 4:
+        return list(itertools.permutations(range(count)))
+    memory = [min(g.memory[i] for i in devs) for _, devs in blocks]
+    speed = [min(g.flops[i] for i in devs) for _, devs in blocks]
+    orders = [tuple(range(count)),
+              tuple(sorted(range(count), key=lambda b: (-memory[b], b))),
+              tuple(sorted(range(count), key=lambda b: (-speed[b], b))),
+              tuple(sorted(range(count), key=lambda b: (speed[b], b)))]
+    return list(dict.fromkeys(orders))
+
+
+def best_pipeline(cache: CostCache, group: Sequence[int], micro_estimate: int,
+                  max_stages: int | None = None) -> PipeEval | None:
+    """The best stage structure for one pipeline's devices (see module docstring); None if none fits."""
+    g = cache.graph
+    micro_estimate = bucket(micro_estimate)
+    blocks = node_blocks(cache, group)
+    nodes = [node for node, _ in blocks]
+    signature = (tuple((g.node_class[node], tuple(int(g.local[i]) for i in devs)) for node, devs in blocks),
+                 tuple(float(g.node_bw[a, b]) for a in nodes for b in nodes), micro_estimate, max_stages)
+    memo = cache.structure_memo
+    if signature in memo:  # an equal group elsewhere in the cluster: reuse its structure
+        found = memo[signature]
+        if found is None:
+            return None
+        pipe = evaluate_pipeline(cache, assemble(cache, blocks, found[0], found[1]))
+        return pipe if pipe.ok else None
+    result = _search_structure(cache, blocks, micro_estimate, max_stages or cache.model.num_layers)
+    memo[signature] = None if result is None else result[1]
+    return None if result is None else result[0]
+
+
+def bucket(micro: int) -> int:
+    """Round a micro-batch estimate to a quarter-octave grid (1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 13, 16, ...),
+    so groups of equal shape with slightly different batch shares share one structure search."""
+    if micro <= 8:
+        return max(1, micro)
+    return int(round(2 ** (round(math.log2(micro) * 4) / 4)))
+
+
+Sizes = dict[int, tuple[int, ...]]
+
+
+def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], micro_estimate: int, max_stages: int
+                      ) -> tuple[PipeEval, tuple[Sizes, tuple[int, ...]]] | None:
+    g = cache.graph
+    largest = max(len(devs) for _, devs in blocks)
+    degrees = tp_degrees(cache.model, largest)
+    thorough = cache.graph.size <= THOROUGH_DEVICES
+    options = [size_options(len(devs), degrees, MAX_OPTIONS_THOROUGH if thorough else MAX_OPTIONS, every=thorough)
+               for _, devs in blocks]
+    orders = block_orders(cache, blocks, every=len(blocks) <= 3)
+    all_orders = block_orders(cache, blocks, every=True)
+    seen: dict[tuple, tuple[float, PipeEval]] = {}
+
+    def cost_of(sizes: Sizes, order: tuple[int, ...]) -> tuple[float, PipeEval]:
+        key = (tuple(sorted(sizes.items())), order)
+        if key not in seen:
+            pipe = evaluate_pipeline(cache, assemble(cache, blocks, sizes, order))
+            seen[key] = (_amortised(pipe, micro_estimate, max_stages), pipe)
+        return seen[key]
+
+    # 1. one degree per node class (FlashFlex's level 2), under the block orders
+    starts = []
+    for degree in degrees:
+        sizes = {b: tuple(chunk_sizes(len(devs), degree, degrees)) for b, (_, devs) in enumerate(blocks)}
+        for order in orders:
+            cost, _ = cost_of(sizes, order)
+            if cost < float("inf"):
+                starts.append((cost, len(starts), sizes, order))
+    if not starts:
+        return None
+    starts.sort(key=lambda item: item[:2])
+    # 2. from the best few starts, coordinate descent: each block (or each class, for long pipelines) picks
+    #    its own group sizes, then the block order is re-tried; the best local optimum wins
+    classes = sorted({g.node_class[node] for node, _ in blocks})
+    units = [[b] for b in range(len(blocks))] if len(blocks) <= MAX_BLOCK_DESCENT else \
+        [[b for b, (node, _) in enumerate(blocks) if g.node_class[node] == c] for c in classes]
+    units = [u for u in units if all(len(blocks[b][1]) == len(blocks[u[0]][1]) for b in u)]
+    best: tuple[float, Sizes, tuple[int, ...]] | None = None
+    for cost, _, sizes, order in starts[:STARTS if thorough and len(blocks) <= 4 else 1]:
+        current = (cost, sizes, order)
+        for _ in range(MAX_ROUNDS):
+            before = current[0]
+            for unit in units:
+                for option in options[unit[0]]:
+                    trial = {**current[1], **{b: option for b in unit}}
+                    value, _ = cost_of(trial, current[2])
+                    if value < current[0]:
+                        current = (value, trial, current[2])
+            for order in all_orders:
+                value, _ = cost_of(current[1], order)
+                if value < current[0]:
+                    current = (value, current[1], order)
+            if current[0] >= before:
+                break
+        if best is None or current[0] < best[0]:
+            best = current
+    assert best is not None
+    return cost_of(best[1], best[2])[1], (best[1], best[2])
+
+
+def chunk_sizes(count: int, degree: int, degrees: Sequence[int]) -> list[int]:
+    """Group sizes of `chunk`: groups of `degree`, the remainder in the largest supported degrees."""
+    return [len(group) for group in chunk(list(range(count)), degree, degrees)]

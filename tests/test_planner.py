@@ -1,0 +1,134 @@
+"""plan_layout: determinism, no degenerate plans, baselines, unused devices, infeasible input."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashflex_cli.cost.estimate import estimate
+from flashflex_cli.errors import InfeasibleError, InputError
+from flashflex_cli.hardware.cluster import Cluster
+from flashflex_cli.hardware.synthetic import build_cluster
+from flashflex_cli.model.spec import PRESETS, ModelSpec
+from flashflex_cli.plan.schema import Plan, TrainConfig
+from flashflex_cli.planner.search import plan_layout
+from flashflex_cli.planner.stages import tp_degrees
+
+GIB = 1024**3
+HETERO = "1x4xA100-80G-SXM:nic=ib,1x4xRTX-4090:nic=eth,1x4xRTX-3090:nic=eth"
+
+
+def _check_not_degenerate(plan: Plan, cluster: Cluster) -> None:
+    ids = set(cluster.device_ids)
+    listed = {r.device for r in plan.ranks()} | {u.device for u in plan.unused_devices}
+    assert listed == ids  # every device is used or said to be unused
+    for pipe in plan.pipelines:
+        assert pipe.num_micro_batches >= len(pipe.stages)
+        for stage in pipe.stages:
+            assert stage.num_layers >= 1 and stage.devices
+            assert len({cluster.node_of(d) for d in stage.devices}) == 1  # TP never straddles a node
+    assert plan.predicted is not None and plan.predicted["fits"]
+
+
+def test_same_inputs_and_seed_give_a_byte_identical_plan() -> None:
+    cluster = build_cluster(HETERO)
+    train = TrainConfig(global_batch=64, seq_len=2048)
+    first = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=60, seed=3)
+    again = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=60, seed=3)
+    assert first.to_json() == again.to_json()
+    _check_not_degenerate(first, cluster)
+    assert first.inputs.seed == 3 and first.inputs.strategy == "flashflex"
+    assert first.predicted == estimate(first, cluster).to_predicted()  # the plan stores the cost model's figures
+
+
+def test_flashflex_is_never_below_uniform_and_beats_it_on_a_skewed_cluster() -> None:
+    cluster = build_cluster(HETERO)
+    train = TrainConfig(global_batch=64, seq_len=2048)
+    ours = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=60)
+    base = plan_layout(cluster, PRESETS["llama2-7b"], train, strategy="uniform")
+    _check_not_degenerate(base, cluster)
+    tps = [s.tp for p in base.pipelines for s in p.stages]
+    assert len(set(tps)) == 1 and len({p.num_micro_batches for p in base.pipelines}) == 1
+    assert len({len(p.stages) for p in base.pipelines}) == 1
+    assert ours.predicted["tokens_per_s"] >= base.predicted["tokens_per_s"] * 1.05
+
+
+def test_emulated_cpu_cluster_gets_asymmetric_micro_batches() -> None:
+    cluster = build_cluster("1x4xcpu:slowdown=1,1,2,2")
+    train = TrainConfig(global_batch=16, seq_len=128, dtype="fp32")
+    plan = plan_layout(cluster, PRESETS["llama-small"], train, time_budget_s=30)
+    _check_not_degenerate(plan, cluster)
+    counts = sorted(p.num_micro_batches for p in plan.pipelines)
+    assert len(counts) >= 2 and counts[0] < counts[-1]  # the slow devices' pipeline gets fewer
+
+
+def test_a_device_too_small_to_hold_a_layer_is_left_unused_and_says_why() -> None:
+    base = build_cluster("1x4xA100-80G-SXM:nic=ib")
+    data = base.model_dump(mode="json", by_alias=True)
+    tiny = dict(data["nodes"][0]["devices"][0], memory_bytes=2 * GIB, type="tiny", source="measured",
+                achieved_flops={"bf16": 1e12})
+    data["nodes"].append({"name": "small", "nic": "eth", "devices": [tiny]})
+    cluster = Cluster.model_validate(data)
+    plan = plan_layout(cluster, PRESETS["llama2-7b"], TrainConfig(global_batch=32, seq_len=2048), time_budget_s=30)
+    _check_not_degenerate(plan, cluster)
+    reasons = {u.device: u.reason for u in plan.unused_devices}
+    assert "small/0" in reasons and reasons["small/0"].startswith("too small: ")
+    assert "cannot hold one layer" in reasons["small/0"]
+
+
+def test_tp_degrees_are_every_divisor_not_only_powers_of_two() -> None:
+    model = ModelSpec(name="heads12", hidden_size=768, num_layers=6, num_heads=12, num_kv_heads=12,
+                      intermediate_size=3072, vocab_size=256)
+    assert tp_degrees(model, 8) == [1, 2, 3, 4, 6]
+    cluster = build_cluster("1x6xcpu")
+    plan = plan_layout(cluster, model, TrainConfig(global_batch=12, seq_len=64, dtype="fp32"), time_budget_s=30)
+    _check_not_degenerate(plan, cluster)
+
+
+def test_infeasible_requests_name_what_is_needed_against_what_there_is() -> None:
+    cluster = build_cluster("1x2xRTX-4090")
+    with pytest.raises(InfeasibleError, match=r"llama2-70b needs at least .* TiB .*; the cluster has .* GiB usable"):
+        plan_layout(cluster, PRESETS["llama2-70b"], TrainConfig(global_batch=8, seq_len=4096))
+    with pytest.raises(InfeasibleError, match="not a multiple of micro-batch size"):
+        plan_layout(cluster, PRESETS["llama-tiny"], TrainConfig(global_batch=7, seq_len=64, micro_batch_size=2))
+    with pytest.raises(InputError, match="unknown strategy"):
+        plan_layout(cluster, PRESETS["llama-tiny"], TrainConfig(global_batch=8, seq_len=64), strategy="magic")
+
+
+def test_exhaustive_refuses_large_clusters_and_bounds_flashflex() -> None:
+    with pytest.raises(InputError, match="at most 12 devices; the cluster has 16"):
+        plan_layout(build_cluster("2x8xRTX-4090"), PRESETS["llama-small"], TrainConfig(global_batch=8, seq_len=64),
+                    strategy="exhaustive")
+    cluster = build_cluster("1x2xA100-80G-SXM:nic=ib,1x2xRTX-4090:nic=eth,1x1xRTX-3090:nic=eth")
+    train = TrainConfig(global_batch=32, seq_len=2048)
+    best = plan_layout(cluster, PRESETS["llama2-7b"], train, strategy="exhaustive")
+    ours = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=30)
+    _check_not_degenerate(best, cluster)
+    assert ours.predicted["tokens_per_s"] <= best.predicted["tokens_per_s"] * 1.0001
+    assert ours.predicted["tokens_per_s"] >= best.predicted["tokens_per_s"] * 0.90
+
+
+def test_a_zero_time_budget_still_gives_a_valid_plan_and_says_it_was_cut() -> None:
+    from flashflex_cli.planner.search import SearchStats
+
+    cluster = build_cluster(HETERO)
+    stats = SearchStats()
+    plan = plan_layout(cluster, PRESETS["llama2-7b"], TrainConfig(global_batch=64, seq_len=2048), time_budget_s=0,
+                       stats=stats)
+    _check_not_degenerate(plan, cluster)
+    assert stats.budget_hit
+
+
+def test_idle_devices_say_how_much_faster_leaving_them_idle_is() -> None:
+    cluster = build_cluster("1x8xA100-80G-SXM:nic=ib,1x8xRTX-3080Ti:nic=eth")
+    plan = plan_layout(cluster, PRESETS["llama2-13b"], TrainConfig(global_batch=32, seq_len=4096), time_budget_s=30)
+    _check_not_degenerate(plan, cluster)
+    reasons = [u.reason for u in plan.unused_devices]
+    assert reasons, "the 12 GiB cards behind 10 Gbit/s Ethernet should not help a 13B model here"
+    assert all("faster" in r or r.startswith("too small") for r in reasons)
+
+
+def test_too_few_micro_batches_for_the_stages_memory_needs_is_infeasible() -> None:
+    cluster = build_cluster("8x1xRTX-4090:nic=eth")  # one GPU per node: no TP, so pipelines need many stages
+    with pytest.raises(InfeasibleError, match=r"gives 2 micro-batches .* 1F1B needs a micro-batch per stage; "
+                                              r"use a global batch of at least \d+"):
+        plan_layout(cluster, PRESETS["llama2-7b"], TrainConfig(global_batch=2, seq_len=1024), time_budget_s=30)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from flashflex_cli.cost.compute import layer_times
 from flashflex_cli.cost.params import CostParams
 from flashflex_cli.hardware.catalog import device_type
 from flashflex_cli.hardware.cluster import Cluster
-from flashflex_cli.model.spec import PRESETS
+from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,27 +39,31 @@ def one_device(type_name: str) -> Cluster:
         "memory_bandwidth": entry.memory_bandwidth}]}]})
 
 
-def main() -> None:
-    data = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else SOURCE).read_text())
-    ours, peak_only = CostParams(), CostParams(compute_efficiency={}, default_compute_efficiency=1.0)
-    ratios: dict[str, list[tuple[float, float]]] = {}
+def measured_points(data: dict) -> Iterator[tuple[Cluster, ModelSpec, TrainConfig, float]]:
+    """Every measured (device, model, micro-batch) point with 2048-8192 tokens: measured fwd+bwd seconds."""
     for key, preset in SHAPES.items():
-        for gpu, by_seq in data[key].items():
+        for gpu, by_seq in data.get(key, {}).items():
             cluster = one_device(GPU_NAMES[gpu])
             for seq, by_dtype in by_seq.items():
                 for dkey, value in by_dtype.items():
                     if dkey not in DTYPES or not isinstance(value, list) or len(value) < 4:
                         continue
                     for i, (f_ms, b_ms) in enumerate(zip(value[2], value[3], strict=False)):
-                        if not MIN_TOKENS <= (i + 1) * int(seq) <= MAX_TOKENS:
-                            continue
-                        train = TrainConfig(global_batch=i + 1, seq_len=int(seq), micro_batch_size=i + 1,
-                                            dtype=DTYPES[dkey])
-                        measured = (f_ms + b_ms) / 1e3
-                        a = layer_times(cluster, ["n/0"], PRESETS[preset], train, ours)
-                        b = layer_times(cluster, ["n/0"], PRESETS[preset], train, peak_only)
-                        ratios.setdefault(f"{GPU_NAMES[gpu]}:{DTYPES[dkey]}", []).append(
-                            ((a.fwd_s + a.bwd_s) / measured, (b.fwd_s + b.bwd_s) / measured))
+                        if MIN_TOKENS <= (i + 1) * int(seq) <= MAX_TOKENS:
+                            train = TrainConfig(global_batch=i + 1, seq_len=int(seq), micro_batch_size=i + 1,
+                                                dtype=DTYPES[dkey])
+                            yield cluster, PRESETS[preset], train, (f_ms + b_ms) / 1e3
+
+
+def main() -> None:
+    data = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else SOURCE).read_text())
+    ours, peak_only = CostParams(), CostParams(compute_efficiency={}, default_compute_efficiency=1.0)
+    ratios: dict[str, list[tuple[float, float]]] = {}
+    for cluster, model, train, measured in measured_points(data):
+        a = layer_times(cluster, ["n/0"], model, train, ours)
+        b = layer_times(cluster, ["n/0"], model, train, peak_only)
+        ratios.setdefault(f"{cluster.nodes[0].devices[0].type}:{train.dtype}", []).append(
+            ((a.fwd_s + a.bwd_s) / measured, (b.fwd_s + b.bwd_s) / measured))
     print(f"{'device:dtype':20s} {'n':>4s}  {'ours median [min, max]':>26s}   {'peak-only median':>16s}")
     all_ours, all_peak = [], []
     for key in sorted(ratios):
@@ -78,23 +83,13 @@ def main() -> None:
 def held_out(data: dict) -> None:
     """Leave one model out: derive the efficiencies from the other two, predict the held-out model."""
     errors: list[float] = []
-    for key, preset in SHAPES.items():
+    for key in SHAPES:
         table, _ = derive({k: v for k, v in data.items() if k != key})
         params = CostParams(compute_efficiency={k: e for k, (e, _n) in table.items()})
         model_errors = []
-        for gpu, by_seq in data[key].items():
-            cluster = one_device(GPU_NAMES[gpu])
-            for seq, by_dtype in by_seq.items():
-                for dkey, value in by_dtype.items():
-                    if dkey not in DTYPES or not isinstance(value, list) or len(value) < 4:
-                        continue
-                    for i, (f_ms, b_ms) in enumerate(zip(value[2], value[3], strict=False)):
-                        if not MIN_TOKENS <= (i + 1) * int(seq) <= MAX_TOKENS:
-                            continue
-                        train = TrainConfig(global_batch=i + 1, seq_len=int(seq), micro_batch_size=i + 1,
-                                            dtype=DTYPES[dkey])
-                        lt = layer_times(cluster, ["n/0"], PRESETS[preset], train, params)
-                        model_errors.append(abs((lt.fwd_s + lt.bwd_s) / ((f_ms + b_ms) / 1e3) - 1))
+        for cluster, model, train, measured in measured_points({key: data[key]}):
+            lt = layer_times(cluster, ["n/0"], model, train, params)
+            model_errors.append(abs((lt.fwd_s + lt.bwd_s) / measured - 1))
         errors += model_errors
         print(f"held out {key:20s}: median |predicted/measured - 1| {statistics.median(model_errors):.3f} "
               f"over {len(model_errors)} points (p90 {statistics.quantiles(model_errors, n=10)[-1]:.3f})")

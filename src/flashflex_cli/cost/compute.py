@@ -41,6 +41,21 @@ class LayerTimes:
     tp_fwd_s: float = 0.0
     tp_bwd_s: float = 0.0
 
+    @property
+    def layer_s(self) -> float:
+        """One layer, forward + backward (seconds)."""
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def embed_s(self) -> float:
+        """Embedding, forward + backward (seconds)."""
+        return self.embed_fwd_s + self.embed_bwd_s
+
+    @property
+    def head_s(self) -> float:
+        """Final norm, head and loss, forward + backward (seconds)."""
+        return self.head_fwd_s + self.head_bwd_s
+
 
 def group_rate(cluster: Cluster, devices: Sequence[str], dtype: str, params: CostParams) -> float:
     """Achieved FLOP/s of the slowest device of the group (it sets the pace of every TP step)."""

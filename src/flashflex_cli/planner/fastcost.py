@@ -9,13 +9,11 @@ of layers (weights, optimizer state and activations all grow per layer) and chec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..cost.comm import p2p_time
-from ..cost.compute import layer_times
+from ..cost.compute import LayerTimes, layer_times
 from ..cost.memory import device_capacity, device_reserve, stage_memory
 from ..cost.params import CostParams
-from ..model.flops import dtype_bytes, embedding_params, head_params, layer_params
+from ..model.flops import embedding_params, head_params, layer_params
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
 from .graph import DeviceGraph
@@ -23,39 +21,12 @@ from .graph import DeviceGraph
 Devs = tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class StageCost:
-    """Seconds per micro-batch for one stage's TP group: one layer, the embedding, the head (fwd, bwd)."""
-
-    fwd_s: float
-    bwd_s: float
-    embed_fwd_s: float
-    embed_bwd_s: float
-    head_fwd_s: float
-    head_bwd_s: float
-
-    @property
-    def layer_s(self) -> float:
-        """One layer, forward + backward."""
-        return self.fwd_s + self.bwd_s
-
-    @property
-    def embed_s(self) -> float:
-        """Embedding, forward + backward."""
-        return self.embed_fwd_s + self.embed_bwd_s
-
-    @property
-    def head_s(self) -> float:
-        """Final norm, head and loss, forward + backward."""
-        return self.head_fwd_s + self.head_bwd_s
-
-
 class CostCache:
     """Memoised cost questions about device groups of one cluster, model and training configuration."""
 
     def __init__(self, graph: DeviceGraph, model: ModelSpec, train: TrainConfig, params: CostParams) -> None:
         self.graph, self.model, self.train, self.params = graph, model, train, params
-        self._stage: dict[tuple, StageCost] = {}
+        self._stage: dict[tuple, LayerTimes] = {}
         self._p2p: dict[tuple, float] = {}
         self._mem: dict[tuple, tuple[float, float]] = {}
         self._fit: dict[tuple, int] = {}
@@ -65,7 +36,7 @@ class CostCache:
         self.shape_memo: dict[tuple, object] = {}  # the same, by pipeline shape (see evaluate_pipeline)
         self.structure_memo: dict[tuple, object] = {}  # stages.best_pipeline's structures by group signature
         self._cap: list[float] | None = None
-        grad = dtype_bytes(train.dtype)
+        grad = params.grad_reduce_bytes  # what the DP all-reduce moves per element, as cost/dp.py
         self.layer_grad_bytes = float(layer_params(model) * grad)
         self.embed_grad_bytes = float(embedding_params(model) * grad)
         self.head_grad_bytes = float(head_params(model) * grad)
@@ -85,14 +56,13 @@ class CostCache:
         return key
 
     # ---- compute ----------------------------------------------------------------------------------
-    def stage(self, devs: Devs) -> StageCost:
+    def stage(self, devs: Devs) -> LayerTimes:
         """Per-micro-batch seconds of one layer / the embedding / the head on the TP group `devs`."""
         key = self.stage_key(devs)
         hit = self._stage.get(key)
         if hit is None:
             ids = [self.graph.ids[i] for i in devs]
-            t = layer_times(self.graph.cluster, ids, self.model, self.train, self.params)
-            hit = StageCost(t.fwd_s, t.bwd_s, t.embed_fwd_s, t.embed_bwd_s, t.head_fwd_s, t.head_bwd_s)
+            hit = layer_times(self.graph.cluster, ids, self.model, self.train, self.params)
             self._stage[key] = hit
         return hit
 

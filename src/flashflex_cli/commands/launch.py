@@ -1,9 +1,112 @@
-"""CLI commands: launch (placeholder until its issue lands)."""
+"""CLI command: `flashflex launch PLAN` (run locally, or render torchrun / SLURM launch scripts)."""
 
 from __future__ import annotations
 
+import json
+import os
+import stat
+from pathlib import Path
+
 import typer
+from rich.console import Console
+
+LAUNCHERS = ("local", "torchrun", "slurm")
+
+
+def _split(text: str | None) -> tuple[str, ...] | None:
+    return tuple(part.strip() for part in text.split(",") if part.strip()) if text else None
+
+
+def launch_command(
+    plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan made by `flashflex plan`."),
+    cluster_path: Path = typer.Option(..., "--cluster", "-c", help="The cluster file the plan was made for."),
+    steps: int = typer.Option(10, "--steps", help="Optimizer steps to train (in total, counting resumed ones)."),
+    data: str = typer.Option("synthetic", "--data", help="A token file from `flashflex data prepare`, or synthetic."),
+    out: Path = typer.Option(Path("runs/run"), "--out", help="Run folder: metrics.jsonl goes here."),
+    schedule_steps: int | None = typer.Option(None, "--schedule-steps", help="Length of the learning-rate "
+                                              "schedule (default: --steps); keep it fixed across stops and resumes."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the initial weights and of the data order."),
+    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder of checkpoints."),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Save every K steps (0: only at the end and on SIGTERM)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint (any plan)."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Collective timeout in seconds: survivors of a dead "
+                                  "rank exit after at most this long."),
+    launcher: str = typer.Option("local", "--launcher", help="local: run here through torch elastic; torchrun: "
+                                 "print one torchrun command per host; slurm: print an sbatch script."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the per-node commands, start nothing."),
+    hosts: str | None = typer.Option(None, "--hosts", help="Comma-separated host address per plan node "
+                                     "(default: the cluster's hostnames or node names)."),
+    port: int = typer.Option(29500, "--port", help="Rendezvous port on the first host."),
+    ifname: str | None = typer.Option(None, "--ifname", help="GLOO_SOCKET_IFNAME: one for all hosts or one "
+                                      "per host, comma-separated."),
+    torchrun: str = typer.Option("torchrun", "--torchrun", help="The torchrun executable in rendered commands."),
+    template: str | None = typer.Option(None, "--template", help="A launcher template name or file (default: "
+                                        "launchers/torchrun.sh.tmpl; slurm or slurm-hetjob)."),
+    script: Path | None = typer.Option(None, "--script", help="Write the rendered script to this file."),
+    job_name: str = typer.Option("flashflex", "--job-name", help="SLURM job name."),
+    run_id: str = typer.Option("flashflex", "--run-id", help="Rendezvous id of rendered torchrun commands."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+) -> None:
+    """Check PLAN against the cluster, the machine and the data, then run it or render its launch commands."""
+    from ..errors import InputError
+    from ..hardware.cluster import load_cluster
+    from ..launch.options import RunOptions
+    from ..launch.preflight import check_local_machine, check_plan_cluster, check_run
+    from ..plan.schema import load_plan
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    if launcher not in LAUNCHERS:
+        raise InputError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
+    check_plan_cluster(plan, cluster, str(cluster_path))
+    warnings = check_run(plan, data, steps, str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every,
+                         resume, schedule_steps)
+    options = RunOptions(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
+                         seed=seed, lr=lr, checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                         checkpoint_every=checkpoint_every, resume=resume, timeout_s=timeout,
+                         schedule_steps=schedule_steps)
+    if launcher == "local":
+        from ..launch.local import dry_run_text, launch_local
+
+        warnings += check_local_machine(plan, cluster).warnings
+        for line in warnings:
+            console.print(f"[yellow]warning:[/] {line}")
+        if dry_run:
+            text = dry_run_text(plan, options)
+            typer.echo(json.dumps({"launcher": "local", "commands": [text]}) if as_json else text)
+            return
+        console.print(f"launching {plan.world_size} ranks of {plan_path} on this host: {steps} steps, data {data}")
+        launch_local(plan, options)
+        summary = {"launcher": "local", "run_dir": str(out), "metrics": str(out / "metrics.jsonl")}
+        if as_json:
+            typer.echo(json.dumps(summary))
+        console.print(f"done: metrics in [bold]{out / 'metrics.jsonl'}[/]")
+        return
+    from ..launch.slurm import SlurmSettings, render_slurm
+    from ..launch.torchrun import RenderSettings, command_lines, render_torchrun
+
+    for line in warnings:
+        console.print(f"[yellow]warning:[/] {line}")
+    settings = RenderSettings(hosts=_split(hosts), port=port, ifnames=_split(ifname) or (), torchrun=torchrun,
+                              run_id=run_id, template=template)
+    if launcher == "torchrun":
+        text = render_torchrun(plan, cluster, options, settings)
+    else:
+        text = render_slurm(plan, cluster, options, settings, SlurmSettings(job_name=job_name))
+    if script is not None:
+        from ..fileio import atomic_write_text
+
+        atomic_write_text(script, text)
+        os.chmod(script, os.stat(script).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        console.print(f"wrote {script}")
+    if as_json:
+        typer.echo(json.dumps({"launcher": launcher, "script": text,
+                               "commands": command_lines(text) if launcher == "torchrun" else None}))
+    elif script is None:
+        typer.echo(text, nl=False)
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the root app."""
+    app.command("launch")(launch_command)

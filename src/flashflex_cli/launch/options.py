@@ -1,0 +1,50 @@
+"""The settings of one training run, as passed to every worker on its command line."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+WORKER_MODULE = "flashflex_cli.runtime.worker"
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything a worker needs besides its (node, LOCAL_RANK). Paths as the user gave them.
+
+    timeout_s: collective and rendezvous timeout in seconds, so survivors of a dead rank exit instead
+    of hanging. lr: peak learning rate of AdamW. schedule_steps: length of the learning-rate schedule
+    (default: steps), so a run can stop early and resume onto the same trajectory.
+    """
+
+    plan: str
+    cluster: str
+    out: str
+    data: str = "synthetic"
+    steps: int = 10
+    seed: int = 0
+    lr: float = 1e-3
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    timeout_s: float = 60.0
+    schedule_steps: int | None = None
+
+    def worker_argv(self, node: str | None = None) -> list[str]:
+        """Arguments after `-m flashflex_cli.runtime.worker`."""
+        argv = ["--plan", self.plan, "--cluster", self.cluster, "--data", self.data, "--steps", str(self.steps),
+                "--out", self.out, "--seed", str(self.seed), "--lr", repr(self.lr),
+                "--timeout", f"{self.timeout_s:g}"]
+        if self.schedule_steps:
+            argv += ["--schedule-steps", str(self.schedule_steps)]
+        if self.checkpoint_dir:
+            argv += ["--checkpoint-dir", self.checkpoint_dir, "--checkpoint-every", str(self.checkpoint_every)]
+        if self.resume:
+            argv.append("--resume")
+        if node is not None:
+            argv += ["--plan-node", node]
+        return argv
+
+    def worker_shell(self, node: str | None = None) -> str:
+        """The worker arguments as one shell-quoted string."""
+        return shlex.join(self.worker_argv(node))

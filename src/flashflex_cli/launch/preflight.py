@@ -1,0 +1,162 @@
+"""Checks before any process starts: the plan against its cluster, this machine, the model, the data.
+
+Each check raises a FlashflexError with one line naming what does not match; warnings are returned.
+A plan that does not match the machine it is launched on is a failed check (exit code 1); unreadable
+or inconsistent inputs are input errors (exit code 2).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import CheckFailed, InputError
+from ..hardware.cluster import Cluster
+from ..model.flops import dtype_bytes, embedding_params, head_params, layer_params_per_device
+from ..plan.schema import Plan
+from .layout import node_layouts
+
+GIB = 1024**3
+PROCESS_OVERHEAD_BYTES = 400 * 1024**2  # a Python process with torch imported, measured ~350 MiB on CPU
+
+
+@dataclass
+class Preflight:
+    """What the checks found: warnings for humans, and the estimated bytes each rank needs."""
+
+    warnings: list[str] = field(default_factory=list)
+    rank_bytes: list[float] = field(default_factory=list)
+
+
+def is_cpu_device(cluster: Cluster, device: str) -> bool:
+    """True for an emulated CPU device (type "cpu" or "host")."""
+    return cluster.device(device).type.lower() in ("cpu", "host")
+
+
+def check_plan_cluster(plan: Plan, cluster: Cluster, cluster_path: str) -> None:
+    """The cluster file is the one the plan was made for, and holds every device the plan uses."""
+    if plan.inputs.cluster_sha256 != cluster.sha256():
+        raise CheckFailed(
+            f"{cluster_path} is not the cluster this plan was made for (sha256 {cluster.sha256()[:12]}..., the "
+            f"plan expects {plan.inputs.cluster_sha256[:12]}... of cluster {plan.inputs.cluster_name!r}); "
+            "re-plan for this cluster with `flashflex plan`")
+    known = set(cluster.device_ids)
+    for info in plan.ranks():
+        if info.device not in known:
+            raise CheckFailed(f"plan rank {info.rank} uses device {info.device}, absent from {cluster_path}")
+
+
+def rank_memory_bytes(plan: Plan) -> list[float]:
+    """Estimated bytes each rank holds: weights, gradients and AdamW state (16 bytes per fp32 parameter,
+    or dtype weights + fp32 master + grads + 2 moments under bf16/fp16) plus 1F1B activations."""
+    model, train = plan.inputs.model, plan.inputs.train
+    per_param = 16.0 if train.dtype == "fp32" else 2.0 * dtype_bytes(train.dtype) + 12.0
+    out = []
+    for info in plan.ranks():
+        pipe = plan.pipelines[info.pipeline]
+        stage = pipe.stages[info.stage]
+        params = stage.num_layers * layer_params_per_device(model, stage.tp)
+        if info.stage == 0:
+            params += embedding_params(model) / stage.tp
+        if info.stage == len(pipe.stages) - 1:
+            params += head_params(model) / stage.tp
+        in_flight = min(len(pipe.stages) - info.stage, pipe.num_micro_batches)
+        act = (stage.num_layers * in_flight * pipe.micro_batch_size * train.seq_len
+               * (16 * model.hidden_size + 8 * model.intermediate_size / stage.tp) * dtype_bytes(train.dtype))
+        out.append(params * per_param + act)
+    return out
+
+
+def _available_host_bytes() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_local_machine(plan: Plan, cluster: Cluster) -> Preflight:
+    """This machine can run every rank of the plan: CPU-emulated plans run all nodes here; GPU plans
+    need one node whose devices exist here with enough memory."""
+    import torch
+
+    report = Preflight(rank_bytes=rank_memory_bytes(plan))
+    ranks = plan.ranks()
+    gpu_ranks = [info for info in ranks if not is_cpu_device(cluster, info.device)]
+    if gpu_ranks and len(gpu_ranks) != len(ranks):
+        raise CheckFailed("the plan mixes emulated CPU devices and GPUs; launch it with --launcher torchrun or slurm")
+    if not gpu_ranks:
+        need = sum(report.rank_bytes) + PROCESS_OVERHEAD_BYTES * len(ranks)
+        have = _available_host_bytes()
+        if have is not None and need > have:
+            raise CheckFailed(f"the plan's {len(ranks)} CPU ranks need about {need / GIB:.1f} GiB, this machine "
+                              f"has {have / GIB:.1f} GiB available")
+        cores = os.cpu_count() or 1
+        if len(ranks) > 4 * cores:
+            report.warnings.append(f"{len(ranks)} processes on {cores} cores: expect slow steps")
+        return report
+    layouts = node_layouts(plan, cluster)
+    if len(layouts) > 1:
+        raise CheckFailed(f"the plan spans {len(layouts)} GPU nodes ({', '.join(x.name for x in layouts)}); a "
+                          "local launch runs one: use --launcher torchrun or --launcher slurm")
+    if not torch.cuda.is_available():
+        raise CheckFailed(f"the plan wants {len(gpu_ranks)} GPUs ({gpu_ranks[0].device}, ...) and this machine "
+                          "has no CUDA device")
+    count = torch.cuda.device_count()
+    for info in gpu_ranks:
+        index = int(info.device.rpartition("/")[2])
+        if index >= count:
+            raise CheckFailed(f"plan rank {info.rank} wants device {info.device} (cuda:{index}); this machine "
+                              f"has {count} GPU(s)")
+        have = torch.cuda.get_device_properties(index).total_memory
+        need = report.rank_bytes[info.rank]
+        if need > have:
+            raise CheckFailed(f"plan rank {info.rank} on cuda:{index} needs about {need / GIB:.1f} GiB, the GPU "
+                              f"has {have / GIB:.1f} GiB")
+        wanted = cluster.device(info.device).type
+        actual = torch.cuda.get_device_name(index)
+        if wanted.split("-")[0].lower() not in actual.lower():
+            report.warnings.append(f"{info.device} is a {wanted} in the cluster file, cuda:{index} is a {actual}")
+    return report
+
+
+def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, checkpoint_every: int,
+              resume: bool, schedule_steps: int | None = None) -> list[str]:
+    """The model, training configuration, data and checkpoint options fit together; returns warnings."""
+    from ..runtime.data import open_source
+
+    warnings: list[str] = []
+    if steps < 1:
+        raise InputError(f"--steps must be at least 1, got {steps}")
+    if schedule_steps is not None and schedule_steps < 1:
+        raise InputError(f"--schedule-steps must be at least 1, got {schedule_steps}")
+    if checkpoint_every < 0:
+        raise InputError(f"--checkpoint-every must be 0 (never) or positive, got {checkpoint_every}")
+    if (checkpoint_every or resume) and not checkpoint_dir:
+        raise InputError("--checkpoint-every and --resume need --checkpoint-dir")
+    train, model = plan.inputs.train, plan.inputs.model
+    open_source(data, model.vocab_size, train.global_batch, train.seq_len)  # raises on a bad or oversized vocab
+    if resume and checkpoint_dir:
+        from ..runtime.checkpoint import latest_checkpoint, read_manifest
+
+        found = latest_checkpoint(checkpoint_dir)
+        if found is None:
+            warnings.append(f"--resume: no checkpoint in {checkpoint_dir} yet, starting from step 0")
+        else:
+            manifest = read_manifest(found)
+            if manifest["model"] != model.model_dump(mode="json"):
+                raise CheckFailed(f"{found} holds model {manifest['model'].get('name')!r} of another shape than the "
+                                  f"plan's {model.name!r}; resume needs the same model")
+            if manifest["train"] != train.model_dump(mode="json"):
+                warnings.append(f"{found} was trained with {manifest['train']}, the plan says "
+                                f"{train.model_dump(mode='json')}: the loss trajectory will differ")
+            schedule = schedule_steps or steps
+            if manifest.get("steps", schedule) != schedule:
+                warnings.append(f"{found} comes from a learning-rate schedule of {manifest['steps']} steps, this run's "
+                                f"spans {schedule} (--schedule-steps, default --steps): the loss trajectory will differ")
+            if manifest["step"] >= steps:
+                warnings.append(f"{found} is at step {manifest['step']}, --steps is {steps}: nothing to train")
+    return warnings

@@ -1,0 +1,154 @@
+"""Per-step metrics on rank 0: a rich line per step on stderr (with a live progress line below it on a
+terminal) and `RUN_DIR/metrics.jsonl`.
+
+Each JSON line holds at least: step, loss, tokens_per_s, mfu, step_time_s, lr, grad_norm,
+memory_bytes (largest over ranks), and `stages`: per pipeline stage (from its TP rank 0) the
+forward_s, backward_s, comm_s (pipeline p2p + gradient sync), optimizer_s and, on CPU, tp_comm_s (the
+tensor-parallel all-reduces, included in forward_s and backward_s) of that step.
+MFU = model FLOPs per token (6N + 12*L*s*h, model/flops.py) * tokens/s / summed peak FLOP/s of the
+devices used (emulation slowdown included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ..fileio import atomic_write_text
+
+GIB = 1024**3
+
+
+def rank_memory_bytes(device_type: str) -> int:
+    """Peak memory of this process: CUDA max allocated on GPUs, max resident set size on CPU (bytes)."""
+    if device_type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def stage_times(plan_ranks: list[Any], per_rank: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """Per-stage times (seconds) from the TP-rank-0 ranks' timings, pipelines then stages."""
+    out = []
+    for info, timings in zip(plan_ranks, per_rank, strict=True):
+        if info.tp_rank != 0:
+            continue
+        out.append({
+            "pipeline": info.pipeline,
+            "stage": info.stage,
+            "forward_s": round(float(timings.get("forward", 0.0)), 6),
+            "backward_s": round(float(timings.get("backward", 0.0)), 6),
+            "comm_s": round(float(timings.get("p2p", 0.0)) + float(timings.get("dp_sync", 0.0)), 6),
+            "optimizer_s": round(float(timings.get("optimizer", 0.0)), 6),
+        })
+        if "tp_comm" in timings:  # measured on CPU only; part of forward_s and backward_s
+            out[-1]["tp_comm_s"] = round(float(timings["tp_comm"]), 6)
+    return out
+
+
+class MetricsLog:
+    """Rank 0's metrics: appends one JSON object per step to `run_dir/metrics.jsonl` and prints a line."""
+
+    def __init__(self, run_dir: str | os.PathLike[str], total_steps: int, flops_per_token: float,
+                 peak_flops: float, start_step: int = 0, quiet: bool = False) -> None:
+        """start_step: the first step this run trains; rows of later steps left by an earlier run that
+        crashed after its last checkpoint are dropped, so the file holds each step once."""
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept: list[str] = []
+        if start_step > 0 and self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    if json.loads(line)["step"] < start_step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    continue
+        if kept:
+            atomic_write_text(self.path, "\n".join(kept))
+        else:
+            self.path.write_text("", encoding="utf-8")
+        self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self.total_steps = total_steps
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.quiet = quiet
+        self.step_times: list[float] = []
+        self._live: Progress | None = None
+        if self.console.is_terminal and not quiet:  # a live status line under the per-step lines
+            self._live = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                                  TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                                  console=self.console, transient=True)
+            self._task = self._live.add_task("train", total=total_steps, completed=start_step, status="")
+            self._live.start()
+
+    def record(self, step: int, loss: float, tokens: int, step_time_s: float, lr: float, grad_norm: float,
+               memory_bytes: int, stages: list[dict[str, Any]]) -> dict[str, Any]:
+        """Write and show one step (`tokens` processed in `step_time_s` seconds); returns the record."""
+        tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
+        mfu = self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops > 0 else 0.0
+        row = {"step": step, "loss": round(loss, 6), "tokens_per_s": round(tokens_per_s, 3), "mfu": round(mfu, 6),
+               "step_time_s": round(step_time_s, 6), "lr": lr, "grad_norm": round(grad_norm, 6),
+               "memory_bytes": memory_bytes, "stages": stages}
+        self._handle.write(json.dumps(row) + "\n")
+        self._handle.flush()
+        self.step_times.append(step_time_s)
+        if not self.quiet:
+            self.console.print(
+                f"[bold]step {step + 1:>4}/{self.total_steps}[/]  loss [cyan]{loss:7.4f}[/]  "
+                f"{tokens_per_s:9,.0f} tok/s  MFU {100 * mfu:5.2f}%  step {1e3 * step_time_s:7.1f} ms  "
+                f"mem {memory_bytes / GIB:5.2f} GiB")
+        if self._live is not None:
+            self._live.update(self._task, completed=step + 1, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
+        return row
+
+    def summary(self, predicted_step_s: float | None) -> dict[str, Any]:
+        """Measured median step time (first step, the warm-up, left out when there are more) against the plan's
+        predicted one; printed and returned."""
+        self._stop_live()
+        times = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
+        measured = statistics.median(times) if times else None
+        out: dict[str, Any] = {"measured_step_s": measured, "predicted_step_s": predicted_step_s}
+        if measured is not None and not self.quiet:
+            line = f"measured iteration time {1e3 * measured:.1f} ms (median of {len(times)} steps)"
+            if predicted_step_s:
+                out["measured_over_predicted"] = measured / predicted_step_s
+                line += (f", predicted {1e3 * predicted_step_s:.1f} ms: measured/predicted "
+                         f"{measured / predicted_step_s:.2f}")
+            else:
+                line += ", the plan carries no prediction"
+            self.console.print(line)
+        if not self.quiet:
+            self.console.print(f"metrics: {self.path}")
+        return out
+
+    def _stop_live(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def close(self) -> None:
+        """Stop the live line and close the JSONL file."""
+        self._stop_live()
+        self._handle.close()
+
+
+def predicted_step_seconds(predicted: dict[str, Any] | None) -> float | None:
+    """The predicted iteration time (seconds) from a plan's `predicted` section, under the names the cost
+    model may use."""
+    if not predicted:
+        return None
+    for key in ("iteration_time_s", "step_time_s", "iteration_s", "time_s"):
+        value = predicted.get(key)
+        if isinstance(value, int | float) and value > 0:
+            return float(value)
+    return None

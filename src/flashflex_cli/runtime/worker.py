@@ -1,0 +1,225 @@
+"""The per-rank entry point: `python -m flashflex_cli.runtime.worker --plan P --cluster C ...`.
+
+Started by torch elastic (`flashflex launch`, torchrun, or SLURM's srun + torchrun), it reads LOCAL_RANK,
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment torchrun sets. Its plan rank comes from
+(`--plan-node`, LOCAL_RANK): local rank i runs the i-th device of that plan node in plan rank order (without
+`--plan-node`, every device of the plan runs on this host, and the plan rank is LOCAL_RANK). The process group
+uses plan ranks (gloo on CPU devices, NCCL on GPUs) over torchrun's store, so torchrun's own rank order
+does not matter.
+
+Exit codes: 0 done (or stopped by SIGTERM after saving a checkpoint); 1 an error on this rank;
+3 a peer rank failed (a collective broke or timed out); 2 bad input.
+Fault injection for tests: FLASHFLEX_FAULT_INJECT="rank=R,step=K" kills plan rank R with SIGKILL at the
+start of step K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+PEER_LOST = 3
+
+
+def plan_rank(plan, node: str | None, local_rank: int) -> int:  # type: ignore[no-untyped-def]
+    """The plan rank of local rank `local_rank` on plan node `node` (None: all nodes on this host)."""
+    ranks = [info.rank for info in plan.ranks() if node is None or info.device.rpartition("/")[0] == node]
+    if not ranks:
+        raise ValueError(f"plan node {node!r} runs no device of the plan")
+    if local_rank >= len(ranks):
+        raise ValueError(f"local rank {local_rank} but plan node {node!r} runs only {len(ranks)} devices")
+    return ranks[local_rank]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="flashflex-worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--cluster", required=True)
+    parser.add_argument("--data", default="synthetic")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
+    parser.add_argument("--schedule-steps", type=int, default=None, help="learning-rate schedule length")
+    parser.add_argument("--checkpoint-dir")
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--plan-node", dest="node", help="plan node run by this host (default: all)")
+    return parser.parse_args(argv)
+
+
+def _fault(rank: int, step: int) -> None:
+    spec = os.environ.get("FLASHFLEX_FAULT_INJECT", "")
+    if not spec:
+        return
+    fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
+    if int(fields.get("rank", -1)) == rank and int(fields.get("step", -1)) == step:
+        print(f"flashflex: fault injection: killing rank {rank} at step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StopRequest:
+    """Installs a SIGTERM handler: the first SIGTERM asks to stop after the current step (every rank agrees
+    through an all-reduce, then all save); a second one exits at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.requested:
+            os._exit(128 + signum)
+        self.requested = True
+
+
+def _init_process_group(rank: int, world: int, backend: str, timeout_s: float):  # type: ignore[no-untyped-def]
+    """Join the job's process group as plan rank `rank` over the store torchrun's agent provides."""
+    import torch.distributed as dist
+
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"{' and '.join(missing)} not set: start workers through `flashflex launch`, torchrun "
+                           "or a rendered SLURM script")
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        store = dist.TCPStore(host, port, world, False, timeout=timeout)
+        prefix = f"/worker/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/flashflex"
+    else:
+        is_server = os.environ.get("RANK") == "0"
+        store = dist.TCPStore(host, port, world, is_server, timeout=timeout)
+        prefix = "flashflex"
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
+                            timeout=timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train; returns the exit code."""
+    import torch
+    import torch.distributed as dist
+
+    from ..hardware.cluster import load_cluster
+    from ..model.flops import model_flops_per_token
+    from ..plan.schema import load_plan
+    from . import checkpoint as ckpt
+    from .data import open_source
+    from .engine import RankEngine
+    from .groups import build_groups
+    from .metrics import MetricsLog, predicted_step_seconds, rank_memory_bytes, stage_times
+    from .optimizer import OptimConfig
+
+    plan, cluster = load_plan(args.plan), load_cluster(args.cluster)
+    if plan.inputs.cluster_sha256 != cluster.sha256():
+        raise ValueError(f"{args.cluster} is not the cluster plan {args.plan} was made for (sha256 differs)")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    rank = plan_rank(plan, args.node, local_rank)
+    world = plan.world_size
+    if int(os.environ.get("WORLD_SIZE", world)) != world:
+        raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes, the plan has {world} ranks")
+    ranks = plan.ranks()
+    me = ranks[rank]
+    os.environ["FLASHFLEX_RANK_LABEL"] = f"rank {rank} (node {me.device.rpartition('/')[0]}, device {me.device})"
+    device_info = cluster.device(me.device)
+    on_cpu = device_info.type.lower() in ("cpu", "host")
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", int(me.device.rpartition("/")[2]))
+    if not on_cpu:
+        count = torch.cuda.device_count()
+        if device.index >= count:
+            raise ValueError(f"plan rank {rank} wants {me.device} (cuda:{device.index}), this host has {count} GPU(s)")
+        torch.cuda.set_device(device)
+    _init_process_group(rank, world, "gloo" if on_cpu else "nccl", args.timeout)
+
+    stop = StopRequest()
+    train, model = plan.inputs.train, plan.inputs.model
+    groups = build_groups(plan, rank)
+    schedule = max(1, args.schedule_steps or args.steps)
+    optim = OptimConfig(lr=args.lr, min_lr=args.lr / 10, warmup_steps=min(10, max(1, schedule // 10)),
+                        total_steps=schedule)
+    engine = RankEngine(plan, rank, groups, device, optim, seed=args.seed, slowdown=device_info.slowdown)
+    source = open_source(args.data, model.vocab_size, train.global_batch, train.seq_len, seed=args.seed)
+    shards = ckpt.shards_for(engine.state_for_checkpoint(), engine.shard_specs(), rank)
+    manifest = {"model": model.model_dump(mode="json"), "train": train.model_dump(mode="json"),
+                "plan_sha256": hashlib.sha256(plan.to_json().encode()).hexdigest(),
+                "data": args.data, "seed": args.seed, "steps": args.schedule_steps or args.steps,
+                "lr": args.lr}
+
+    start = 0
+    if args.resume and args.checkpoint_dir:
+        found = ckpt.latest_checkpoint(args.checkpoint_dir)
+        if found is not None:
+            full = ckpt.load_full(found, shards.keys())
+            engine.load_from_full(lambda key: full[key])
+            start = engine.step
+            if rank == 0:
+                print(f"flashflex: resumed from {found} at step {start}", file=sys.stderr, flush=True)
+
+    log = None
+    if rank == 0:
+        peak = sum(cluster.device(info.device).flops(train.dtype) for info in ranks)
+        log = MetricsLog(args.out, args.steps, model_flops_per_token(model, train.seq_len), peak,
+                         start_step=start)
+    flag = torch.zeros(1, device=device)  # NCCL reduces only device tensors
+    step = start
+    for step in range(start, args.steps):
+        _fault(rank, step)
+        t0 = time.perf_counter()
+        batch = source.global_batch(step)
+        result = engine.train_step(batch[engine.pipeline_slice(batch.shape[0])])
+        step_time = time.perf_counter() - t0
+        payload = (result.timings, rank_memory_bytes(device.type))
+        gathered: list | None = [None] * world if rank == 0 else None
+        dist.gather_object(payload, gathered, dst=0)
+        flag.fill_(1.0 if stop.requested else 0.0)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if log is not None and gathered is not None:
+            log.record(step, result.loss, train.tokens_per_step, step_time, result.lr, result.grad_norm,
+                       max(int(g[1]) for g in gathered), stage_times(ranks, [g[0] for g in gathered]))
+        done = step + 1
+        stopping = flag.item() > 0
+        due = done == args.steps or (args.checkpoint_every > 0 and done % args.checkpoint_every == 0)
+        if args.checkpoint_dir and (due or stopping):
+            path = ckpt.save(args.checkpoint_dir, done, engine.state_for_checkpoint(), shards, manifest)
+            if rank == 0:
+                print(f"flashflex: checkpoint {path}", file=sys.stderr, flush=True)
+        if stopping:
+            if rank == 0:
+                print(f"flashflex: SIGTERM: stopped after step {done}", file=sys.stderr, flush=True)
+            break
+    if log is not None:
+        log.summary(predicted_step_seconds(plan.predicted))
+        log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank; print one line naming the rank on failure."""
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except Exception as exc:  # report one line with the rank, then exit non-zero
+        from ..errors import FlashflexError
+
+        label = os.environ.get("FLASHFLEX_RANK_LABEL", f"local rank {os.environ.get('LOCAL_RANK', '?')}")
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        peer = isinstance(exc, RuntimeError | TimeoutError) and not isinstance(exc, FlashflexError) and any(
+            word in str(exc) for word in ("Connection", "closed", "reset", "Timed out", "timeout", "peer",
+                                          "NCCL", "Gloo", "gloo", "recv", "send"))
+        kind = "lost a peer" if peer else "failed"
+        print(f"flashflex worker {label} {kind}: {type(exc).__name__}: {text}", file=sys.stderr, flush=True)
+        if os.environ.get("FLASHFLEX_DEBUG"):
+            raise
+        if isinstance(exc, FlashflexError):
+            return exc.exit_code
+        return PEER_LOST if peer else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -103,6 +103,8 @@ def test_distributed_probe_follows_link_shaping(tmp_path):
     assert [n.name for n in cluster.nodes] == ["host0", "host1", "host2"]
     assert all(d.source == "measured" for n in cluster.nodes for d in n.devices)
     pairs = {(p.a, p.b): p for p in cluster.inter_node.pairs}
+    for (a, b), pair in sorted(pairs.items()):  # shown with `pytest -s`: the figures quoted in issue notes
+        print(f"measured {a}<->{b}: {pair.bandwidth * 8 / 1e9:.3f} Gbit/s, latency {pair.latency_s * 1e6:.0f} us")
     assert set(pairs) == {("host0", "host1"), ("host0", "host2"), ("host1", "host2")}
     for shaped in (("host0", "host2"), ("host1", "host2")):
         assert pairs[shaped].bandwidth == pytest.approx(GBIT, rel=0.25), pairs[shaped]

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from flashflex_cli.cli import main
+from flashflex_cli.errors import RuntimeFailure
+from flashflex_cli.hardware import probe_gloo, probe_local
 from flashflex_cli.hardware.cluster import load_cluster
+from flashflex_cli.hardware.probe_gloo import GlooProbe, free_port, gloo_link
 from flashflex_cli.hardware.probe_local import (
     CopyProbe,
     DeviceProbe,
@@ -52,12 +55,60 @@ def test_quick_cpu_probe_describes_shared_host():
     assert probe.kind == "cpu" and len(probe.devices) == 3
     node = node_from_probe(probe, node_name="here")
     assert node.name == "here" and node.hostname == probe.hostname
-    assert node.intra_link.kind == "shm" and node.intra_link.bandwidth > 1e8
+    # gloo over loopback TCP between two processes: 0.05-50 GB/s, 1 us - 100 ms per message
+    link = node.intra_link
+    assert link.kind == "shm" and 50e6 < link.bandwidth < 50e9 and 1e-6 < link.latency_s < 0.1
+    assert (link.bandwidth, link.latency_s) == (sig(probe.gloo.bandwidth), sig(probe.gloo.latency_s))
     total = sum(d.memory_bytes for d in node.devices)
     assert host_memory_bytes() - 3 < total <= host_memory_bytes()
     for device in node.devices:
         assert device.source == "measured" and device.type == "cpu"
         assert device.peak_flops == device.achieved_flops and device.peak_flops["fp32"] > 1e8
+
+
+def test_one_cpu_device_has_no_link_and_spawns_nothing(monkeypatch):
+    def no_spawn(*_args, **_kwargs):
+        raise AssertionError("one emulated device has no inter-process link to measure")
+
+    monkeypatch.setattr(probe_local, "gloo_link", no_spawn)
+    probe = probe_node(quick=True, cpu_devices=1, progress=False)
+    assert probe.gloo is None
+    link = node_from_probe(probe).intra_link
+    assert link.kind == "shm" and link.bandwidth is None and link.latency_s is None
+
+
+def test_cpu_link_is_the_gloo_measurement_not_a_memcpy(monkeypatch):
+    calls = []
+
+    def fake_gloo(sizes):
+        calls.append(sizes)
+        return GlooProbe(bandwidth=1.23456e9, latency_s=4.56789e-4)
+
+    monkeypatch.setattr(probe_local, "gloo_link", fake_gloo)
+    quick = node_from_probe(probe_node(quick=True, cpu_devices=2, progress=False))
+    assert quick.intra_link.model_dump() == {"kind": "shm", "bandwidth": 1.235e9, "latency_s": 4.568e-4}
+    assert calls == [probe_gloo.QUICK_GLOO]
+    assert probe_gloo.QUICK_GLOO.nbytes < probe_gloo.FULL_GLOO.nbytes == 64 * 2**20
+
+
+def test_gloo_probe_failure_is_one_line(monkeypatch):
+    import torch.multiprocessing as mp
+
+    def dead(*_args, **_kwargs):
+        raise mp.ProcessExitedException("process 1 terminated with exit code 1", error_index=1, error_pid=4242, exit_code=1)
+
+    monkeypatch.setattr(mp, "spawn", dead)
+    with pytest.raises(RuntimeFailure, match="gloo loopback probe failed: process 1 terminated"):
+        gloo_link()
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = free_port()
+    assert 0 < port < 65536
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
 
 
 def test_profile_command_quick_on_cpu(tmp_path, capsys):

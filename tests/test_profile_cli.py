@@ -78,6 +78,21 @@ def test_bundled_profiles_describe_the_papers_clusters(repo):
         assert cluster.name == name and cluster.description
 
 
+@pytest.mark.parametrize("cpu_devices", [1, 2])
+def test_quick_cpu_profile_records_the_gloo_link(tmp_path, capsys, cpu_devices):
+    out = tmp_path / "me.json"
+    assert main(["profile", "--quick", "--cpu-devices", str(cpu_devices), "--out", str(out)]) == 0
+    node = load_cluster(out).nodes[0]
+    link = node.intra_link
+    assert len(node.devices) == cpu_devices and link.kind == "shm"
+    if cpu_devices == 1:  # one process: no inter-process link was measured
+        assert link.bandwidth is None and link.latency_s is None
+        assert "gloo" not in capsys.readouterr().err
+    else:  # two processes over gloo/loopback TCP, not a host memcpy
+        assert 50e6 < link.bandwidth < 50e9 and 1e-6 < link.latency_s < 0.1
+        assert "gloo" in capsys.readouterr().err
+
+
 def test_merge_combines_node_files(tmp_path, capsys):
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "ab.json"
     assert main(["profile", "--synthetic", "1x2x4090:name=left", "--out", str(a)]) == 0

@@ -2,7 +2,9 @@
 
 GPU (CUDA): bf16 n x n matmuls, `torch.cuda.mem_get_info`, copies between every device pair.
 CPU-only: fp32 matmuls with the process's torch thread count, host memory from /proc/meminfo shared
-by `cpu_devices` emulated devices, a host memcpy as the "shm" link between them.
+by `cpu_devices` emulated devices and, with 2 or more of them, the "shm" link between them measured the
+way the runtime uses it: two spawned processes exchanging tensors with gloo over loopback TCP
+(probe_gloo.py; bandwidth and one-way latency). One emulated device has no such link.
 Every figure is the best of a few timed runs (the least disturbed by other load).
 """
 
@@ -19,6 +21,7 @@ import torch
 
 from .catalog import device_type
 from .cluster import Device, DevicePair, IntraLink, Node
+from .probe_gloo import FULL_GLOO, QUICK_GLOO, GlooProbe, gloo_link
 
 MIB = 1024**2
 
@@ -61,13 +64,13 @@ class CopyProbe:
 
 @dataclass(frozen=True)
 class NodeProbe:
-    """Everything measured on one host. host_copy_bandwidth: bytes/s of one host memcpy."""
+    """Everything measured on one host. gloo: the loopback gloo link between emulated CPU devices (2+)."""
 
     hostname: str
     kind: str  # "cuda" or "cpu"
     devices: list[DeviceProbe]
     copies: list[CopyProbe] = field(default_factory=list)
-    host_copy_bandwidth: float | None = None
+    gloo: GlooProbe | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -182,7 +185,7 @@ def probe_node(quick: bool = False, cpu_devices: int = 1, progress: bool = True)
     hostname = socket.gethostname()
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         return _probe_cuda(hostname, QUICK_GPU if quick else FULL_GPU, progress)
-    return _probe_cpu(hostname, cpu_devices, QUICK_CPU if quick else FULL_CPU, progress)
+    return _probe_cpu(hostname, cpu_devices, QUICK_CPU if quick else FULL_CPU, progress, quick)
 
 
 def _probe_cuda(hostname: str, sizes: ProbeSizes, show: bool) -> NodeProbe:
@@ -208,19 +211,23 @@ def _probe_cuda(hostname: str, sizes: ProbeSizes, show: bool) -> NodeProbe:
     return NodeProbe(hostname, "cuda", devices, copies)
 
 
-def _probe_cpu(hostname: str, cpu_devices: int, sizes: ProbeSizes, show: bool) -> NodeProbe:
+def _probe_cpu(hostname: str, cpu_devices: int, sizes: ProbeSizes, show: bool, quick: bool) -> NodeProbe:
     cpu = torch.device("cpu")
-    bar, task = _progress(show, 3, f"probing host as {cpu_devices} cpu device(s)")
+    linked = cpu_devices >= 2
+    bar, task = _progress(show, 3 if linked else 2, f"probing host as {cpu_devices} cpu device(s)")
+    gloo: GlooProbe | None = None
     with bar:
         flops = matmul_flops(cpu, torch.float32, sizes.matmul_n, sizes.repeats)
         bar.advance(task)
         bandwidth = memory_bandwidth(cpu, sizes.copy_bytes, sizes.repeats)
         bar.advance(task)
-        host_copy = copy_bandwidth(cpu, cpu, sizes.copy_bytes, sizes.repeats)
-        bar.advance(task)
+        if linked:
+            bar.update(task, description="probing gloo loopback link between cpu devices")
+            gloo = gloo_link(QUICK_GLOO if quick else FULL_GLOO)
+            bar.advance(task)
     memory = host_memory_bytes() // cpu_devices
     devices = [DeviceProbe(i, "cpu", "fp32", flops, memory, bandwidth) for i in range(cpu_devices)]
-    return NodeProbe(hostname, "cpu", devices, [], host_copy)
+    return NodeProbe(hostname, "cpu", devices, [], gloo)
 
 
 def default_node_name(hostname: str) -> str:
@@ -250,7 +257,9 @@ def node_from_probe(probe: NodeProbe, node_name: str | None = None, nic: str = "
     """Turn a NodeProbe into a cluster Node (measured devices, measured intra-node pairs)."""
     devices = [_measured_device(d, probe.kind) for d in probe.devices]
     if probe.kind == "cpu":
-        intra = IntraLink(kind="shm", bandwidth=sig(probe.host_copy_bandwidth) if probe.host_copy_bandwidth else None)
+        gloo = probe.gloo
+        intra = IntraLink(kind="shm", bandwidth=sig(gloo.bandwidth) if gloo else None,
+                          latency_s=sig(gloo.latency_s) if gloo else None)
         pairs: list[DevicePair] = []
     else:
         slowest = min((c.bandwidth for c in probe.copies), default=None)

@@ -1,0 +1,123 @@
+"""Measure the link between emulated CPU devices: two local processes, gloo over loopback TCP.
+
+Emulated CPU devices are separate processes that exchange activations and gradients with
+torch.distributed's gloo backend over 127.0.0.1, so that path (not a host memcpy) is their intra-node
+link. Two processes are spawned (one torch thread each, a free port found by binding port 0); rank 0
+times point-to-point transfers to rank 1, which echoes a 4-byte acknowledgement:
+latency = half the best round trip of a small message, bandwidth = nbytes / (best round time of a
+large message - that round trip). Best of a few runs after a warm-up (TCP connection set-up and window
+growth), the least disturbed by other load.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from ..errors import RuntimeFailure
+
+KIB = 1024
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class GlooSizes:
+    """Bandwidth message (bytes), latency message (bytes) and timed repeats after one warm-up."""
+
+    nbytes: int
+    small_bytes: int
+    repeats: int
+
+
+QUICK_GLOO = GlooSizes(nbytes=4 * MIB, small_bytes=4 * KIB, repeats=3)
+FULL_GLOO = GlooSizes(nbytes=64 * MIB, small_bytes=4 * KIB, repeats=5)
+
+
+@dataclass(frozen=True)
+class GlooProbe:
+    """Loopback gloo link between two local processes: bytes/s (one direction) and one-way latency (s)."""
+
+    bandwidth: float
+    latency_s: float
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it back, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _round_trip(payload: torch.Tensor, ack: torch.Tensor) -> float:
+    """Rank 0: seconds to send `payload` to rank 1 and receive its acknowledgement."""
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    dist.send(payload, dst=1)
+    dist.recv(ack, src=1)
+    return time.perf_counter() - start
+
+
+def _echo(payload: torch.Tensor, ack: torch.Tensor) -> None:
+    """Rank 1: receive `payload` from rank 0 and acknowledge it."""
+    import torch.distributed as dist
+
+    dist.recv(payload, src=0)
+    dist.send(ack, dst=0)
+
+
+def _worker(rank: int, port: int, sizes: GlooSizes, results, timeout_s: float) -> None:  # noqa: ANN001 - a Queue
+    """One of the two spawned processes; rank 0 puts (bandwidth, latency_s) on `results`."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=timeout_s))
+    try:
+        payload = torch.ones(sizes.nbytes // 4, dtype=torch.float32)
+        small = torch.ones(max(sizes.small_bytes // 4, 1), dtype=torch.float32)
+        ack = torch.zeros(1, dtype=torch.float32)
+        rounds = sizes.repeats + 1  # one warm-up round each
+        if rank == 1:
+            for _ in range(rounds):
+                _echo(small, ack)
+            for _ in range(rounds):
+                _echo(payload, ack)
+        else:
+            rtt = min(_round_trip(small, ack) for _ in range(rounds))
+            _round_trip(payload, ack)
+            best = min(_round_trip(payload, ack) for _ in range(sizes.repeats))
+            results.put((payload.numel() * 4 / max(best - rtt, 1e-9), max(rtt / 2, 1e-9)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_link(sizes: GlooSizes = QUICK_GLOO, timeout_s: float = 60.0) -> GlooProbe:
+    """Spawn two local processes and measure gloo point-to-point over loopback TCP between them."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    saved = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    os.environ.update({key: "1" for key in saved})  # inherited by the children before torch loads there
+    try:
+        mp.spawn(_worker, args=(free_port(), sizes, results, timeout_s), nprocs=2, join=True)
+    except Exception as exc:  # ProcessRaisedException, ProcessExitedException
+        first = str(exc).strip().splitlines()
+        raise RuntimeFailure(f"gloo loopback probe failed: {first[-1] if first else type(exc).__name__}") from None
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    if results.empty():
+        raise RuntimeFailure("gloo loopback probe failed: rank 0 reported no measurement")
+    bandwidth, latency_s = results.get()
+    return GlooProbe(float(bandwidth), float(latency_s))

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from flashflex_cli.runtime import checkpoint as ckpt
+from flashflex_cli.runtime.shards import ShardSpec
 from tests.conftest import FLASHFLEX
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -28,23 +29,23 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-def _shards(w: torch.Tensor, cuts: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, ckpt.Shard]]:
+def _shards(w: torch.Tensor, cuts: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
     """Split w [4, 6] along dim 1 at `cuts` into separate 'local' tensors, as TP ranks would hold them."""
     tensors, shards = {}, {}
     bounds = [0, *cuts, w.shape[1]]
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         name = f"w#{a}"
         tensors[name] = w[:, a:b].clone()
-        shards[name] = ckpt.Shard("w", tuple(w.shape), 1, a, b, True)
+        shards[name] = ShardSpec("w", tuple(w.shape), 1, a, b, True)
     return tensors, shards
 
 
 def test_save_shards_load_full_tensors(tmp_path: Path, world_of_one: None) -> None:
     w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     tensors, shards = _shards(w, [2, 5])
-    tensors["b"], shards["b"] = torch.ones(3), ckpt.Shard("b", (3,), None, 0, 3, True)
-    tensors["step"], shards["step"] = torch.tensor(7), ckpt.Shard("step", (), None, 0, 1, True)
-    tensors["x"], shards["x"] = torch.zeros(2), ckpt.Shard("x", (2,), None, 0, 2, False)  # not the owner
+    tensors["b"], shards["b"] = torch.ones(3), ShardSpec("b", (3,), None, 0, 3, True)
+    tensors["step"], shards["step"] = torch.tensor(7), ShardSpec("step", (), None, 0, 1, True)
+    tensors["x"], shards["x"] = torch.zeros(2), ShardSpec("x", (2,), None, 0, 2, False)  # not the owner
     path = ckpt.save(tmp_path, 7, tensors, shards, {"model": {"name": "t"}})
     assert path == tmp_path / "step-000007" and (tmp_path / "latest").read_text().strip() == "step-000007"
     manifest = ckpt.read_manifest(path)

@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import InputError
 from ..fileio import atomic_write_text, dumps_json
+from .shards import ShardSpec
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -41,36 +41,18 @@ KEEP = 2
 _DIR = re.compile(r"^step-(\d{6,})$")
 
 
-@dataclass(frozen=True)
-class Shard:
-    """Where a local tensor sits in its full tensor: slice [start, stop) of dimension `dim` (None: whole),
-    `full_shape` of the full tensor, and whether this rank writes it (`owner`)."""
-
-    name: str
-    full_shape: tuple[int, ...]
-    dim: int | None
-    start: int
-    stop: int
-    owner: bool
-
-    @property
-    def key(self) -> str:
-        """The DCP key of this shard."""
-        return f"{self.name}@full" if self.dim is None else f"{self.name}@{self.dim}:{self.start}:{self.stop}"
-
-
-def shards_for(state: Mapping[str, torch.Tensor], specs: Iterable[Any], rank: int) -> dict[str, Shard]:
+def shards_for(state: Mapping[str, torch.Tensor], specs: Iterable[Any], rank: int) -> dict[str, ShardSpec]:
     """The Shard of every key of an engine's `state_for_checkpoint()`: a parameter's own ShardSpec (name,
     full_shape, dim, start, stop, owner), the same for its "<name>.exp_avg" / "<name>.exp_avg_sq" moments;
     any other key (the "step" scalar) is one whole tensor written by rank 0."""
     by_name = {spec.name: spec for spec in specs}
-    out: dict[str, Shard] = {}
+    out: dict[str, ShardSpec] = {}
     for key in state:
         base = by_name.get(key) or by_name.get(key.rsplit(".exp_avg", 1)[0])
         if base is None:
-            out[key] = Shard(key, tuple(state[key].shape), None, 0, 1, rank == 0)
+            out[key] = ShardSpec(key, tuple(state[key].shape), None, 0, 1, rank == 0)
         else:
-            out[key] = Shard(key, tuple(base.full_shape), base.dim, base.start, base.stop, base.owner)
+            out[key] = ShardSpec(key, tuple(base.full_shape), base.dim, base.start, base.stop, base.owner)
     return out
 
 
@@ -104,7 +86,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def save(root: str | os.PathLike[str], step: int, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, Shard],
+def save(root: str | os.PathLike[str], step: int, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec],
          manifest: Mapping[str, Any], group: dist.ProcessGroup | None = None) -> Path:
     """Save this rank's owned shards (collective over `group`, default: the world). Returns the folder.
 
@@ -157,11 +139,11 @@ def load_full(path: str | os.PathLike[str], names: Iterable[str],
     table: dict[str, Any] = manifest["tensors"]
     wanted = [name for name in dict.fromkeys(names) if name in table]
     state: dict[str, torch.Tensor] = {}
-    plan: list[tuple[str, str, Shard]] = []
+    plan: list[tuple[str, str, ShardSpec]] = []
     for name in wanted:
         shape = tuple(table[name]["shape"])
         for dim, start, stop in table[name]["shards"]:
-            shard = Shard(name, shape, dim, start, stop, True)
+            shard = ShardSpec(name, shape, dim, start, stop, True)
             local_shape = list(shape)
             if dim is not None:
                 local_shape[dim] = stop - start

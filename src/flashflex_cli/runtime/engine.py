@@ -47,6 +47,7 @@ from .init import full_init
 from .model import ParamInfo, StageModule, stage_params
 from .optimizer import OptimConfig, lr_at, make_optimizer, set_lr
 from .pipeline import PipelineRunner, PipelineTimes
+from .shards import ShardSpec
 from .slowdown import Slowdown
 
 __all__ = ["OptimConfig", "RankEngine", "ShardSpec", "StepResult", "plan_shard_specs"]
@@ -64,24 +65,6 @@ class StepResult:
     grad_norm: float
     lr: float
     timings: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """A local parameter: global name, full shape, the slice [start, stop) along `dim` held here (dim None: the
-    whole tensor; start/stop then span dim 0), and `owner`: True on exactly one rank per (name, dim, start,
-    stop) in the whole job."""
-
-    name: str
-    full_shape: tuple[int, ...]
-    dim: int | None
-    start: int
-    stop: int
-    owner: bool
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This shard of a full tensor (a view)."""
-        return full if self.dim is None else full.narrow(self.dim, self.start, self.stop - self.start)
 
 
 def plan_shard_specs(plan: Plan, rank: int) -> list[ShardSpec]:

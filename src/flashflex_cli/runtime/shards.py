@@ -1,0 +1,30 @@
+"""ShardSpec: where a rank's local tensor sits inside its full, plan-independent tensor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A local tensor: global name, full shape, the slice [start, stop) along `dim` held here (dim None: the
+    whole tensor; start/stop then span dim 0), and `owner`: True on exactly one rank per (name, dim, start,
+    stop) in the whole job (the rank that writes it to a checkpoint)."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    dim: int | None
+    start: int
+    stop: int
+    owner: bool
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This shard of a full tensor (a view)."""
+        return full if self.dim is None else full.narrow(self.dim, self.start, self.stop - self.start)
+
+    @property
+    def key(self) -> str:
+        """The checkpoint key of this slice: "NAME@DIM:START:STOP", or "NAME@full" for a whole tensor."""
+        return f"{self.name}@full" if self.dim is None else f"{self.name}@{self.dim}:{self.start}:{self.stop}"

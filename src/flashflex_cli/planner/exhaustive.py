@@ -1,11 +1,11 @@
 """The `exhaustive` strategy: every layout of the planner's space, for clusters of at most 12 devices.
 
-Devices are grouped into classes (same node, same device description): inside a class they are
-interchangeable, so a pipeline is a vector of device counts per class, and a layout is a multiset of
-such vectors whose sum fits in the cluster (devices left over are unused). For each pipeline every stage
-structure is enumerated: every class's devices cut into TP groups of every supported-degree partition,
-class blocks in every order and groups within a block in every distinct order, each with the exact
-layer split. Pipelines are then combined: per pipeline the structures are ranked by their time at the
+Devices are grouped into classes (same node, same fast-link island, same device description): inside
+a class they are interchangeable (TP groups are cut inside a class, so never across a slow link), so a
+pipeline is a vector of device counts per class, and a layout is a multiset of such vectors whose sum
+fits in the cluster (devices left over are unused). For each pipeline every stage structure is enumerated:
+every class's devices cut into TP groups of every supported-degree partition, class blocks in every
+order and groups within a block in every distinct order, each with the exact layer split. Pipelines are then combined: per pipeline the structures are ranked by their time at the
 pipeline's compute share of the batch, and the product over pipelines of the top structures is
 enumerated -- all of them while the product stays under `PRODUCT_CAP` combinations, else the top few
 per pipeline (the one approximation: with several pipelines of many structures each, a structure that is
@@ -49,13 +49,14 @@ def _orders(parts: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def device_classes(cache: CostCache) -> list[list[int]]:
-    """Device indices grouped by (node, device description), in cluster order."""
+    """Device indices grouped by (node, fast-link island, device description), in cluster order."""
     g = cache.graph
-    keys: dict[tuple[int, str], list[int]] = {}
+    keys: dict[tuple[int, int, str], list[int]] = {}
     for i in range(g.size):
         node, local = int(g.node[i]), int(g.local[i])
         dev = g.cluster.nodes[node].devices[local]
-        keys.setdefault((node, json.dumps(dev.model_dump(mode="json"), sort_keys=True)), []).append(i)
+        desc = json.dumps(dev.model_dump(mode="json"), sort_keys=True)
+        keys.setdefault((node, int(g.island[i]), desc), []).append(i)
     return list(keys.values())
 
 

@@ -5,6 +5,7 @@ facts the search reads in its inner loops without touching pydantic objects:
 
 - `flops[i]`: dense peak FLOP/s for the training dtype (emulation slowdown applied);
 - `node[i]`: node index; `local[i]`: index inside the node;
+- `island[i]`: fast-link island (`islands.device_islands`): TP groups stay inside one island;
 - `node_class[n]`: nodes with equal content (devices, fabric, NIC; the name aside) share a class, so
   costs computed for one node are reused for every node of its class;
 - `node_bw[a, b]`: bandwidth in bytes/s between nodes a and b (intra-node fabric on the diagonal).
@@ -23,6 +24,7 @@ from functools import cached_property
 import numpy as np
 
 from ..hardware.cluster import Cluster
+from .islands import device_islands
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,11 @@ class DeviceGraph:
     def local(self) -> np.ndarray:
         """Index of every device inside its node, shape [N] int64."""
         return np.array([i for node in self.cluster.nodes for i in range(len(node.devices))], dtype=np.int64)
+
+    @cached_property
+    def island(self) -> np.ndarray:
+        """Fast-link island of every device (numbered cluster-wide, ascending with node), shape [N] int64."""
+        return np.array(device_islands(self.cluster), dtype=np.int64)
 
     @cached_property
     def flops(self) -> np.ndarray:

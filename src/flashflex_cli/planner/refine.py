@@ -1,21 +1,27 @@
-"""Refinement moves on a candidate: drop a stage, move a stage to another pipeline, swap two stages.
+"""Refinement moves on a candidate: drop a stage, move a stage to another pipeline, swap two stages,
+and, at device level (`device_moves`), shed devices of a TP group into another pipeline or swap two
+devices between groups of different pipelines.
 
-Moves work on whole TP groups, so the level-2 rules (a group inside one node, a supported degree) keep
-holding. Every move re-splits the layers of the pipelines it touches and the batch over all pipelines;
-the first move that lowers the fast score is taken, in a fixed order (shuffled by the seed), until
-no move helps, `max_moves` moves were taken, `max_trials` moves were evaluated (a deterministic cap),
-or the deadline passes. A dropped stage's devices go unused,
-with the gain recorded as the reason.
+Whole-group moves keep the level-2 rules (a group inside one node and one fast-link island, a supported
+degree) by construction; the device-level moves check them. Whole-group moves are tried first, the
+device-level ones after them (generated lazily, so they cost nothing when a group move helps). Every
+move re-splits the layers of the pipelines it touches and the batch over all pipelines; the first move
+that lowers the fast score is taken, in a fixed order (shuffled by the seed), until no move helps,
+`max_moves` moves were taken, `max_trials` moves were evaluated (a deterministic cap, shared by both
+kinds of move), or the deadline passes. A dropped stage's devices go unused, with the gain recorded as
+the reason.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
 from .candidates import Candidate, score
+from .device_moves import shed_moves, swap_moves
 from .fastcost import CostCache, Devs
 from .pipeline import evaluate_pipeline
 
@@ -33,17 +39,19 @@ def _insert(cache: CostCache, stages: tuple[Devs, ...], new: Devs) -> tuple[Devs
 
 
 def refine(cache: CostCache, cand: Candidate, total_micro: int, seed: int, deadline: float,
-           max_moves: int = 32, max_pairs: int = 3, max_trials: int = 1500) -> tuple[Candidate, dict[int, str]]:
+           max_moves: int = 32, max_pairs: int = 3, max_trials: int = 1500,
+           device_moves: bool = True) -> tuple[Candidate, dict[int, str]]:
     """Improve `cand` by local moves; returns the result and reasons for devices it dropped.
 
-    Work is capped by `max_trials` move evaluations (deterministic) and, as a safety net, by `deadline`.
+    Work is capped by `max_trials` move evaluations (deterministic) and, as a safety net, by `deadline`
+    (seconds of `time.monotonic()`). `device_moves=False` keeps to whole-group moves (for comparisons).
     """
     rng = np.random.default_rng(seed)
     reasons: dict[int, str] = {}
     moves = 0
     budget = [max_trials]
     while moves < max_moves and budget[0] > 0 and time.monotonic() < deadline:
-        found = _first_improvement(cache, cand, total_micro, rng, deadline, max_pairs, budget)
+        found = _first_improvement(cache, cand, total_micro, rng, deadline, max_pairs, budget, device_moves)
         if found is None:
             break
         better, dropped = found
@@ -59,7 +67,8 @@ def refine(cache: CostCache, cand: Candidate, total_micro: int, seed: int, deadl
 
 
 def _first_improvement(cache: CostCache, cand: Candidate, total_micro: int, rng: np.random.Generator,
-                       deadline: float, max_pairs: int, budget: list[int]) -> tuple[Candidate, tuple[int, ...]] | None:
+                       deadline: float, max_pairs: int, budget: list[int],
+                       device_moves: bool) -> tuple[Candidate, tuple[int, ...]] | None:
     pipes = list(cand.pipes)
     count = len(pipes)
     order = [int(p) for p in rng.permutation(count)]
@@ -99,7 +108,19 @@ def _first_improvement(cache: CostCache, cand: Candidate, total_micro: int, rng:
                     mine = _insert(cache, rest, other)
                     theirs = _insert(cache, pipes[q].stages[:t] + pipes[q].stages[t + 1:], stages[s])
                     attempts.append(lambda p=p, q=q, mine=mine, theirs=theirs: (trial({p: mine, q: theirs}), ()))
-    for attempt in attempts:
+
+    def device_level() -> Iterator[Callable[[], tuple[Candidate | None, tuple[int, ...]]]]:
+        stages = [pipe.stages for pipe in pipes]
+        for p in order:
+            partners = [q for q in order if q != p][:max_pairs]
+            for changes in itertools.chain(shed_moves(cache, stages, p, partners),
+                                           swap_moves(cache, stages, p, partners)):
+                yield lambda changes=changes: (trial(changes), ())
+
+    every: Iterator[Callable[[], tuple[Candidate | None, tuple[int, ...]]]] = iter(attempts)
+    if device_moves and count > 1:
+        every = itertools.chain(attempts, device_level())
+    for attempt in every:
         if budget[0] <= 0 or time.monotonic() >= deadline:
             return None
         budget[0] -= 1

@@ -7,8 +7,9 @@ by level 2
 (`stages.best_pipeline`: TP degrees per node class, stage order, exact layer split) and the batch is
 split over them (`batch.split_batch`). The uniform baseline's layouts join as candidates too, re-split
 by our splits and exactly as the baseline runs them (the symmetric layout is part of our space, so
-flashflex never predicts below uniform). The best few candidates by the fast score are refined
-(`refine.refine`), and the finalists are ranked by `cost.estimate.estimate` alone.
+flashflex never predicts below uniform, except where uniform's TP groups straddle a slow intra-node
+link, which flashflex never does). The best few candidates by the fast score are refined
+(`refine.refine`: whole-group and device-level moves), and the finalists are ranked by `cost.estimate.estimate` alone.
 
 Determinism: candidates are generated in a fixed order, every collection is sorted, pymetis is seeded,
 and ties break on the layout's canonical signature: the same inputs and seed give a byte-identical plan.
@@ -121,12 +122,16 @@ def _candidates_for(cache: CostCache, total_micro: int, seed: int, k: int, activ
 
 
 def _uniform_seeds(cache: CostCache, total_micro: int) -> tuple[list[Candidate], list[Candidate]]:
-    """The uniform baseline's best layouts: (re-split by our layer and batch splits, exactly as uniform)."""
+    """The uniform baseline's best layouts: (re-split by our layer and batch splits, exactly as uniform);
+    layouts with a TP group across two fast-link islands are left out."""
     from .pipeline import PipeEval, evaluate_pipeline
     from .uniform import equal_layers, uniform_layouts
 
     resplit, exact = [], []
+    island = cache.graph.island
     for layout in uniform_layouts(cache, total_micro)[:FINALISTS]:
+        if any(len({int(island[i]) for i in st}) > 1 for stages in layout.pipelines for st in stages):
+            continue  # a TP group across a slow intra-node link: outside flashflex's space
         pipes = [evaluate_pipeline(cache, stages) for stages in layout.pipelines]
         cand = score(cache, pipes, total_micro)
         if cand is not None:
@@ -229,9 +234,10 @@ def _nothing_fits(cache: CostCache) -> InfeasibleError:
 
 def plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy: str = "flashflex",
                 time_budget_s: float = 30.0, seed: int = 0, params: CostParams | None = None,
-                stats: SearchStats | None = None) -> Plan:
+                stats: SearchStats | None = None, device_moves: bool = True) -> Plan:
     """Plan an asymmetric layout of `model` on `cluster` for `train` (module docstring); InfeasibleError
-    when none exists; InputError for an unknown strategy."""
+    when none exists; InputError for an unknown strategy. `device_moves=False` limits refinement to
+    whole-group moves (to measure what the device-level moves add)."""
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     started = time.monotonic()
@@ -263,7 +269,7 @@ def plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy
             if time.monotonic() >= deadline:
                 stats.budget_hit = True
                 break
-            better, why = refine(cache, cand, total, seed, deadline)
+            better, why = refine(cache, cand, total, seed, deadline, device_moves=device_moves)
             reasons[id(better)] = why
             refined.append(better)
         plan = finalise(cache, refined + cands, strategy, seed, reasons, stats=stats, always=exact)

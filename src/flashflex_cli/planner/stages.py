@@ -1,10 +1,12 @@
 """Level 2: split one pipeline's devices into ordered stages (TP groups).
 
 Rules: a TP group never straddles a node (the links between nodes are the slow ones, Holmes arXiv
-2312.03549: keep TP on the fastest fabric); its degree d is any value the model supports
-(`ModelSpec.supports_tp`: d divides query heads, key/value heads and the MLP width, powers of two or
-not). Stages of one node stay contiguous in the pipeline (a "block"), so a pipeline hop crosses a node
-boundary only between blocks. The search: first every node class picks one degree (a node's devices
+2312.03549: keep TP on the fastest fabric) nor a slow link inside one (it stays in one fast-link island,
+`islands.device_islands`; a node without measured intra-node pairs is one island); its degree d is any
+value the model supports (`ModelSpec.supports_tp`: d divides query heads, key/value heads and the MLP
+width, powers of two or not). Stages of one island stay contiguous in the pipeline (a "block"; a node
+is one block unless it has several islands), so a pipeline hop crosses a node or island boundary only
+between blocks. The search: first every node class (each island of it) picks one degree (its devices
 cut into groups of that degree in local-index order, a remainder r into the largest supported degrees
 <= r), under every block order for up to 3 blocks, else four (node order, memory descending -- stage 0 keeps the most micro-batches
 in flight and holds the embedding --, speed descending and ascending); then coordinate descent lets
@@ -52,12 +54,13 @@ def chunk(devs: Sequence[int], degree: int, degrees: Sequence[int]) -> list[Devs
 
 
 def node_blocks(cache: CostCache, group: Sequence[int]) -> list[tuple[int, list[int]]]:
-    """(node index, its devices of `group` by local index), nodes ascending."""
+    """(node index, devices of `group` in one fast-link island of that node, by local index), one block per
+    island (`graph.island`), nodes ascending: TP groups are cut inside a block, so never across a slow link."""
     g = cache.graph
     blocks: dict[int, list[int]] = {}
     for i in sorted(group):
-        blocks.setdefault(int(g.node[i]), []).append(i)
-    return sorted(blocks.items())
+        blocks.setdefault(int(g.island[i]), []).append(i)
+    return [(int(g.node[devs[0]]), devs) for _, devs in sorted(blocks.items())]
 
 
 def cut(devs: Sequence[int], sizes: Sequence[int]) -> list[Devs]:

@@ -1,0 +1,72 @@
+"""Measured, not predicted: the flashflex plan against the uniform plan on emulated CPU clusters.
+
+For each cluster, plans llama-small with both strategies, launches each for a few steps through
+`flashflex launch` (gloo processes), and prints the measured median step time and tokens/s of each, their
+ratio, and each plan's measured / predicted iteration time. Two clusters:
+- `two-cores`: 2 emulated devices, slowdowns 1 and 2, one process per core of a 2-core host: the emulation
+  is faithful (each device has its own core).
+- `cpu-emulated` (the bundled demo cluster): 4 devices, slowdowns 1,1,2,2. On a host with fewer cores than
+  devices the processes compete for cores, which the cluster file does not describe; read its figures as a
+  check of the emulation's limits, not of the planner.
+Run: .venv/bin/python benchmarks/bench_emulated_runs.py [STEPS]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FLASHFLEX = str(Path(sys.executable).with_name("flashflex"))
+CLUSTERS = {"two-cores": "1x2xcpu:slowdown=1,2", "cpu-emulated": str(REPO / "profiles" / "cpu-emulated.json")}
+PLAN_ARGS = ["--model", "llama-small", "--global-batch", "16", "--seq-len", "128", "--dtype", "fp32", "--seed", "0"]
+
+
+def cluster_file(name: str, work: Path) -> Path:
+    """The bundled profile, or a synthetic one built with `flashflex profile --synthetic`."""
+    source = CLUSTERS[name]
+    if source.endswith(".json"):
+        return Path(source)
+    path = work / f"{name}.json"
+    subprocess.run([FLASHFLEX, "profile", "--synthetic", source, "--out", str(path)], check=True, capture_output=True)
+    return path
+
+
+def run(cluster: Path, strategy: str, steps: int, work: Path) -> dict[str, float]:
+    """Plan with `strategy`, launch it for `steps` steps; measured and predicted figures (seconds, tokens/s)."""
+    plan = work / f"{cluster.stem}-{strategy}.json"
+    subprocess.run([FLASHFLEX, "plan", str(cluster), *PLAN_ARGS, "--strategy", strategy, "--out", str(plan)],
+                   check=True, capture_output=True)
+    out = work / f"run-{cluster.stem}-{strategy}"
+    subprocess.run([FLASHFLEX, "launch", str(plan), "--cluster", str(cluster), "--steps", str(steps),
+                    "--out", str(out)], check=True, capture_output=True)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step_s = statistics.median(row["step_time_s"] for row in rows[1:])  # the first step is warm-up
+    predicted = json.loads(plan.read_text())["predicted"]
+    return {"step_s": step_s, "tokens_per_s": statistics.median(row["tokens_per_s"] for row in rows[1:]),
+            "predicted_s": predicted["iteration_time_s"], "final_loss": rows[-1]["loss"]}
+
+
+def main() -> None:
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    print(f"{'cluster':13s} {'strategy':10s} {'measured step':>14s} {'tokens/s':>9s} {'predicted':>10s} "
+          f"{'meas/pred':>9s} {'loss@' + str(steps):>8s}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in CLUSTERS:
+            cluster = cluster_file(name, Path(tmp))
+            results = {strategy: run(cluster, strategy, steps, Path(tmp)) for strategy in ("flashflex", "uniform")}
+            for strategy, r in results.items():
+                print(f"{name:13s} {strategy:10s} {1e3 * r['step_s']:11.1f} ms {r['tokens_per_s']:9,.0f} "
+                      f"{1e3 * r['predicted_s']:7.1f} ms {r['step_s'] / r['predicted_s']:9.2f} {r['final_loss']:8.4f}")
+            ff, uni = results["flashflex"], results["uniform"]
+            print(f"{name:13s} measured tokens/s flashflex / uniform: {ff['tokens_per_s'] / uni['tokens_per_s']:.2f}x "
+                  f"(predicted {uni['predicted_s'] / ff['predicted_s']:.2f}x); same losses: "
+                  f"{abs(ff['final_loss'] - uni['final_loss']) <= 1e-4 * abs(uni['final_loss'])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from flashflex_cli.errors import InputError
 from flashflex_cli.plan.schema import load_plan
+from flashflex_cli.runtime import slowdown as slowdown_module
 from flashflex_cli.runtime.engine import plan_shard_specs
 from flashflex_cli.runtime.groups import neighbours, slice_holders
 from flashflex_cli.runtime.optimizer import OptimConfig, lr_at, make_optimizer, set_lr
@@ -162,6 +163,22 @@ def test_slowdown_stretches_compute() -> None:
         Slowdown(0.5)
 
 
+def test_slowdown_absorbs_run_queue_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Time spent waiting for a host core (more emulated devices than cores) is not stretched by the slowdown:
+    the op lasts factor x its on-core compute, with the queueing delay absorbed by the sleep."""
+    queued = [0.0]
+    monkeypatch.setattr(slowdown_module, "runqueue_seconds", lambda: queued[0])
+    slow = Slowdown(3.0)
+    with slow.op():
+        start = time.perf_counter()
+        time.sleep(0.05)
+        inner = time.perf_counter() - start
+        queued[0] += 0.03  # 30 ms of the op were spent runnable, waiting for a core
+    compute = inner - 0.03
+    assert slow.slept == pytest.approx(2.0 * compute - 0.03, abs=5e-3)
+    assert slow.slept < 2.0 * compute  # the contention was not multiplied
+
+
 def test_plan_rejects_tp_not_dividing_kv_heads(tmp_path) -> None:
     with pytest.raises(ValidationError, match="tp 4 must divide num_heads 4, num_kv_heads 2"):
         make_plan("llama-tiny-gqa", [(1, 1, [(4, (0, 4))])])
@@ -217,3 +234,11 @@ def test_each_rank_reduces_exactly_its_own_shards() -> None:
         reduced = sum(_numel(shapes[sl.name], sl.dim, sl.start, sl.stop) for sl in slices
                       if info.rank in sl.ranks and sl.needs_reduce)
         assert reduced == local, info  # both pipelines hold every parameter here
+
+
+def test_cpu_threads_are_shared_between_local_ranks() -> None:
+    from flashflex_cli.runtime.worker import cpu_threads_per_rank
+
+    assert cpu_threads_per_rank(4, cores=16) == 4
+    assert cpu_threads_per_rank(4, cores=2) == 1
+    assert cpu_threads_per_rank(1, cores=2) == 2

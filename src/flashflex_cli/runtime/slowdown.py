@@ -1,6 +1,12 @@
-"""Emulated slow devices: after each compute op of a stage, sleep (slowdown - 1) x its measured duration, so a
-device with slowdown 2 runs its compute half as fast. Communication is not slowed: time spent in tensor-parallel
-collectives inside the op (read from `comm_clock`, seconds) is not counted as compute."""
+"""Emulated slow devices: after each compute op of a stage, sleep so that the op takes `slowdown` times its
+compute time, so a device with slowdown 2 runs its compute half as fast. Communication is not slowed: time spent
+in tensor-parallel collectives inside the op (read from `comm_clock`, seconds) is not counted as compute.
+
+Time the op's thread spent runnable but waiting for a host core (run-queue delay, from Linux
+/proc/thread-self/schedstat; 0 where unavailable) is host contention, not device compute: it is neither
+stretched by the slowdown nor added on top of it, but absorbed by the sleep. Otherwise, with more emulated
+devices than host cores, ranks whose compute bursts coincide (neighbouring pipeline stages released by the same
+exchange) would see their contention multiplied by their slowdown."""
 
 from __future__ import annotations
 
@@ -9,6 +15,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ..errors import InputError
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def runqueue_seconds() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (0.0 where not available)."""
+    try:
+        with open(_SCHEDSTAT, "rb") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 class Slowdown:
@@ -24,11 +41,15 @@ class Slowdown:
 
     @contextmanager
     def op(self) -> Iterator[None]:
-        """Time the enclosed compute and then sleep (factor - 1) times as long."""
-        start, comm = time.perf_counter(), self.comm_clock()
+        """Time the enclosed compute (less communication and run-queue delay) and then sleep so the op lasts
+        `factor` times that compute: (factor - 1) x compute, less the run-queue delay already spent."""
+        if self.factor <= 1.0:
+            yield
+            return
+        start, comm, queued = time.perf_counter(), self.comm_clock(), runqueue_seconds()
         yield
-        if self.factor > 1.0:
-            compute = (time.perf_counter() - start) - (self.comm_clock() - comm)
-            extra = (self.factor - 1.0) * max(0.0, compute)
-            time.sleep(extra)
-            self.slept += extra
+        waited = runqueue_seconds() - queued
+        compute = (time.perf_counter() - start) - (self.comm_clock() - comm) - waited
+        extra = max(0.0, (self.factor - 1.0) * max(0.0, compute) - waited)
+        time.sleep(extra)
+        self.slept += extra

@@ -78,6 +78,12 @@ class StopRequest:
         self.requested = True
 
 
+def cpu_threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
+    """Intra-op threads for each of `local_world_size` ranks sharing this host's `cores` (default: all usable)."""
+    available = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1, available // max(1, local_world_size))
+
+
 def _init_process_group(rank: int, world: int, backend: str, timeout_s: float):  # type: ignore[no-untyped-def]
     """Join the job's process group as plan rank `rank` over the store torchrun's agent provides."""
     import torch.distributed as dist
@@ -133,6 +139,8 @@ def run(args: argparse.Namespace) -> int:
         if device.index >= count:
             raise ValueError(f"plan rank {rank} wants {me.device} (cuda:{device.index}), this host has {count} GPU(s)")
         torch.cuda.set_device(device)
+    if "OMP_NUM_THREADS" not in os.environ:  # share the host's cores between the ranks instead of oversubscribing
+        torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     _init_process_group(rank, world, "gloo" if on_cpu else "nccl", args.timeout)
 
     stop = StopRequest()

@@ -5,9 +5,10 @@ For each cluster, plans llama-small with both strategies, launches each for a fe
 ratio, and each plan's measured / predicted iteration time. Two clusters:
 - `two-cores`: 2 emulated devices, slowdowns 1 and 2, one process per core of a 2-core host: the emulation
   is faithful (each device has its own core).
-- `cpu-emulated` (the bundled demo cluster): 4 devices, slowdowns 1,1,2,2. On a host with fewer cores than
-  devices the processes compete for cores, which the cluster file does not describe; read its figures as a
-  check of the emulation's limits, not of the planner.
+- `cpu-emulated` (the bundled demo cluster): 4 devices, slowdowns 2,2,4,4, so their total demand is 1.5 cores.
+  Emulation is faithful only while the devices' total demand (sum of 1/slowdown, in cores) fits the host:
+  processes that compete for cores run slower than the cluster file says, which no cost model of the file
+  can predict.
 Run: .venv/bin/python benchmarks/bench_emulated_runs.py [STEPS]
 """
 

@@ -21,21 +21,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from .candidates import Candidate, score
-from .device_moves import shed_moves, swap_moves
+from .device_moves import place, shed_moves, swap_moves
 from .fastcost import CostCache, Devs
 from .pipeline import evaluate_pipeline
-
-
-def _insert(cache: CostCache, stages: tuple[Devs, ...], new: Devs) -> tuple[Devs, ...]:
-    """Insert a stage next to the stages of its node, else keep node blocks in ascending node order."""
-    node = cache.graph.node
-    target = int(node[new[0]])
-    same = [s for s, st in enumerate(stages) if int(node[st[0]]) == target]
-    if same:
-        pos = same[-1] + 1
-    else:
-        pos = next((s for s, st in enumerate(stages) if int(node[st[0]]) > target), len(stages))
-    return stages[:pos] + (new,) + stages[pos:]
 
 
 def refine(cache: CostCache, cand: Candidate, total_micro: int, seed: int, deadline: float,
@@ -98,15 +86,15 @@ def _first_improvement(cache: CostCache, cand: Candidate, total_micro: int, rng:
         for q in partners:
             for s in range(len(stages)):
                 rest = stages[:s] + stages[s + 1:]
-                moved = _insert(cache, pipes[q].stages, stages[s])
+                moved = place(cache, pipes[q].stages, stages[s])
                 attempts.append(lambda p=p, q=q, rest=rest, moved=moved: (trial({p: rest, q: moved}), ()))
                 for t, other in enumerate(pipes[q].stages):
                     if other == stages[s] or len(other) != len(stages[s]):
                         continue
                     if cache.stage_key(other) == cache.stage_key(stages[s]):
                         continue  # swapping equal groups changes nothing
-                    mine = _insert(cache, rest, other)
-                    theirs = _insert(cache, pipes[q].stages[:t] + pipes[q].stages[t + 1:], stages[s])
+                    mine = place(cache, rest, other)
+                    theirs = place(cache, pipes[q].stages[:t] + pipes[q].stages[t + 1:], stages[s])
                     attempts.append(lambda p=p, q=q, mine=mine, theirs=theirs: (trial({p: mine, q: theirs}), ()))
 
     def device_level() -> Iterator[Callable[[], tuple[Candidate | None, tuple[int, ...]]]]:

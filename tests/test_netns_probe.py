@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from flashflex_cli.hardware.cluster import load_cluster
+from flashflex_cli.hardware.probe_gloo import free_port
 from tests.infra.netns import NetnsHosts, clean_stale, netns_available
 
 AVAILABLE, REASON = netns_available()
@@ -113,19 +113,13 @@ def test_distributed_probe_follows_link_shaping(tmp_path):
     assert all(0 < p.latency_s < 0.05 for p in pairs.values())
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_distributed_probe_over_loopback(tmp_path):
     """Two torchrun "nodes" on 127.0.0.1 (no root needed): rank 0 writes one merged, measured cluster.
 
     Node 0 runs two processes: only its LOCAL_RANK 0 probes, so the file still has two nodes.
     """
-    out, port = tmp_path / "pair.json", _free_port()
+    out, port = tmp_path / "pair.json", free_port()
     commands = []
     for i in range(2):
         args = ["--nnodes=2", f"--nproc-per-node={2 - i}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",

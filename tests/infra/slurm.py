@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from flashflex_cli.hardware.probe_gloo import free_port
+
 PACKAGES = ("slurm-wlm", "munge")
 _CONF = """ClusterName=ffxtest
 SlurmctldHost={host}
@@ -73,12 +75,6 @@ def slurm_available(install: bool = True) -> tuple[bool, str]:
     return True, ""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _read_pid(path: Path) -> int | None:
     try:
         return int(path.read_text().split()[0])
@@ -110,8 +106,8 @@ class LocalSlurm:
                 raise RuntimeError(f"munged did not start: {started.stderr.strip()}")
             self._started_munge = True
         host = socket.gethostname()
-        self.conf.write_text(_CONF.format(host=host, root=self.root, port=_free_port(), port1=_free_port(),
-                                          port2=_free_port(), cpus=self.cpus))
+        self.conf.write_text(_CONF.format(host=host, root=self.root, port=free_port(), port1=free_port(),
+                                          port2=free_port(), cpus=self.cpus))
         (self.root / "state").mkdir()
         shutil.chown(self.root / "state", "slurm", "slurm")
         os.chmod(self.root, 0o755)

@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ..errors import InputError
+from ..hardware.catalog import GIB
 from ..hardware.cluster import Cluster, load_cluster, save_cluster
 
-GIB = 1024**3
 profile_app = typer.Typer(
     help="Describe the hardware as a cluster file (flashflex.cluster/1).",
     no_args_is_help=False,

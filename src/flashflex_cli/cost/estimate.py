@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..hardware.catalog import GIB
 from ..hardware.cluster import Cluster
 from ..model import flops as F
 from ..plan.schema import Plan
@@ -20,8 +21,6 @@ from .memory import MemoryBreakdown, device_capacity, device_reserve, stage_memo
 from .params import CostParams
 from .schedule import simulate_1f1b
 from .view import view
-
-GIB = 1024**3
 
 
 @dataclass(frozen=True)

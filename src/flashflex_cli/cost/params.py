@@ -13,10 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
-from ..hardware.catalog import CATALOG, canonical_name
+from ..hardware.catalog import CATALOG, GIB, canonical_name
 from .reference_efficiency import REFERENCE_EFFICIENCY
-
-GIB = 1024**3
 
 
 def _reference_table() -> dict[str, float]:

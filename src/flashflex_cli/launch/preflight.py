@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckFailed, InputError
+from ..hardware.catalog import GIB
 from ..hardware.cluster import Cluster
 from ..model.flops import dtype_bytes, embedding_params, head_params, layer_params_per_device
 from ..plan.schema import Plan
 from .layout import node_layouts
 
-GIB = 1024**3
 PROCESS_OVERHEAD_BYTES = 400 * 1024**2  # a Python process with torch imported, measured ~350 MiB on CPU
 
 

@@ -7,10 +7,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ..hardware.catalog import GIB
 from .diff import PlanDiff
 from .schema import Plan
-
-GIB = 1024**3
 
 
 def compact_devices(devices: list[str]) -> str:

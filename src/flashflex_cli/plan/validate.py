@@ -17,8 +17,6 @@ from ..cost.params import CostParams
 from ..hardware.cluster import Cluster
 from .schema import Plan
 
-GIB = 1024**3
-
 
 @dataclass
 class Validation:

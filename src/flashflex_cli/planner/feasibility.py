@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from ..errors import InfeasibleError
+from ..hardware.catalog import GIB
 from .fastcost import CostCache
 from .stages import tp_degrees
 
-GIB = 1024**3
 TIB = 1024**4
 
 

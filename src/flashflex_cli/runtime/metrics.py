@@ -21,8 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..fileio import atomic_write_text
-
-GIB = 1024**3
+from ..hardware.catalog import GIB
 
 
 def rank_memory_bytes(device_type: str) -> int:

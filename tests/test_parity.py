@@ -271,7 +271,6 @@ def test_tp4_to_tp1_to_tp2(tmp_path: Path, pool: WorkerPool) -> None:
     check_parity(plan, tmp_path, pool)
 
 
-
 @pytest.mark.slow
 def test_uneven_vocabulary_shards(tmp_path: Path, pool: WorkerPool) -> None:
     """A vocabulary of 250 split 62/63/62/63 at TP 4 and 125/125 at TP 2 (embedding and head slices differ)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -73,14 +72,12 @@ def test_one_process_plan_gives_the_same_losses(reference: list[dict], tmp_path:
 @pytest.mark.slow
 def test_killed_rank_ends_the_job_and_resume_under_another_plan(reference: list[dict], tmp_path: Path) -> None:
     run, ck = tmp_path / "run", tmp_path / "ck"
-    start = time.monotonic()
     crashed = _launch("plan-3rank.json", run, "--steps", str(STEPS), "--checkpoint-dir", str(ck),
                       "--checkpoint-every", "3", env={"FLASHFLEX_FAULT_INJECT": "rank=1,step=4"})
-    elapsed = time.monotonic() - start
     assert crashed.returncode == 1, crashed.stderr
     last = crashed.stderr.strip().splitlines()[-1]
     assert last.startswith("error: rank 1 (node node0, device node0/1) failed: killed by signal 9 (SIGKILL)"), last
-    assert "Traceback" not in crashed.stderr and elapsed < 120
+    assert "Traceback" not in crashed.stderr  # a hang instead of an exit fails by _launch's timeout
     assert ckpt.latest_checkpoint(ck) == ck / "step-000003"  # the checkpoint before the crash is intact
     # a device was lost: resume on a different plan (4 ranks, other pipelines, TP 2) from the 3-rank checkpoint
     resumed = _launch("plan-4rank.json", run, "--steps", str(STEPS), "--checkpoint-dir", str(ck), "--resume")

@@ -81,10 +81,9 @@ def test_two_hosts_with_unlike_process_counts_match_one_process(net: NetnsHosts,
 
 
 def test_a_rank_dying_on_one_host_ends_the_job_on_both(net: NetnsHosts, tmp_path: Path) -> None:
-    start = time.monotonic()
+    # a hang instead of an exit fails by _run_hosts' timeout (subprocess.TimeoutExpired)
     (code0, text0), (code1, text1) = _run_hosts(net, tmp_path / "run", "netns-fail", timeout_s=150,
                                                 env={"FLASHFLEX_FAULT_INJECT": "rank=2,step=2"})
-    assert time.monotonic() - start < 150
     assert code1 != 0 and "fault injection: killing rank 2" in text1  # plan rank 2 is node1's only device
     assert code0 != 0  # the other host's ranks do not hang: they name themselves and the lost peer
     assert "flashflex worker rank 0 (node node0, device node0/0) lost a peer" in text0, text0[-3000:]

@@ -12,7 +12,6 @@ from pydantic import ValidationError
 
 from flashflex_cli.errors import InputError
 from flashflex_cli.plan.schema import load_plan
-from flashflex_cli.runtime import slowdown as slowdown_module
 from flashflex_cli.runtime.engine import plan_shard_specs
 from flashflex_cli.runtime.groups import neighbours, slice_holders
 from flashflex_cli.runtime.optimizer import OptimConfig, lr_at, make_optimizer, set_lr
@@ -149,34 +148,64 @@ def test_adamw_matches_torch() -> None:
     assert opt.steps == 5 and not torch.equal(ours[0], theirs[0].detach() * 0)
 
 
+class FakeClock:
+    """A clock that advances only when told (seconds), so slowdown arithmetic is checked without wall time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.queued = 0.0
+        self.comm = 0.0
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def slowdown(self, factor: float) -> Slowdown:
+        return Slowdown(factor, comm_clock=lambda: self.comm, clock=lambda: self.now, sleep=self.sleep,
+                        queue_clock=lambda: self.queued)
+
+
 def test_slowdown_stretches_compute() -> None:
-    slow = Slowdown(3.0)
-    start = time.perf_counter()
+    clock = FakeClock()
+    slow = clock.slowdown(3.0)
     with slow.op():
-        inner_start = time.perf_counter()
-        time.sleep(0.05)
-        inner = time.perf_counter() - inner_start
-    total = time.perf_counter() - start
-    assert slow.slept >= 2.0 * inner * 0.999
-    assert total >= 3.0 * inner * 0.999
+        clock.now += 0.05  # 50 ms of compute
+    assert clock.slept == [pytest.approx(0.10)] and slow.slept == pytest.approx(0.10)
+    assert clock.now == pytest.approx(0.15)  # the op lasted 3x its compute
     with pytest.raises(InputError):
         Slowdown(0.5)
 
 
-def test_slowdown_absorbs_run_queue_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_slowdown_sleeps_for_real() -> None:
+    slow = Slowdown(2.0)
+    with slow.op():
+        busy_until = time.perf_counter() + 0.01
+        while time.perf_counter() < busy_until:
+            pass
+    assert slow.slept > 0.0  # the default clock and sleep are wired; durations are checked with FakeClock
+
+
+def test_slowdown_absorbs_run_queue_delay() -> None:
     """Time spent waiting for a host core (more emulated devices than cores) is not stretched by the slowdown:
     the op lasts factor x its on-core compute, with the queueing delay absorbed by the sleep."""
-    queued = [0.0]
-    monkeypatch.setattr(slowdown_module, "runqueue_seconds", lambda: queued[0])
-    slow = Slowdown(3.0)
+    clock = FakeClock()
+    slow = clock.slowdown(3.0)
     with slow.op():
-        start = time.perf_counter()
-        time.sleep(0.05)
-        inner = time.perf_counter() - start
-        queued[0] += 0.03  # 30 ms of the op were spent runnable, waiting for a core
-    compute = inner - 0.03
-    assert slow.slept == pytest.approx(2.0 * compute - 0.03, abs=5e-3)
-    assert slow.slept < 2.0 * compute  # the contention was not multiplied
+        clock.now += 0.05
+        clock.queued += 0.03  # 30 ms of the op were spent runnable, waiting for a core
+    compute = 0.05 - 0.03
+    assert slow.slept == pytest.approx(2.0 * compute - 0.03)
+    assert clock.now == pytest.approx(3.0 * compute)  # the contention was not multiplied
+
+
+def test_slowdown_leaves_communication_out() -> None:
+    clock = FakeClock()
+    slow = clock.slowdown(2.0)
+    with slow.op():
+        clock.now += 0.04
+        clock.comm += 0.03  # 30 ms of the op were a collective
+    assert slow.slept == pytest.approx(0.01)
 
 
 def test_plan_rejects_tp_not_dividing_kv_heads(tmp_path) -> None:
@@ -189,16 +218,6 @@ def test_plan_rejects_tp_not_dividing_kv_heads(tmp_path) -> None:
     with pytest.raises(InputError, match=r"pipelines\.0\.stages\.0.*num_kv_heads 2") as err:
         load_plan(path)
     assert "\n" not in str(err.value)
-
-
-def test_slowdown_leaves_communication_out() -> None:
-    comm = [0.0]
-    slow = Slowdown(2.0, comm_clock=lambda: comm[0])
-    with slow.op():
-        start = time.perf_counter()
-        time.sleep(0.04)
-        comm[0] += time.perf_counter() - start  # (almost) the whole op was communication
-    assert slow.slept < 0.01
 
 
 @pytest.mark.parametrize(("stages", "micro"), [(2, 2), (2, 5), (3, 3), (3, 8), (4, 4), (5, 11)])

@@ -7,12 +7,17 @@ times point-to-point transfers to rank 1, which echoes a 4-byte acknowledgement:
 latency = half the best round trip of a small message, bandwidth = nbytes / (best round time of a
 large message - that round trip). Best of a few runs after a warm-up (TCP connection set-up and window
 growth), the least disturbed by other load.
+
+On a loaded host two noisy timings can fit an impossible link (the large message's best round no slower than
+the small one's: bandwidth of petabytes/s). A fit outside physical bounds (`LOOPBACK_LIMITS`) is measured
+again, up to `attempts` times; if none is plausible the link class default is used and the result says so.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +25,7 @@ from datetime import timedelta
 import torch
 
 from ..errors import RuntimeFailure
+from .links import INTRA_LINKS
 
 KIB = 1024
 MIB = 1024**2
@@ -40,10 +46,33 @@ FULL_GLOO = GlooSizes(nbytes=64 * MIB, small_bytes=4 * KIB, repeats=5)
 
 @dataclass(frozen=True)
 class GlooProbe:
-    """Loopback gloo link between two local processes: bytes/s (one direction) and one-way latency (s)."""
+    """Loopback gloo link between two local processes: bytes/s (one direction) and one-way latency (s).
+    `fallback`: no measurement was plausible; the figures are the `shm` link class defaults."""
 
     bandwidth: float
     latency_s: float
+    fallback: bool = False
+
+
+@dataclass(frozen=True)
+class LinkLimits:
+    """Physical bounds of a measured link: bandwidth in bytes/s, one-way latency in seconds."""
+
+    max_bandwidth: float
+    min_latency_s: float
+    max_latency_s: float
+
+    def plausible(self, bandwidth: float, latency_s: float) -> bool:
+        """True when both figures are finite and inside the bounds."""
+        return (0.0 < bandwidth <= self.max_bandwidth
+                and self.min_latency_s <= latency_s <= self.max_latency_s)
+
+
+# Loopback TCP copies every byte at least twice through host memory (sender's and receiver's socket buffers),
+# so it cannot beat a host's memory bandwidth: 100 GB/s bounds any current server. One-way latency of a
+# loopback TCP message is a few microseconds at the least (two system calls and a wake-up) and well under
+# a second on any host that is not swapping.
+LOOPBACK_LIMITS = LinkLimits(max_bandwidth=100e9, min_latency_s=1e-6, max_latency_s=1.0)
 
 
 def free_port() -> int:
@@ -92,14 +121,34 @@ def _worker(rank: int, port: int, sizes: GlooSizes, results, timeout_s: float) -
             rtt = min(_round_trip(small, ack) for _ in range(rounds))
             _round_trip(payload, ack)
             best = min(_round_trip(payload, ack) for _ in range(sizes.repeats))
-            results.put((payload.numel() * 4 / max(best - rtt, 1e-9), max(rtt / 2, 1e-9)))
+            spent = best - rtt
+            results.put((payload.numel() * 4 / spent if spent > 0 else float("inf"), rtt / 2))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def gloo_link(sizes: GlooSizes = QUICK_GLOO, timeout_s: float = 60.0) -> GlooProbe:
-    """Spawn two local processes and measure gloo point-to-point over loopback TCP between them."""
+def gloo_link(sizes: GlooSizes = QUICK_GLOO, timeout_s: float = 60.0, attempts: int = 3,
+              limits: LinkLimits = LOOPBACK_LIMITS) -> GlooProbe:
+    """Measure gloo point-to-point over loopback TCP between two local processes; a physically impossible
+    fit is measured again (at most `attempts` times), then replaced by the `shm` class default (said on
+    stderr and in `GlooProbe.fallback`)."""
+    seen: list[tuple[float, float]] = []
+    for _ in range(attempts):
+        bandwidth, latency_s = _measure_once(sizes, timeout_s)
+        if limits.plausible(bandwidth, latency_s):
+            return GlooProbe(bandwidth, latency_s)
+        seen.append((bandwidth, latency_s))
+    default = INTRA_LINKS["shm"]
+    shown = "; ".join(f"{bw:.3g} B/s, {lat:.3g} s" for bw, lat in seen)
+    print(f"warning: gloo loopback probe gave no plausible fit in {attempts} tries ({shown}); "
+          f"using the shm class default {default.bandwidth:.3g} B/s, {default.latency_s:.3g} s",
+          file=sys.stderr)
+    return GlooProbe(default.bandwidth, default.latency_s, fallback=True)
+
+
+def _measure_once(sizes: GlooSizes, timeout_s: float) -> tuple[float, float]:
+    """One spawned measurement: (bandwidth bytes/s, one-way latency s), unchecked."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -120,4 +169,4 @@ def gloo_link(sizes: GlooSizes = QUICK_GLOO, timeout_s: float = 60.0) -> GlooPro
     if results.empty():
         raise RuntimeFailure("gloo loopback probe failed: rank 0 reported no measurement")
     bandwidth, latency_s = results.get()
-    return GlooProbe(float(bandwidth), float(latency_s))
+    return float(bandwidth), float(latency_s)

@@ -30,13 +30,18 @@ def runqueue_seconds() -> float:
 
 class Slowdown:
     """Stretch compute by a factor >= 1. `slept` accumulates the added seconds. `comm_clock()` returns the
-    running total of communication seconds to leave out (e.g. TPContext.comm_seconds)."""
+    running total of communication seconds to leave out (e.g. TPContext.comm_seconds). `clock`, `sleep` and
+    `queue_clock` (seconds) default to time.perf_counter, time.sleep and `runqueue_seconds`."""
 
-    def __init__(self, factor: float = 1.0, comm_clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, factor: float = 1.0, comm_clock: Callable[[], float] | None = None,
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep,
+                 queue_clock: Callable[[], float] | None = None) -> None:
         if not factor >= 1.0:
             raise InputError(f"slowdown must be >= 1, got {factor}")
         self.factor = factor
         self.comm_clock = comm_clock or (lambda: 0.0)
+        self.clock, self.sleep = clock, sleep
+        self.queue_clock = queue_clock or runqueue_seconds
         self.slept = 0.0
 
     @contextmanager
@@ -46,10 +51,10 @@ class Slowdown:
         if self.factor <= 1.0:
             yield
             return
-        start, comm, queued = time.perf_counter(), self.comm_clock(), runqueue_seconds()
+        start, comm, queued = self.clock(), self.comm_clock(), self.queue_clock()
         yield
-        waited = runqueue_seconds() - queued
-        compute = (time.perf_counter() - start) - (self.comm_clock() - comm) - waited
+        waited = self.queue_clock() - queued
+        compute = (self.clock() - start) - (self.comm_clock() - comm) - waited
         extra = max(0.0, (self.factor - 1.0) * max(0.0, compute) - waited)
-        time.sleep(extra)
+        self.sleep(extra)
         self.slept += extra

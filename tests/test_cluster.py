@@ -7,7 +7,7 @@ import json
 import pytest
 
 from flashflex_cli.errors import InputError
-from flashflex_cli.hardware.cluster import InterNode, NodePair, load_cluster, save_cluster
+from flashflex_cli.hardware.cluster import InterNode, NodePair, is_catalogued, load_cluster, save_cluster
 from flashflex_cli.hardware.links import INTRA_LINKS, NIC_LINKS
 from flashflex_cli.hardware.synthetic import build_cluster
 
@@ -71,7 +71,8 @@ def test_save_load_round_trip_is_byte_stable(tmp_path):
     [
         (lambda d: d.update(schema="flashflex.cluster/9"), "unknown schema"),
         (lambda d: d["nodes"].append(dict(d["nodes"][0])), "duplicate node names"),
-        (lambda d: d["nodes"][0]["devices"][0].update(type="A100-80"), "did you mean"),
+        (lambda d: d["nodes"][0]["devices"][0]["peak_flops"].update(bf16=float("inf")), "peak_flops"),
+        (lambda d: d["nodes"][0]["devices"][0].update(memory_bandwidth=float("nan")), "memory_bandwidth"),
         (lambda d: d["nodes"][0]["devices"][0].update(memory_bytes=-1), "memory_bytes"),
         (lambda d: d["nodes"][0].update(nic="wifi"), "nic"),
         (lambda d: d["inter_node"].update(pairs=[{"a": "node0", "b": "ghost", "bandwidth": 1.0}]), "ghost"),
@@ -89,9 +90,11 @@ def test_invalid_files_give_one_line_input_errors(tmp_path, mutate, message):
     assert str(path) in str(info.value)
 
 
-def test_measured_device_type_need_not_be_in_catalog(tmp_path):
+@pytest.mark.parametrize("source", ["catalog", "measured"])
+def test_uncatalogued_device_type_with_its_peaks_is_accepted(tmp_path, source):
     data = json.loads(build_cluster("1x1x4090").to_json())
-    data["nodes"][0]["devices"][0].update(type="Some-Future-GPU", source="measured")
+    data["nodes"][0]["devices"][0].update(type="Some-Future-GPU", source=source)
     path = tmp_path / "m.json"
     path.write_text(json.dumps(data))
     assert load_cluster(path).device("node0/0").type == "Some-Future-GPU"
+    assert not is_catalogued("Some-Future-GPU") and is_catalogued("4090")

@@ -37,7 +37,8 @@ def test_slowest_device_sets_the_pace() -> None:
     mixed = layer_times(c, ["node0/0", "node1/0"], model, train, params)
     assert slow.fwd_s > fast.fwd_s
     # the mixed pair computes half a layer each at the V100's pace, plus all-reduces over the slow NIC
-    assert mixed.fwd_s - mixed.tp_fwd_s == pytest.approx(slow.fwd_s / 2)
+    # (within 1e-3: the fixed part reads the weight shard, and the norm gains are not sharded)
+    assert mixed.fwd_s - mixed.tp_fwd_s == pytest.approx(slow.fwd_s / 2, rel=1e-3)
 
 
 def test_tp_allreduces_follow_the_links() -> None:

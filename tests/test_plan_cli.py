@@ -92,7 +92,7 @@ def test_diff_and_fail_on_regression(cluster_file: Path, tmp_path: Path, capsys:
         (["--model", "llama2-70b", "--global-batch", "16", "--seq-len", "128"], "llama2-70b needs at least"),
         (["--model", "llama-small", "--global-batch", "16", "--seq-len", "128", "--strategy", "best"],
          "unknown strategy 'best'"),
-        (["--model", "llama-small", "--global-batch", "0", "--seq-len", "128"], "global_batch"),
+        (["--model", "llama-small", "--global-batch", "0", "--seq-len", "128"], "--global-batch must be"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_and_writes_nothing(cluster_file: Path, tmp_path: Path, args: list[str],

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from flashflex_cli.cost.reestimate import reestimated, validate_plan
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan, TrainConfig
-from flashflex_cli.plan.validate import reestimated, validate_plan
 from flashflex_cli.planner.search import plan_layout
 
 SPEC = "1x4xcpu:slowdown=1,1,2,2"

@@ -255,9 +255,9 @@ def test_each_rank_reduces_exactly_its_own_shards() -> None:
         assert reduced == local, info  # both pipelines hold every parameter here
 
 
-def test_cpu_threads_are_shared_between_local_ranks() -> None:
-    from flashflex_cli.runtime.worker import cpu_threads_per_rank
+def test_gpu_ranks_share_the_host_cores_between_local_ranks() -> None:
+    from flashflex_cli.runtime.worker import gpu_rank_threads
 
-    assert cpu_threads_per_rank(4, cores=16) == 4
-    assert cpu_threads_per_rank(4, cores=2) == 1
-    assert cpu_threads_per_rank(1, cores=2) == 2
+    assert gpu_rank_threads(4, cores=16) == 4
+    assert gpu_rank_threads(4, cores=2) == 1
+    assert gpu_rank_threads(1, cores=2) == 2

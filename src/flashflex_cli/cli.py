@@ -10,6 +10,7 @@ import sys
 import typer
 
 from . import __version__
+from .commands import calibrate as calibrate_commands
 from .commands import data as data_commands
 from .commands import launch as launch_commands
 from .commands import planning as planning_commands
@@ -45,6 +46,7 @@ profile_commands.register(app)
 planning_commands.register(app)
 launch_commands.register(app)
 data_commands.register(app)
+calibrate_commands.register(app)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         code = 130
+    except OSError as exc:  # a safety net: file errors the commands did not turn into an InputError
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        typer.echo(f"error: cannot access{where}: {exc.strerror or exc}", err=True)
+        code = 2
     if argv is None:
         sys.exit(code)
     return code

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -20,27 +23,152 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """Write `text` to `path` via a temporary file in the same folder and a rename.
+NAME_MAX = 255  # bytes in one file name on the usual Linux file systems, when pathconf cannot say
+_TEMP_STEM = 40  # characters of the target's name kept in its temporary file's name
 
-    A crash or an exception never leaves a half-written file at `path`. A trailing newline is added.
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if not text.endswith("\n"):
-        text += "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+
+def _name_max(folder: Path) -> int:
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            os.fchmod(handle.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
-            handle.write(text)
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return NAME_MAX
+
+
+def _stat(path: Path, what: str) -> os.stat_result | None:
+    """os.stat of `path`, None when it does not exist; any other error is an InputError."""
+    try:
+        return path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise InputError(f"{what} {path}: {_oserror_text(exc)}") from None
+
+
+def _check_names(path: Path, what: str) -> None:
+    """Every name in `path` fits the file system's name limit (checked before any stat)."""
+    limit = _name_max(_existing_ancestor_plain(path))
+    for part in path.parts:
+        size = len(os.fsencode(part))
+        if size > limit:
+            raise InputError(f"{what} {path}: file name too long ({size} bytes, at most {limit})")
+
+
+def _existing_ancestor_plain(path: Path) -> Path:
+    """The nearest existing folder above `path` by os.path.isdir (never raises), for pathconf."""
+    current = path.parent
+    while not os.path.isdir(current) and current != current.parent:
+        current = current.parent
+    return current
+
+
+def _check_creatable(path: Path, what: str) -> None:
+    """`path` does not exist: its nearest existing ancestor must be a writable folder."""
+    anchor = path.parent
+    while _stat(anchor, what) is None and anchor != anchor.parent:
+        anchor = anchor.parent
+    if not anchor.is_dir():
+        raise InputError(f"{what} {path}: {anchor} is not a folder")
+    if not os.access(anchor, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {path}: folder {anchor} is not writable")
+
+
+def check_writable_output(path: str | os.PathLike[str], what: str = "--out") -> Path:
+    """Refuse an output file path that cannot be written, before any work: empty, a folder, not a regular
+    file, under a file, in a folder that is not writable, or with a name too long. Returns the Path."""
+    if os.fspath(path) in ("", "."):
+        raise InputError(f"{what}: empty path, expected a file name")
+    target = Path(path)
+    _check_names(target, what)
+    info = _stat(target, what)
+    if info is None:
+        _check_creatable(target, what)
+    elif stat.S_ISDIR(info.st_mode):
+        raise InputError(f"{what} {target}: is a folder, expected a file path")
+    elif not stat.S_ISREG(info.st_mode):
+        raise InputError(f"{what} {target}: exists and is not a regular file")
+    elif not os.access(target.parent, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {target}: folder {target.parent} is not writable")
+    return target
+
+
+def check_writable_dir(path: str | os.PathLike[str], what: str) -> Path:
+    """Refuse a folder path that cannot be created or written: empty, a file, under a file, not writable,
+    or with a name too long. Returns the Path."""
+    if not os.fspath(path):
+        raise InputError(f"{what}: empty path, expected a folder")
+    folder = Path(path)
+    _check_names(folder, what)
+    info = _stat(folder, what)
+    if info is None:
+        _check_creatable(folder, what)
+    elif not stat.S_ISDIR(info.st_mode):
+        raise InputError(f"{what} {folder}: is a file, expected a folder")
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"{what} {folder}: folder is not writable")
+    return folder
+
+
+def _same_path(a: Path, b: Path) -> bool:
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def refuse_same_path(out: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str] | None],
+                     what: str = "--out") -> None:
+    """Refuse an output path that is one of the inputs (it would be overwritten by its own result)."""
+    target = Path(out)
+    for source in inputs:
+        if source is not None and _same_path(target, Path(source)):
+            raise InputError(f"{what} {target} is also an input ({source}); write the output elsewhere")
+
+
+def _oserror_text(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike[str], binary: bool = False, mode: int = 0o666) -> Iterator[IO[Any]]:
+    """A handle on a unique temporary file in `path`'s folder, renamed onto `path` when the block ends;
+    the file gets permissions `mode` less the umask (0o777 for an executable script).
+
+    An exception leaves `path` untouched and removes the temporary file; an OSError becomes one-line
+    InputError naming the path and the cause ("cannot write /x/y: Is a directory").
+    """
+    target = check_writable_output(path, "cannot write")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:_TEMP_STEM]}.", suffix=".tmp", dir=target.parent)
+    except OSError as exc:
+        raise InputError(f"cannot write {target}: {_oserror_text(exc)}") from None
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as handle:
+            os.fchmod(handle.fileno(), mode & ~_umask())  # mkstemp makes 0600; give the usual mode
+            yield handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise InputError(f"cannot write {target}: {_oserror_text(exc)}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return target
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, mode: int = 0o666) -> Path:
+    """Write `text` to `path` via a unique temporary file in the same folder and a rename.
+
+    A crash or an exception never leaves a half-written file at `path`. A trailing newline is added.
+    """
+    if not text.endswith("\n"):
+        text += "\n"
+    with atomic_open(path, mode=mode) as handle:
+        handle.write(text)
+    return Path(path)
 
 
 def dumps_json(data: Any) -> str:
@@ -56,16 +184,20 @@ def write_model(path: str | os.PathLike[str], model: BaseModel) -> Path:
 def read_json(path: str | os.PathLike[str]) -> Any:
     """Read a JSON file; a missing or malformed file raises InputError with a one-line message."""
     source = Path(path)
-    if not source.exists():
-        raise InputError(f"{source}: no such file")
-    if source.is_dir():
-        raise InputError(f"{source}: is a folder, expected a JSON file")
     try:
-        return json.loads(source.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{source}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        text = source.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{source}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{source}: is a folder, expected a JSON file") from None
     except UnicodeDecodeError:
         raise InputError(f"{source}: not a UTF-8 text file") from None
+    except OSError as exc:
+        raise InputError(f"{source}: cannot read: {_oserror_text(exc)}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{source}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
 
 
 def validation_message(source: str, exc: ValidationError) -> str:

@@ -2,7 +2,7 @@
 # flashflex: 2 torchrun command(s) for plan plans/plan-4rank.json (4 processes).
 # Run line N on host N, all at about the same time; the first host serves the c10d rendezvous.
 # Each host runs its plan node's devices; local rank i drives the i-th of them in plan rank order.
-# Template: launchers/torchrun.sh.tmpl (edit freely: double-brace fields are filled in, the node block repeats per node).
+# Template: launchers/torchrun.sh.tmpl (edit freely: double-brace fields are filled in as shell-quoted words, never put them inside quotes; the node block repeats per node).
 # node 0: plan node node0 on 10.200.0.1: 3 processes, plan ranks 0,1,3
 env GLOO_SOCKET_IFNAME=veth0 torchrun --nnodes=2 --nproc-per-node=3 --node-rank=0 --rdzv-backend=c10d --rdzv-endpoint=10.200.0.1:29511 --rdzv-id=job7 --rdzv-conf=is_host=1 --max-restarts=0 --local-addr=10.200.0.1 -m flashflex_cli.runtime.worker --plan plans/plan-4rank.json --cluster profiles/cluster-2node.json --data runs/data.bin --steps 30 --out runs/r1 --seed 0 --lr 0.001 --timeout 60 --checkpoint-dir runs/ckpt --checkpoint-every 10 --plan-node node0
 # node 1: plan node node1 on 10.200.0.2: 1 processes, plan ranks 2

@@ -20,8 +20,11 @@ def prepare_command(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ) -> None:
     """Tokenize TEXT_FILES into a memory-mappable token file for `flashflex launch --data`."""
+    from ..fileio import check_writable_output, refuse_same_path
     from ..runtime.data import prepare
 
+    check_writable_output(out)
+    refuse_same_path(out, [*text_files, tokenizer])
     count, vocab = prepare([str(p) for p in text_files], out, tokenizer)
     summary = {"out": str(out), "tokens": count, "vocab_size": vocab,
                "tokenizer": str(tokenizer) if tokenizer else "bytes"}

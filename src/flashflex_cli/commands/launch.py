@@ -3,18 +3,48 @@
 from __future__ import annotations
 
 import json
-import os
-import stat
 from pathlib import Path
 
 import typer
 from rich.console import Console
 
+from ..errors import InputError
+from ..fileio import atomic_write_text, check_writable_output, refuse_same_path
+from ..launch.options import RunOptions
+from ..launch.preflight import check_run_dirs
+from ..validate_numbers import port as port_number
+
 LAUNCHERS = ("local", "torchrun", "slurm")
 
 
-def _split(text: str | None) -> tuple[str, ...] | None:
-    return tuple(part.strip() for part in text.split(",") if part.strip()) if text else None
+def _split(text: str | None, what: str) -> tuple[str, ...] | None:
+    """A comma-separated list of names; an empty name (",,", a trailing comma, "") is refused."""
+    if text is None:
+        return None
+    parts = tuple(part.strip() for part in text.split(","))
+    if not all(parts):
+        raise InputError(f"{what} {text!r}: empty name in the comma-separated list")
+    return parts
+
+
+def _script_inputs(plan_path: Path, cluster_path: Path, data: str, template: str | None) -> list[str | Path]:
+    """Files a rendered script must not overwrite."""
+    inputs: list[str | Path] = [plan_path, cluster_path]
+    if data != "synthetic":
+        inputs.append(data)
+    if template is not None:
+        inputs.append(template)
+    return inputs
+
+
+def _check_outputs(launcher: str, script: Path | None, options: RunOptions, inputs: list[str | Path]) -> None:
+    """Before anything is read: the script file can be written and is no input; a local run's folders can
+    be created and written."""
+    if script is not None:
+        check_writable_output(script, "--script")
+        refuse_same_path(script, inputs, "--script")
+    if launcher == "local":
+        check_run_dirs(options.out, options.checkpoint_dir)
 
 
 def launch_command(
@@ -49,27 +79,29 @@ def launch_command(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ) -> None:
     """Check PLAN against the cluster, the machine and the data, then run it or render its launch commands."""
-    from ..errors import InputError
     from ..hardware.cluster import load_cluster
-    from ..launch.options import RunOptions
-    from ..launch.preflight import check_local_machine, check_plan_cluster, check_run
+    from ..launch.preflight import check_checkpoint_space, check_local_machine, check_plan_cluster, check_run
     from ..plan.schema import load_plan
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     if launcher not in LAUNCHERS:
         raise InputError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
-    plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
-    check_plan_cluster(plan, cluster, str(cluster_path))
-    warnings = check_run(plan, data, steps, str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every,
-                         resume, schedule_steps)
+    host_list, ifnames = _split(hosts, "--hosts"), _split(ifname, "--ifname") or ()
     options = RunOptions(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
                          seed=seed, lr=lr, checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                          checkpoint_every=checkpoint_every, resume=resume, timeout_s=timeout,
                          schedule_steps=schedule_steps)
+    if launcher != "local":
+        port_number(port)
+    _check_outputs(launcher, script, options, _script_inputs(plan_path, cluster_path, data, template))
+    plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
+    check_plan_cluster(plan, cluster, str(cluster_path))
+    warnings = check_run(plan, data, steps, options.checkpoint_dir, checkpoint_every, resume, schedule_steps)
     if launcher == "local":
         from ..launch.local import dry_run_text, launch_local
 
         warnings += check_local_machine(plan, cluster).warnings
+        check_checkpoint_space(plan, options.checkpoint_dir)
         for line in warnings:
             console.print(f"[yellow]warning:[/] {line}")
         if dry_run:
@@ -86,19 +118,16 @@ def launch_command(
     from ..launch.slurm import SlurmSettings, render_slurm
     from ..launch.torchrun import RenderSettings, command_lines, render_torchrun
 
-    for line in warnings:
-        console.print(f"[yellow]warning:[/] {line}")
-    settings = RenderSettings(hosts=_split(hosts), port=port, ifnames=_split(ifname) or (), torchrun=torchrun,
-                              run_id=run_id, template=template)
+    settings = RenderSettings(hosts=host_list, port=port, ifnames=ifnames, torchrun=torchrun, run_id=run_id,
+                              template=template)
     if launcher == "torchrun":
         text = render_torchrun(plan, cluster, options, settings)
     else:
         text = render_slurm(plan, cluster, options, settings, SlurmSettings(job_name=job_name))
+    for line in warnings:  # after rendering, so that a refused value is the only line
+        console.print(f"[yellow]warning:[/] {line}")
     if script is not None:
-        from ..fileio import atomic_write_text
-
-        atomic_write_text(script, text)
-        os.chmod(script, os.stat(script).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+        atomic_write_text(script, text, mode=0o777)
         console.print(f"wrote {script}")
     if as_json:
         typer.echo(json.dumps({"launcher": launcher, "script": text,

@@ -7,41 +7,51 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from .. import validate_numbers
+from ..cost.estimate import estimate
 from ..cost.params import CostParams
+from ..cost.reestimate import reestimated, validate_plan
 from ..errors import CheckFailed, FlashflexError, InputError
-from ..fileio import atomic_write_text, read_json
+from ..fileio import atomic_write_text, check_writable_output, read_json, refuse_same_path
 from ..hardware.cluster import load_cluster
+from ..layers.load import load_layer_profiles
 from ..model.spec import resolve_model
 from ..plan.diff import diff_plans
 from ..plan.render import render_baseline, render_diff, render_plan
 from ..plan.schema import TrainConfig, load_plan
-from ..plan.validate import reestimated, validate_plan
 
 
 def _stderr() -> Console:
     return Console(stderr=True)
 
 
-def _cost_params(path: Path | None) -> CostParams:
-    if path is None:
-        return CostParams()
-    data = read_json(path)
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: expected a JSON object of cost parameter overrides")
-    try:
-        return CostParams.from_overrides(data)
-    except InputError as exc:
-        raise InputError(f"{path}: {exc}") from None
+LAYERS_HELP = "Measured layer profile (flashflex.layers/1); repeatable. Stages it matches are costed from it."
 
 
-def _train(global_batch: int, seq_len: int, micro_batch: int, dtype: str, recompute: bool) -> TrainConfig:
+def _cost_params(path: Path | None, layers: list[Path] | None = None) -> CostParams:
+    params = CostParams()
+    if path is not None:
+        data = read_json(path)
+        if not isinstance(data, dict):
+            raise InputError(f"{path}: expected a JSON object of cost parameter overrides")
+        try:
+            params = CostParams.from_overrides(data)
+        except InputError as exc:
+            raise InputError(f"{path}: {exc}") from None
+    if layers:
+        params = params.with_layer_profiles(load_layer_profiles(layers))
+    return params
+
+
+def _train(global_batch: int, seq_len: int, micro_batch: int, dtype: str, recompute: bool,
+           attention: str = "sdpa") -> TrainConfig:
     from pydantic import ValidationError
 
     from ..fileio import validation_message
 
     try:
         return TrainConfig(global_batch=global_batch, seq_len=seq_len, micro_batch_size=micro_batch, dtype=dtype,
-                           recompute=recompute)
+                           recompute=recompute, attention=attention)
     except ValidationError as exc:
         raise InputError(validation_message("options", exc)) from None
 
@@ -57,21 +67,29 @@ def plan_command(
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout (nothing else there)."),
     time_budget: float = typer.Option(30.0, "--time-budget", min=0.0, help="Search time cap in seconds."),
     seed: int = typer.Option(0, "--seed", help="Seed for METIS and the refinement order."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16 or fp32."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16, fp32 or tf32 (fp32 tensors, TF32 matmuls)."),
     recompute: bool = typer.Option(False, "--recompute/--no-recompute", help="Full activation recompute."),
+    attention: str = typer.Option("sdpa", "--attention", help="flash, sdpa or eager (keeps s x s scores)."),
     cost_params: Path | None = typer.Option(None, "--cost-params", help="JSON file of CostParams overrides."),
+    layers: list[Path] | None = typer.Option(None, "--layers", help=LAYERS_HELP),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also plan the uniform baseline."),
 ) -> None:
     """Plan an asymmetric DP x PP x TP layout and print its predicted throughput next to the uniform one."""
     from ..planner.search import SearchStats, plan_layout
 
+    if out is not None:
+        check_writable_output(out)
+        refuse_same_path(out, [cluster_file, cost_params, *(layers or [])])
+    validate_numbers.seed(seed)
+    validate_numbers.batch_shape(global_batch, seq_len, micro_batch)
     cluster = load_cluster(cluster_file)
     spec = resolve_model(model)
-    train = _train(global_batch, seq_len, micro_batch, dtype, recompute)
-    params = _cost_params(cost_params)
+    train = _train(global_batch, seq_len, micro_batch, dtype, recompute, attention)
+    params = _cost_params(cost_params, layers)
     stats = SearchStats()
     plan = plan_layout(cluster, spec, train, strategy=strategy, time_budget_s=time_budget, seed=seed,
                        params=params, stats=stats)
+    plan = reestimated(plan, estimate(plan, cluster, params))  # records the layer profiles it used
     if out is not None:
         atomic_write_text(out, plan.to_json())
     if json_out:
@@ -98,20 +116,36 @@ def show_command(
                                              help="Validate against this cluster and re-estimate."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan (re-estimated with --cluster) as JSON."),
     cost_params: Path | None = typer.Option(None, "--cost-params", help="JSON file of CostParams overrides."),
+    layers: list[Path] | None = typer.Option(None, "--layers", help=LAYERS_HELP),
+    run_dir: Path | None = typer.Option(None, "--run", help="A run folder of this plan (flashflex launch --out): "
+                                        "predicted and measured per stage side by side."),
+    timeline: Path | None = typer.Option(None, "--timeline", help="Draw the 1F1B schedules (predicted, and "
+                                         "measured with --run) to this PNG (needs matplotlib)."),
 ) -> None:
     """Render a plan; with --cluster, validate it there and predict it afresh (exit 1 if it cannot run)."""
     plan = load_plan(plan_file)
     console = _stderr()
+    if run_dir is not None or timeline is not None:
+        from ..runs.show import cluster_for_run
+
+        cluster_file = cluster_for_run(cluster_file, run_dir)
     if cluster_file is not None:
         cluster = load_cluster(cluster_file)
-        result = validate_plan(plan, cluster, _cost_params(cost_params))
+        result = validate_plan(plan, cluster, _cost_params(cost_params, layers))
         for line in result.warnings:
             console.print(f"[yellow]warning[/yellow]: {line}")
         if result.estimate is not None:
             plan = reestimated(plan, result.estimate)
+        compared = None
+        if run_dir is not None or timeline is not None:
+            from ..runs.show import plan_json_with_run, render_run, run_views
+
+            compared = run_views(console, plan, result.estimate, run_dir, timeline)
         if json_out:
-            typer.echo(plan.to_json(), nl=False)
+            typer.echo(plan.to_json() if compared is None else plan_json_with_run(plan, compared), nl=False)
         render_plan(console, plan)
+        if compared is not None:
+            render_run(console, compared)
         if not result.ok:
             raise CheckFailed(f"{plan_file} does not fit cluster {cluster.name!r}: " + "; ".join(result.errors))
         return
@@ -124,13 +158,17 @@ def diff_command(
     plan_a: Path = typer.Argument(..., metavar="A.json", help="The reference plan."),
     plan_b: Path = typer.Argument(..., metavar="B.json", help="The new plan."),
     fail_on_regression: float | None = typer.Option(
-        None, "--fail-on-regression", metavar="PCT", min=0.0,
-        help="Exit 1 when B's predicted tokens/s is more than PCT percent below A's."),
+        None, "--fail-on-regression", metavar="PCT",
+        help="Exit 1 when B's predicted tokens/s is more than PCT percent below A's (PCT >= 0), or unknown."),
     json_out: bool = typer.Option(False, "--json", help="Print the diff as JSON on stdout."),
 ) -> None:
     """Structural changes and predicted-metric deltas from plan A to plan B."""
     import json
 
+    from ..validate_numbers import non_negative
+
+    if fail_on_regression is not None:
+        non_negative(fail_on_regression, "--fail-on-regression")
     a, b = load_plan(plan_a), load_plan(plan_b)
     result = diff_plans(a, b)
     if json_out:
@@ -139,7 +177,7 @@ def diff_command(
     if fail_on_regression is not None:
         drop = result.regression_pct()
         if drop is None:
-            raise CheckFailed("cannot check for a regression: a plan has no predicted tokens_per_s "
+            raise CheckFailed("cannot check for a regression: a plan has no finite predicted tokens_per_s "
                               "(re-run `flashflex show PLAN --cluster CLUSTER --json`)")
         if drop > fail_on_regression:
             raise CheckFailed(f"predicted tokens/s fell {drop:.2f}% ({result.metric('tokens_per_s').a:,.0f} -> "

@@ -1,8 +1,13 @@
 """Compute time of one transformer layer (and of the embedding and head) on one TP group.
 
-time = FLOPs / tp / (slowest device's achieved FLOP/s) + the group's TP all-reduces.
-Achieved FLOP/s = peak (or measured matmul rate) x efficiency (CostParams.efficiency), with the
-emulation slowdown applied. Megatron-style TP (Shoeybi et al. 2019): per layer two all-reduces of the
+Measured first: when every device of the group has a matching layer profile (cost/measured.py), the
+profile's times are used as they are (they include the group's TP collectives), stretched by the emulation
+slowdown; the slowest device sets the pace.
+Otherwise modelled, per micro-batch of b sequences (t(b) = a + b * slope, the form of measured layer times):
+time = a + FLOPs / tp / (slowest device's achieved FLOP/s) + the group's TP all-reduces, where the fixed
+part a = CostParams.intercept x one read of the device's weight shard from memory, split 1:2 between
+forward and backward like the FLOPs, and achieved FLOP/s = peak (or measured matmul rate) x slope
+efficiency (CostParams.efficiency), with the emulation slowdown applied. Megatron-style TP (Shoeybi et al. 2019): per layer two all-reduces of the
 [b, s, h] activation in the forward and two in the backward (two more when the backward recomputes
 the forward); a vocabulary-parallel embedding all-reduces its output; the head all-reduces the input
 gradient in the backward and two [b, s] fp32 statistics of the loss in the forward.
@@ -15,10 +20,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..hardware.cluster import Cluster
+from ..layers.schema import LayerProfile
 from ..model import flops as F
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
 from .comm import allreduce_time
+from .measured import MeasuredCosts, find_profile, read_profile
 from .params import CostParams
 from .view import view
 
@@ -40,6 +47,12 @@ class LayerTimes:
     head_bwd_s: float
     tp_fwd_s: float = 0.0
     tp_bwd_s: float = 0.0
+    measured: MeasuredCosts | None = None
+
+    @property
+    def source(self) -> str:
+        """"measured" (from a layer profile) or "modelled" (analytic)."""
+        return "measured" if self.measured is not None else "modelled"
 
     @property
     def layer_s(self) -> float:
@@ -69,6 +82,65 @@ def group_memory_bandwidth(cluster: Cluster, devices: Sequence[str], params: Cos
     return min(cv.info(d).memory_bandwidth for d in devices) * params.memory_bandwidth_efficiency
 
 
+def group_measurement(cluster: Cluster, devices: Sequence[str], model: ModelSpec, train: TrainConfig,
+                      params: CostParams, mbs: int) -> MeasuredCosts | None:
+    """The measured costs of the TP group `devices` at micro-batch size `mbs`: each device's matching
+    profile read at (mbs, tp), its compute stretched by its emulation slowdown (the TP collectives inside
+    the measured times are not: see `measured_layer_comm`), the slowest device's; None when any device has
+    no matching profile."""
+    if not params.layer_profiles:
+        return None
+    cv = view(cluster)
+    slowest: MeasuredCosts | None = None
+    tp = len(devices)
+    for device in devices:
+        profile = find_profile(params.layer_profiles, cv.info(device).type, model, train)
+        if profile is None:
+            return None
+        costs = read_profile(profile, mbs, tp)
+        slowdown = cv.device(device).slowdown
+        if slowdown != 1.0:
+            comm = measured_layer_comm(cluster, devices, model, train, params, mbs, profile, costs)
+            costs = costs.scaled(slowdown, comm)
+        if slowest is None or costs.layer.fwd_s + costs.layer.bwd_s > slowest.layer.fwd_s + slowest.layer.bwd_s:
+            slowest = costs
+    return slowest
+
+
+def measured_layer_comm(cluster: Cluster, devices: Sequence[str], model: ModelSpec, train: TrainConfig,
+                        params: CostParams, mbs: int, profile: LayerProfile,
+                        costs: MeasuredCosts) -> tuple[float, float]:
+    """(forward, backward) seconds of TP collectives inside a measured layer time at TP degree t > 1.
+
+    Where the profile also holds TP 1 at this micro-batch size, the collectives are what the TP-t time adds
+    to a perfect t-way split of the TP-1 compute: max(0, T_t - T_1 / t). Otherwise the group's modelled
+    all-reduces (two forward, two or four backward)."""
+    tp = len(devices)
+    if tp == 1 or not costs.tp_measured:
+        return 0.0, 0.0
+    single = read_profile(profile, mbs, 1)
+    if single.tp_measured and not single.extrapolated:
+        return (max(0.0, costs.layer.fwd_s - single.layer.fwd_s / tp),
+                max(0.0, costs.layer.bwd_s - single.layer.bwd_s / tp))
+    ar = allreduce_time(cluster, devices, F.layer_input_bytes(model, mbs, train.seq_len, train.dtype), params)
+    return 2 * ar, (4 if train.recompute else 2) * ar
+
+
+def group_intercept_s(cluster: Cluster, devices: Sequence[str], model: ModelSpec, dtype: str,
+                      params: CostParams) -> float:
+    """Fixed seconds of one micro-batch through one layer (forward + backward) on the group: the largest
+    over its devices of CostParams.intercept x (weight shard bytes / memory bandwidth); may be negative
+    (see CostParams.compute_intercept)."""
+    cv = view(cluster)
+    shard_bytes = F.layer_params_per_device(model, len(devices)) * F.dtype_bytes(dtype)
+    worst = float("-inf")
+    for device in devices:
+        info = cv.info(device)
+        reads = params.intercept(info.type, dtype, measured=bool(cv.device(device).achieved_flops))
+        worst = max(worst, reads * shard_bytes / info.memory_bandwidth)
+    return worst
+
+
 def layer_times(cluster: Cluster, devices: Sequence[str], model: ModelSpec, train: TrainConfig,
                 params: CostParams, micro_batch_size: int | None = None) -> LayerTimes:
     """Per-micro-batch times of one layer, the embedding and the head on the TP group `devices`.
@@ -89,9 +161,15 @@ def _layer_times(cluster: Cluster, devices: tuple[str, ...], model: ModelSpec, t
     hit = _CACHE.get(key)
     if hit is not None and hit[0] is cv:  # the entry holds its view, so the id cannot be reused meanwhile
         return hit[1]
+    measured = group_measurement(cluster, devices, model, train, params, mbs)
+    if measured is not None:
+        found = _measured_times(cluster, devices, model, train, params, mbs, measured)
+        _remember(key, cv, found)
+        return found
     tp = len(devices)
     seq, dtype = train.seq_len, train.dtype
     rate = group_rate(cluster, devices, dtype, params)
+    intercept = group_intercept_s(cluster, devices, model, dtype, params)
     membw = group_memory_bandwidth(cluster, devices, params)
     act = F.layer_input_bytes(model, mbs, seq, dtype)
     ar = allreduce_time(cluster, devices, act, params) if tp > 1 else 0.0
@@ -111,12 +189,34 @@ def _layer_times(cluster: Cluster, devices: tuple[str, ...], model: ModelSpec, t
     stats = allreduce_time(cluster, devices, mbs * seq * 4, params) if tp > 1 else 0.0
     head_fwd = F.head_fwd_flops(model, mbs, seq) / tp / rate + loss_half + 2 * stats
     head_bwd = F.head_bwd_flops(model, mbs, seq) / tp / rate + loss_half + ar
-    found = LayerTimes(fwd_flops / rate + tp_fwd, bwd_flops / rate + tp_bwd, embed_fwd, embed_bwd,
-                       head_fwd, head_bwd, tp_fwd, tp_bwd)
+    # a negative intercept (a device whose clocks throttle as batches grow) never halves the slope time
+    fwd_compute = max(intercept / 3 + fwd_flops / rate, 0.5 * fwd_flops / rate)
+    bwd_fixed = (3 if train.recompute else 2) * intercept / 3  # recompute runs the forward again, fixed part too
+    bwd_compute = max(bwd_fixed + bwd_flops / rate, 0.5 * bwd_flops / rate)
+    found = LayerTimes(fwd_compute + tp_fwd, bwd_compute + tp_bwd,
+                       embed_fwd, embed_bwd, head_fwd, head_bwd, tp_fwd, tp_bwd)
+    _remember(key, cv, found)
+    return found
+
+
+def _measured_times(cluster: Cluster, devices: tuple[str, ...], model: ModelSpec, train: TrainConfig,
+                    params: CostParams, mbs: int, measured: MeasuredCosts) -> LayerTimes:
+    """LayerTimes from a layer profile; where its TP degree was not measured, the group's modelled TP
+    all-reduces are added (two per layer forward, two (four with recompute) backward, one in the embedding
+    forward and the head backward)."""
+    ar = 0.0
+    if len(devices) > 1 and not measured.tp_measured:
+        ar = allreduce_time(cluster, devices, F.layer_input_bytes(model, mbs, train.seq_len, train.dtype), params)
+    tp_fwd, tp_bwd = 2 * ar, (4 if train.recompute else 2) * ar
+    return LayerTimes(measured.layer.fwd_s + tp_fwd, measured.layer.bwd_s + tp_bwd, measured.embedding.fwd_s + ar,
+                      measured.embedding.bwd_s, measured.head.fwd_s, measured.head.bwd_s + ar, tp_fwd, tp_bwd,
+                      measured=measured)
+
+
+def _remember(key: tuple, cv: object, found: LayerTimes) -> None:
     if len(_CACHE) >= _CACHE_LIMIT:
         _CACHE.clear()
     _CACHE[key] = (cv, found)
-    return found
 
 
 @lru_cache(maxsize=4096)

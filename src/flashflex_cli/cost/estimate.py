@@ -44,6 +44,12 @@ class StageEstimate:
     dp_s: float = 0.0
     optimizer_s: float = 0.0
     end_s: float = 0.0
+    source: str = "modelled"
+    extrapolated: bool = False
+    tp_comm_s: float = 0.0
+    profile_sha256: str = ""
+    num_micro_batches: int = 0
+    dp_exposed_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -88,23 +94,35 @@ class Estimate:
                 {"time_s": _r(p.time_s), "bubble_fraction": _r(p.bubble_fraction), "tokens": p.tokens}
                 for p in self.pipelines
             ],
-            "stages": [
-                {
-                    "pipeline": s.pipeline,
-                    "stage": s.stage,
-                    "time_s": _r(s.time_s),
-                    "fwd_s": _r(s.fwd_s),
-                    "bwd_s": _r(s.bwd_s),
-                    "p2p_s": _r(s.p2p_s),
-                    "dp_s": _r(s.dp_s),
-                    "memory_bytes": _r(s.memory.total),
-                    "memory_capacity_bytes": _r(s.memory_capacity),
-                    "headroom_bytes": _r(s.headroom_bytes),
-                }
-                for s in self.stages
-            ],
+            "stages": [_stage_json(s) for s in self.stages],
             "problems": list(self.problems),
         }
+
+    def profiles_used(self) -> list[str]:
+        """sha256 of every layer profile a stage was costed from, sorted."""
+        return sorted({s.profile_sha256 for s in self.stages if s.profile_sha256})
+
+
+def _stage_json(s: StageEstimate) -> dict[str, Any]:
+    """One stage's prediction with its full breakdown (seconds per micro-batch unless named per step)."""
+    return {
+        "pipeline": s.pipeline,
+        "stage": s.stage,
+        "source": s.source + (" (extrapolated)" if s.extrapolated else ""),
+        "time_s": _r(s.time_s),
+        "fwd_s": _r(s.fwd_s),
+        "bwd_s": _r(s.bwd_s),
+        "tp_comm_s": _r(s.tp_comm_s),
+        "p2p_s": _r(s.p2p_s),
+        "dp_s": _r(s.dp_s),
+        "dp_exposed_s": _r(s.dp_exposed_s),
+        "optimizer_s": _r(s.optimizer_s),
+        "end_s": _r(s.end_s),
+        "memory_bytes": _r(s.memory.total),
+        "memory": {name: _r(value) for name, value in s.memory.as_dict().items()},
+        "memory_capacity_bytes": _r(s.memory_capacity),
+        "headroom_bytes": _r(s.headroom_bytes),
+    }
 
 
 def _r(value: float) -> float:
@@ -123,9 +141,10 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
     last_backward: dict[tuple[int, int], float] = {}
     for p, pipe in enumerate(plan.pipelines):
         mbs, m, count = pipe.micro_batch_size, pipe.num_micro_batches, len(pipe.stages)
-        fwd, bwd, p2p, back = [], [], [], []
+        fwd, bwd, p2p, back, times = [], [], [], [], []
         for s, stage in enumerate(pipe.stages):
             lt = layer_times(cluster, stage.devices, model, train, params, micro_batch_size=mbs)
+            times.append(lt)
             n = stage.num_layers
             fwd.append(n * lt.fwd_s + (lt.embed_fwd_s if s == 0 else 0.0) + (lt.head_fwd_s if s == count - 1 else 0.0))
             bwd.append(n * lt.bwd_s + (lt.embed_bwd_s if s == 0 else 0.0) + (lt.head_bwd_s if s == count - 1 else 0.0))
@@ -137,16 +156,22 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
         pipelines.append(PipelineEstimate(sched.total_s, sched.bubble_fraction, pipe.sequences * train.seq_len, m, mbs))
         for s, stage in enumerate(pipe.stages):
             reserve = max(device_reserve(cluster, d, params) for d in stage.devices)
+            lt = times[s]
             mem = stage_memory(model, train, stage.tp, stage.num_layers, s == 0, s == count - 1,
-                               min(count - s, m), params, micro_batch_size=mbs, reserve_bytes=reserve)
+                               min(count - s, m), params, micro_batch_size=mbs, reserve_bytes=reserve,
+                               measured=lt.measured)
             capacity, tightest = min((device_capacity(cluster, d, params), d) for d in stage.devices)
             headroom = capacity - mem.total
             if headroom < 0:
                 problems.append(f"pipelines.{p}.stages.{s}: needs {mem.total / GIB:.1f} GiB, "
                                 f"{tightest} has {capacity / GIB:.1f} GiB")
             last_backward[(p, s)] = sched.last_backward_end_s[s]
-            stages.append(StageEstimate(p, s, tuple(stage.devices), stage.tp, tuple(stage.layers), fwd[s], bwd[s],
-                                        p2p[s] if s < len(p2p) else 0.0, sched.busy_s[s], mem, capacity, headroom))
+            stages.append(StageEstimate(
+                p, s, tuple(stage.devices), stage.tp, tuple(stage.layers), fwd[s], bwd[s],
+                p2p[s] if s < len(p2p) else 0.0, sched.busy_s[s], mem, capacity, headroom,
+                source=lt.source, extrapolated=bool(lt.measured and lt.measured.extrapolated),
+                tp_comm_s=stage.num_layers * (lt.tp_fwd_s + lt.tp_bwd_s),
+                profile_sha256=lt.measured.sha256 if lt.measured else "", num_micro_batches=m))
 
     dp = dp_reduction(plan, cluster, params)
     final: list[StageEstimate] = []
@@ -163,7 +188,8 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
         opt = n_params * params.optimizer_bytes_per_param / membw
         end = comm_end + opt
         iteration = max(iteration, end)
-        final.append(replace(st, dp_s=comm, optimizer_s=opt, end_s=end))
+        final.append(replace(st, dp_s=comm, optimizer_s=opt, end_s=end,
+                             dp_exposed_s=max(0.0, comm_end - last_backward[key])))
 
     slowest_pipeline = max(p.time_s for p in pipelines)
     optimizer_s = max(st.optimizer_s for st in final)

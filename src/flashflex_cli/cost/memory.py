@@ -5,7 +5,10 @@ weights and gradients (2 + 2 bytes/param), fp32 master weights (4) and Adam m, v
 weights and gradients take 4 bytes each and there is no separate master copy. Activations: see
 model/flops.py; 1F1B keeps at most min(S - s, m) micro-batches alive on stage s of S (Narayanan et al.
 2021). Full recompute keeps only each layer's input per micro-batch plus one layer's full activations
-while it is recomputed.
+while it is recomputed. A non-fused (eager) attention also keeps the [b, heads / t, s, s] probabilities
+of every layer (Korthikanti et al. 2022, sec. 4.1), dtype bytes + CostParams.eager_score_bytes each.
+With a matching layer profile (cost/measured.py) the measured activation bytes per layer, embedding and
+head and the measured fixed bytes replace the counted ones.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from ..hardware.cluster import Cluster
 from ..model import flops as F
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
+from .measured import MeasuredCosts
 from .params import CostParams
 from .view import view
 
@@ -29,7 +33,8 @@ class MemoryBreakdown:
     embedding_head: all model states (weights, grads, master, Adam) of the embedding (first stage) and
     of the final norm and output head (last stage). activations: saved tensors of the in-flight
     micro-batches. logits: one micro-batch's logits on the last stage. reserve: CUDA context, library
-    workspaces and communication buffers. total: the sum of all of these.
+    workspaces and communication buffers. total: the sum of all of these. embedding_head_weights: the
+    weights' share of embedding_head (already in it and in total; for reports that separate weights).
     """
 
     weights: float
@@ -41,6 +46,7 @@ class MemoryBreakdown:
     logits: float
     reserve: float
     total: float
+    embedding_head_weights: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """Field name -> bytes, in declaration order."""
@@ -67,12 +73,13 @@ def stage_params_per_device(model: ModelSpec, tp: int, num_layers: int, first: b
 @lru_cache(maxsize=65536)
 def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int, first: bool, last: bool,
                  in_flight: int, params: CostParams, micro_batch_size: int | None = None,
-                 reserve_bytes: float | None = None) -> MemoryBreakdown:
+                 reserve_bytes: float | None = None, measured: MeasuredCosts | None = None) -> MemoryBreakdown:
     """Peak bytes per device of a stage of `num_layers` layers at TP degree `tp`.
 
     in_flight: micro-batches whose activations are alive at once (1F1B: min(S - s, m) on stage s).
     micro_batch_size: the pipeline's own (default train.micro_batch_size).
     reserve_bytes: the device's reserve (default params.memory_reserve_bytes, the GPU figure).
+    measured: the group's layer-profile costs at this micro-batch size and TP degree, if any.
     """
     mbs = micro_batch_size or train.micro_batch_size
     seq, dtype = train.seq_len, train.dtype
@@ -80,19 +87,32 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     per_param = w + g + m + o
     layer_params, extra_params = stage_params_per_device(model, tp, num_layers, first, last)
 
-    full_layer = F.layer_activation_bytes(model, mbs, seq, tp, dtype)
-    if train.recompute:
-        layer_inputs = F.layer_input_bytes(model, mbs, seq, dtype)
-        activations = in_flight * num_layers * layer_inputs + full_layer
-    else:
-        activations = in_flight * num_layers * full_layer
-    activations *= params.activation_bytes_factor
-    logits = F.logits_bytes(model, mbs, seq, tp, dtype) if last else 0.0
     reserve = params.memory_reserve_bytes if reserve_bytes is None else reserve_bytes
+    if measured is not None:
+        activations = in_flight * (num_layers * measured.layer.activation_bytes
+                                   + (measured.embedding.activation_bytes if first else 0.0))
+        logits = in_flight * measured.head.activation_bytes if last else 0.0
+        reserve = reserve if measured.fixed_bytes is None else measured.fixed_bytes
+    else:
+        activations = params.activation_bytes_factor * layer_activations(model, train, tp, num_layers, in_flight,
+                                                                         mbs, params)
+        logits = F.logits_bytes(model, mbs, seq, tp, dtype) if last else 0.0
 
     parts = (layer_params * w, layer_params * g, layer_params * m, layer_params * o, activations,
              extra_params * per_param, logits, reserve)
-    return MemoryBreakdown(*parts, total=sum(parts))
+    return MemoryBreakdown(*parts, total=sum(parts), embedding_head_weights=extra_params * w)
+
+
+def layer_activations(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int, in_flight: int, mbs: int,
+                      params: CostParams) -> float:
+    """Counted activation bytes per device of `num_layers` layers with `in_flight` micro-batches alive."""
+    seq, dtype = train.seq_len, train.dtype
+    full_layer = F.layer_activation_bytes(model, mbs, seq, tp, dtype)
+    if train.attention == "eager":
+        full_layer += F.attention_score_elements(model, mbs, seq, tp) * (F.dtype_bytes(dtype) + params.eager_score_bytes)
+    if train.recompute:
+        return in_flight * num_layers * F.layer_input_bytes(model, mbs, seq, dtype) + full_layer
+    return in_flight * num_layers * full_layer
 
 
 def device_reserve(cluster: Cluster, device: str, params: CostParams) -> float:

@@ -7,6 +7,7 @@ them with `CostParams.from_overrides({...})`; an unknown name is an InputError.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,30 +15,49 @@ from typing import Any
 
 from ..errors import InputError
 from ..hardware.catalog import CATALOG, GIB, canonical_name
+from ..layers.schema import LayerProfile
 from .reference_efficiency import REFERENCE_EFFICIENCY
 
 
 def _reference_table() -> dict[str, float]:
-    return {key: eff for key, (eff, _n) in REFERENCE_EFFICIENCY.items()}
+    return {key: eff for key, (eff, _f, _n) in REFERENCE_EFFICIENCY.items()}
+
+
+def _reference_intercepts() -> dict[str, float]:
+    return {key: factor for key, (_e, factor, _n) in REFERENCE_EFFICIENCY.items()}
 
 
 def _median_half_precision() -> float:
-    return round(statistics.median(e for k, (e, _n) in REFERENCE_EFFICIENCY.items() if k.endswith(":fp16")), 3)
+    return round(statistics.median(e for k, (e, _f, _n) in REFERENCE_EFFICIENCY.items() if k.endswith(":fp16")), 3)
+
+
+def _median_intercept() -> float:
+    return round(statistics.median(f for k, (_e, f, _n) in REFERENCE_EFFICIENCY.items() if k.endswith(":fp16")), 2)
 
 
 def dtype_class(dtype: str) -> str:
-    """The efficiency table's dtype key: "fp32" for fp32, "fp16" for both 16-bit formats."""
-    return "fp32" if dtype == "fp32" else "fp16"
+    """The efficiency table's dtype key: "fp32", "tf32", or "fp16" for both 16-bit formats."""
+    return dtype if dtype in ("fp32", "tf32") else "fp16"
 
 
 @dataclass(frozen=True)
 class CostParams:
     """Every efficiency factor and overhead of the cost model, named, with defaults and their source.
 
-    compute_efficiency: "DEVICE-TYPE" or "DEVICE-TYPE:fp16|fp32" -> fraction of the dense catalog peak a
-        Llama layer achieves (forward + backward). Default: scripts/derive_efficiency.py from the Cephalo
-        measurements; bf16 uses the fp16 figure.
+    compute_efficiency: "DEVICE-TYPE" or "DEVICE-TYPE:fp16|fp32|tf32" -> slope efficiency: the fraction of
+        the dense catalog peak that each further sequence of a micro-batch achieves in a Llama layer
+        (forward + backward). Default: scripts/derive_efficiency.py from the Cephalo measurements' fits
+        t(b) = a + b * slope; bf16 uses the fp16 figure.
+    compute_intercept: the same keys -> the fixed time of one micro-batch through a layer (a in
+        t(b) = a + ...), in units of one read of the layer's weights from device memory (weight bytes /
+        memory bandwidth): kernel launches and weight traffic that do not shrink with the micro-batch.
+        Default: the same derivation (median of the fitted intercepts; negative where clocks throttle as
+        batches grow, and then never below half the slope time).
     default_compute_efficiency: for types absent from the table: the median of the table's fp16 entries.
+    default_compute_intercept: likewise, the median of the table's fp16 intercepts.
+    tf32_compute_efficiency: for tf32 on types without a tf32 entry: fraction of the TF32 tensor-core peak.
+        0.35: an assumption (TF32 matmuls reach about the 16-bit tensor-core efficiency, but the layer's
+        elementwise work moves fp32 data at half the 16-bit rate); calibrate it with a layer profile.
     measured_compute_efficiency: for devices whose peak was measured by `flashflex profile` (a matmul
         rate, not a datasheet peak): the fraction of that rate a whole layer achieves. 0.8:
         scripts/measure_cpu_efficiency.py measured 0.73-0.91 (median 0.81) on a one-thread CPU device.
@@ -58,18 +78,29 @@ class CostParams:
         a 16-bit gradient, writes master, m, v and the 16-bit weight (4+4+4+2 twice = 28).
     loss_passes: passes over the fp32 logits of one micro-batch in the loss (upcast, log-softmax,
         gradient: read and write), used for the memory-bound part of the head.
+    eager_score_bytes: bytes kept per element of the [b, heads, s, s] attention probabilities by a non-fused
+        (eager) attention, beyond the dtype's own bytes. 0.25: the measured gap of fp32 Megatron-DeepSpeed
+        runs fitted 4.25 bytes per stored score element (issue 8), i.e. 4 for the probabilities + 0.25.
+    layer_profiles: measured layer profiles (flashflex.layers/1); a stage whose devices all match one is
+        costed from it (cost/measured.py), else by the analytic model. Not settable from a cost-params file.
     master_weights: keep fp32 master weights when training in bf16/fp16 (mixed precision, 4 bytes/param).
     optimizer_state_bytes: Adam's m and v in fp32 (8 bytes/param).
     activation_bytes_factor: multiplier on the counted saved tensors (1.0 = exactly the tensors listed in
         model/flops.py; raise it to cover framework temporaries).
-    memory_reserve_bytes: per GPU, held outside PyTorch's tensors: CUDA context, cuBLAS workspace,
-        NCCL buffers. 1 GiB: an assumed round figure, not measured here; override it from a profile.
-    cpu_memory_reserve_bytes: the same for an emulated CPU device (process and gloo buffers); assumed.
+    memory_reserve_bytes: per GPU, held outside the model's tensors as seen by nvidia-smi: CUDA context,
+        cuBLAS workspace, NCCL buffers, the caching allocator's slack. 3.3e9: the fixed part of the measured
+        memory of real Megatron-DeepSpeed runs (issue 8: 3.3 GB fixed per GPU); a layer profile's
+        fixed_bytes overrides it.
+    cpu_memory_reserve_bytes: the same for an emulated CPU device: peak RSS growth beyond tensors of a
+        training step (allocator slack, gloo buffers); assumed 0.25 GiB; a layer profile overrides it.
     memory_fragmentation: fraction of device memory the caching allocator cannot hand out; 0.05 assumed.
     """
 
     compute_efficiency: Mapping[str, float] = field(default_factory=_reference_table)
+    compute_intercept: Mapping[str, float] = field(default_factory=_reference_intercepts)
     default_compute_efficiency: float = field(default_factory=_median_half_precision)
+    default_compute_intercept: float = field(default_factory=_median_intercept)
+    tf32_compute_efficiency: float = 0.35
     measured_compute_efficiency: float = 0.8
     tp_comm_efficiency: float = 1.0
     p2p_efficiency: float = 1.0
@@ -83,15 +114,18 @@ class CostParams:
     master_weights: bool = True
     optimizer_state_bytes: float = 8.0
     activation_bytes_factor: float = 1.0
-    memory_reserve_bytes: float = 1.0 * GIB
+    eager_score_bytes: float = 0.25
+    memory_reserve_bytes: float = 3.3e9
     cpu_memory_reserve_bytes: float = 0.25 * GIB
     memory_fragmentation: float = 0.05
+    layer_profiles: tuple[LayerProfile, ...] = ()
 
     def __hash__(self) -> int:
         cached = self.__dict__.get("_hash")
         if cached is None:  # computed once: params are hashed in every cache lookup of the hot path
-            values = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "compute_efficiency"]
-            cached = hash((tuple(sorted(self.compute_efficiency.items())), *values))
+            maps = ("compute_efficiency", "compute_intercept")
+            values = [getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in maps]
+            cached = hash((*(tuple(sorted(getattr(self, m).items())) for m in maps), *values))
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -108,14 +142,31 @@ class CostParams:
             return table[key]
         if device_type in table:
             return table[device_type]
-        return self.default_compute_efficiency
+        return self.tf32_compute_efficiency if dtype == "tf32" else self.default_compute_efficiency
+
+    def intercept(self, device_type: str, dtype: str, measured: bool = False) -> float:
+        """Fixed time of one micro-batch through a layer, in reads of the layer's weights (see the class).
+
+        `measured`: the device's rate is a measured matmul rate; its layer overheads are not known: 0.
+        """
+        if measured:
+            return 0.0
+        table = self.compute_intercept
+        for key in (f"{device_type}:{dtype_class(dtype)}", device_type):
+            if key in table:
+                return table[key]
+        return self.default_compute_intercept
+
+    def with_layer_profiles(self, profiles: tuple[LayerProfile, ...]) -> CostParams:
+        """These parameters with `profiles` as the measured layer profiles."""
+        return dataclasses.replace(self, layer_profiles=tuple(profiles))
 
     @classmethod
     def from_overrides(cls, overrides: Mapping[str, Any]) -> CostParams:
         """Defaults with `overrides` applied; an unknown name or a bad value raises InputError."""
         if not isinstance(overrides, Mapping):
             raise InputError("cost parameters: expected a JSON object of name -> value")
-        names = {f.name: f for f in dataclasses.fields(cls)}
+        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "layer_profiles"}
         base = cls()
         values: dict[str, Any] = {}
         for name, value in overrides.items():
@@ -123,6 +174,8 @@ class CostParams:
                 raise InputError(f"cost parameters: unknown name {name!r}; known: {', '.join(sorted(names))}")
             if name == "compute_efficiency":
                 values[name] = {**base.compute_efficiency, **_efficiency_overrides(value)}
+            elif name == "compute_intercept":
+                values[name] = {**base.compute_intercept, **_efficiency_overrides(value, name, upper=None)}
             elif name == "master_weights":
                 if not isinstance(value, bool):
                     raise InputError(f"cost parameters: {name} must be true or false, got {value!r}")
@@ -132,7 +185,7 @@ class CostParams:
         return cls(**values)
 
 
-_FRACTIONS = {"default_compute_efficiency", "measured_compute_efficiency", "tp_comm_efficiency",
+_FRACTIONS = {"default_compute_efficiency", "measured_compute_efficiency", "tf32_compute_efficiency", "tp_comm_efficiency",
               "p2p_efficiency", "dp_comm_efficiency", "memory_bandwidth_efficiency"}
 
 
@@ -140,6 +193,8 @@ def _number(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InputError(f"cost parameters: {name} must be a number, got {value!r}")
     value = float(value)
+    if not math.isfinite(value):
+        raise InputError(f"cost parameters: {name} must be a finite number, got {value}")
     if name in _FRACTIONS and not 0.0 < value <= 1.0:
         raise InputError(f"cost parameters: {name} must be in (0, 1], got {value}")
     if name in ("dp_overlap_fraction", "memory_fragmentation") and not 0.0 <= value < 1.0:
@@ -149,22 +204,23 @@ def _number(name: str, value: Any) -> float:
     return value
 
 
-def _efficiency_overrides(value: Any) -> dict[str, float]:
-    """Validate {"TYPE[:dtype]": fraction}; catalog names and aliases are canonicalised."""
+def _efficiency_overrides(value: Any, name: str = "compute_efficiency", upper: float | None = 1.0) -> dict[str, float]:
+    """Validate {"TYPE[:dtype]": number} (a fraction in (0, 1] unless `upper` is None: then >= 0); catalog
+    names and aliases are canonicalised."""
     if not isinstance(value, Mapping):
-        raise InputError("cost parameters: compute_efficiency must be an object of device type -> fraction")
+        raise InputError(f"cost parameters: {name} must be an object of device type -> number")
     out: dict[str, float] = {}
     for key, fraction in value.items():
         type_name, _, dtype = str(key).partition(":")
-        if dtype and dtype not in ("fp16", "fp32", "bf16"):
-            raise InputError(f"cost parameters: compute_efficiency key {key!r}: dtype must be fp16 or fp32")
-        if type_name.lower() in {name.lower() for name in CATALOG} or _is_alias(type_name):
+        if dtype and dtype not in ("fp16", "fp32", "bf16", "tf32"):
+            raise InputError(f"cost parameters: {name} key {key!r}: dtype must be fp16, bf16, fp32 or tf32")
+        if type_name.lower() in {n.lower() for n in CATALOG} or _is_alias(type_name):
             type_name = canonical_name(type_name)
-        number = _number(f"compute_efficiency[{key}]", fraction)
-        if not 0.0 < number <= 1.0:
-            raise InputError(f"cost parameters: compute_efficiency[{key}] must be in (0, 1], got {number}")
-        # A key without a dtype sets both dtype classes (a table entry always names one).
-        for cls_name in ((dtype_class(dtype),) if dtype else ("fp16", "fp32")):
+        number = _number(f"{name}[{key}]", fraction)
+        if upper is not None and not 0.0 < number <= upper:
+            raise InputError(f"cost parameters: {name}[{key}] must be in (0, {upper:g}], got {number}")
+        # A key without a dtype sets every dtype class (a table entry always names one).
+        for cls_name in ((dtype_class(dtype),) if dtype else ("fp16", "fp32", "tf32")):
             out[f"{type_name}:{cls_name}"] = number
     return out
 

@@ -101,8 +101,9 @@ class ClusterView:
     def rate(self, device_id: str, dtype: str, params: CostParams) -> float:
         """Achieved FLOP/s of a transformer layer on one device: rate x efficiency, slowdown applied.
 
-        A device with a measured matmul rate (achieved_flops) uses it with
-        `measured_compute_efficiency`; otherwise the dense catalog peak with the table efficiency.
+        A device with a measured matmul rate (achieved_flops) uses it with `measured_compute_efficiency`;
+        otherwise its dense peak (catalog or cluster file) with the table's efficiency for its type, or the
+        default efficiency for a type the table does not know (whatever the device's `source`).
         """
         key = (device_id, dtype, params)
         found = self._rates.get(key)
@@ -114,8 +115,8 @@ class ClusterView:
                                   if d in achieved), None)
             if measured_rate is not None:
                 found = measured_rate / dev.slowdown * params.efficiency(info.type, dtype, measured=True)
-            else:
-                found = dev.flops(dtype) * params.efficiency(info.type, dtype, measured=info.measured)
+            else:  # datasheet peaks (from the catalog, or given in the cluster file): the default curve
+                found = dev.flops(dtype) * params.efficiency(info.type, dtype)
             self._rates[key] = found
         return found
 

@@ -1,8 +1,9 @@
 """Measure this machine: matmul FLOP/s, memory capacity, memory bandwidth, device-to-device copies.
 
 GPU (CUDA): bf16 n x n matmuls, `torch.cuda.mem_get_info`, copies between every device pair.
-CPU-only: fp32 matmuls with the process's torch thread count, host memory from /proc/meminfo shared
-by `cpu_devices` emulated devices and, with 2 or more of them, the "shm" link between them measured the
+CPU-only: fp32 matmuls and copies with one thread pinned to one core, as the runtime runs each emulated
+device (runtime/cpu_share.py), so the measured peak is a one-core figure; host memory from /proc/meminfo
+shared by `cpu_devices` emulated devices and, with 2 or more of them, the "shm" link between them measured the
 way the runtime uses it: two spawned processes exchanging tensors with gloo over loopback TCP
 (probe_gloo.py; bandwidth and one-way latency). One emulated device has no such link.
 Every figure is the best of a few timed runs (the least disturbed by other load).
@@ -10,6 +11,7 @@ Every figure is the best of a few timed runs (the least disturbed by other load)
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.cpu_share import as_emulated_device
 from .catalog import device_type
 from .cluster import Device, DevicePair, IntraLink, Node
 from .probe_gloo import FULL_GLOO, QUICK_GLOO, GlooProbe, gloo_link
@@ -217,10 +220,11 @@ def _probe_cpu(hostname: str, cpu_devices: int, sizes: ProbeSizes, show: bool, q
     bar, task = _progress(show, 3 if linked else 2, f"probing host as {cpu_devices} cpu device(s)")
     gloo: GlooProbe | None = None
     with bar:
-        flops = matmul_flops(cpu, torch.float32, sizes.matmul_n, sizes.repeats)
-        bar.advance(task)
-        bandwidth = memory_bandwidth(cpu, sizes.copy_bytes, sizes.repeats)
-        bar.advance(task)
+        with as_emulated_device(0):  # every emulated device runs on one core like this one
+            flops = matmul_flops(cpu, torch.float32, sizes.matmul_n, sizes.repeats)
+            bar.advance(task)
+            bandwidth = memory_bandwidth(cpu, sizes.copy_bytes, sizes.repeats)
+            bar.advance(task)
         if linked:
             bar.update(task, description="probing gloo loopback link between cpu devices")
             gloo = gloo_link(QUICK_GLOO if quick else FULL_GLOO)
@@ -270,7 +274,15 @@ def node_from_probe(probe: NodeProbe, node_name: str | None = None, nic: str = "
                 hostname=probe.hostname, devices=devices, intra_link=intra, intra_pairs=pairs)
 
 
-def check_node_options(nic: str, node_name: str | None, cpu_devices: int = 1) -> None:
+def emulated(node: Node, slowdown: float) -> Node:
+    """`node` with its CPU devices emulating devices `slowdown` times slower (the runtime stretches their
+    compute by the factor); a GPU node is returned as it is (the factor is for emulation only)."""
+    if slowdown == 1.0 or any(d.type != "cpu" for d in node.devices):
+        return node
+    return node.model_copy(update={"devices": [d.model_copy(update={"slowdown": slowdown}) for d in node.devices]})
+
+
+def check_node_options(nic: str, node_name: str | None, cpu_devices: int = 1, slowdown: float = 1.0) -> None:
     """Validate probe options before any measurement (InputError, one line)."""
     from ..errors import InputError
     from .synthetic import NICS
@@ -281,10 +293,13 @@ def check_node_options(nic: str, node_name: str | None, cpu_devices: int = 1) ->
         raise InputError(f"--node-name {node_name!r} may use only letters, digits and '_.-'")
     if cpu_devices < 1:
         raise InputError(f"--cpu-devices must be at least 1, got {cpu_devices}")
+    if not (math.isfinite(slowdown) and 1.0 <= slowdown <= 1000.0):
+        raise InputError(f"--slowdown must be a number from 1 to 1000, got {slowdown}")
 
 
 def profile_node(quick: bool = False, cpu_devices: int = 1, node_name: str | None = None, nic: str = "eth",
-                 progress: bool = True) -> Node:
-    """Probe this machine and describe it as one cluster Node."""
-    check_node_options(nic, node_name, cpu_devices)
-    return node_from_probe(probe_node(quick, cpu_devices, progress), node_name, nic)
+                 progress: bool = True, slowdown: float = 1.0) -> Node:
+    """Probe this machine and describe it as one cluster Node; `slowdown` > 1 makes its CPU devices emulate
+    slower devices (see `emulated`)."""
+    check_node_options(nic, node_name, cpu_devices, slowdown)
+    return emulated(node_from_probe(probe_node(quick, cpu_devices, progress), node_name, nic), slowdown)

@@ -104,9 +104,10 @@ def _env_int(key: str) -> int:
 
 def profile_distributed(quick: bool = False, cpu_devices: int = 1, node_name: str | None = None,
                         nic: str = "eth", name: str = "cluster", description: str | None = None,
-                        timeout_s: float = 300.0) -> Cluster | None:
-    """Probe every node and node pair of a torchrun job; rank 0 returns the merged Cluster."""
-    check_node_options(nic, node_name, cpu_devices)  # on every rank, before any collective can hang
+                        timeout_s: float = 300.0, slowdown: float = 1.0) -> Cluster | None:
+    """Probe every node and node pair of a torchrun job; rank 0 returns the merged Cluster. `slowdown`: this
+    node's CPU devices emulate devices that many times slower (each node passes its own)."""
+    check_node_options(nic, node_name, cpu_devices, slowdown)  # on every rank, before any collective can hang
     rank, local_rank, world = _env_int("RANK"), _env_int("LOCAL_RANK"), _env_int("WORLD_SIZE")
     use_cuda = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
@@ -119,7 +120,7 @@ def profile_distributed(quick: bool = False, cpu_devices: int = 1, node_name: st
     try:
         node: Node | None = None
         if local_rank == 0:
-            node = profile_node(quick, cpu_devices, node_name, nic, progress=rank == 0)
+            node = profile_node(quick, cpu_devices, node_name, nic, progress=rank == 0, slowdown=slowdown)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, node.model_dump(mode="json") if node else None)
         leaders = [r for r, item in enumerate(gathered) if item is not None]

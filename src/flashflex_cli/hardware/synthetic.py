@@ -21,6 +21,7 @@ from typing import get_args
 from pydantic import ValidationError
 
 from ..errors import InputError
+from ..validate_numbers import MAX_DEVICES, cluster_shape, positive
 from .catalog import device_type
 from .cluster import Cluster, Device, IntraLink, Node
 from .links import IntraKind, NicKind
@@ -72,19 +73,14 @@ def _split_groups(spec: str) -> list[str]:
 def _positive(text: str, what: str, group: str) -> float:
     if not _NUMBER.match(text):
         raise InputError(f"spec group {group!r}: {what} must be a positive number, got {text!r}")
-    value = float(text)
-    if value <= 0:
-        raise InputError(f"spec group {group!r}: {what} must be positive, got {text!r}")
-    return value
+    return positive(text.strip(), f"spec group {group!r}: {what}")
 
 
 def _parse_group(text: str) -> NodeGroup:
     head, *options = text.strip().split(":")
     match = _GROUP.match(head)
     assert match is not None  # _split_groups guarantees it
-    count, devices = int(match.group(1)), int(match.group(2))
-    if count < 1 or devices < 1:
-        raise InputError(f"spec group {text!r}: node and device counts must be at least 1")
+    count, devices = cluster_shape(match.group(1), match.group(2), f"spec group {text.strip()!r}")
     kind = device_type(match.group(3))
     values: dict[str, str] = {}
     for option in options:
@@ -122,7 +118,12 @@ def _parse_group(text: str) -> NodeGroup:
 
 def parse_spec(spec: str) -> list[NodeGroup]:
     """Parse a SPEC string into node groups; malformed input raises InputError (one line)."""
-    return [_parse_group(group) for group in _split_groups(spec)]
+    groups = [_parse_group(group) for group in _split_groups(spec)]
+    cluster_shape(str(sum(g.count for g in groups)), "1", "spec")
+    total = sum(g.count * g.devices for g in groups)
+    if total > MAX_DEVICES:
+        raise InputError(f"spec describes {total} devices, at most {MAX_DEVICES} are supported")
+    return groups
 
 
 def _device(type_name: str, slowdown: float) -> Device:

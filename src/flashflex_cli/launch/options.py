@@ -5,6 +5,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from .. import validate_numbers
+
 WORKER_MODULE = "flashflex_cli.runtime.worker"
 
 
@@ -29,6 +31,16 @@ class RunOptions:
     resume: bool = False
     timeout_s: float = 60.0
     schedule_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        """Range-check the numbers (InputError naming the option): nothing starts with a bad one."""
+        validate_numbers.steps(self.steps)
+        if self.schedule_steps is not None:
+            validate_numbers.steps(self.schedule_steps, "--schedule-steps")
+        validate_numbers.seed(self.seed)
+        validate_numbers.learning_rate(self.lr)
+        validate_numbers.timeout_s(self.timeout_s)
+        validate_numbers.int_in_range(self.checkpoint_every, "--checkpoint-every", 0, validate_numbers.MAX_STEPS)
 
     def worker_argv(self, node: str | None = None) -> list[str]:
         """Arguments after `-m flashflex_cli.runtime.worker`."""

@@ -8,16 +8,23 @@ or inconsistent inputs are input errors (exit code 2).
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckFailed, InputError
+from ..fileio import check_writable_dir
 from ..hardware.catalog import GIB
 from ..hardware.cluster import Cluster
-from ..model.flops import dtype_bytes, embedding_params, head_params, layer_params_per_device
+from ..model.flops import dtype_bytes, embedding_params, head_params, layer_params_per_device, total_params
 from ..plan.schema import Plan
 from .layout import node_layouts
 
+if TYPE_CHECKING:
+    from ..runtime.data import BatchSource
+
+CHECKPOINT_BYTES_PER_PARAM = 16  # fp32 weights and two AdamW moments (12 bytes), plus headroom
 PROCESS_OVERHEAD_BYTES = 400 * 1024**2  # a Python process with torch imported, measured ~350 MiB on CPU
 
 
@@ -125,20 +132,17 @@ def check_local_machine(plan: Plan, cluster: Cluster) -> Preflight:
 
 def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, checkpoint_every: int,
               resume: bool, schedule_steps: int | None = None) -> list[str]:
-    """The model, training configuration, data and checkpoint options fit together; returns warnings."""
+    """The model, training configuration, data and checkpoint options fit together; returns warnings.
+
+    Numbers (steps, seed, ...) are range-checked by RunOptions; token ids are scanned against the vocabulary."""
     from ..runtime.data import open_source
 
     warnings: list[str] = []
-    if steps < 1:
-        raise InputError(f"--steps must be at least 1, got {steps}")
-    if schedule_steps is not None and schedule_steps < 1:
-        raise InputError(f"--schedule-steps must be at least 1, got {schedule_steps}")
-    if checkpoint_every < 0:
-        raise InputError(f"--checkpoint-every must be 0 (never) or positive, got {checkpoint_every}")
     if (checkpoint_every or resume) and not checkpoint_dir:
         raise InputError("--checkpoint-every and --resume need --checkpoint-dir")
     train, model = plan.inputs.train, plan.inputs.model
-    open_source(data, model.vocab_size, train.global_batch, train.seq_len)  # raises on a bad or oversized vocab
+    source = open_source(data, model.vocab_size, train.global_batch, train.seq_len)  # a bad or oversized vocab
+    check_token_ids(source, model.vocab_size)
     if resume and checkpoint_dir:
         from ..runtime.checkpoint import latest_checkpoint, read_manifest
 
@@ -146,7 +150,7 @@ def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, che
         if found is None:
             warnings.append(f"--resume: no checkpoint in {checkpoint_dir} yet, starting from step 0")
         else:
-            manifest = read_manifest(found)
+            manifest = _checked_manifest(found, read_manifest(found))
             if manifest["model"] != model.model_dump(mode="json"):
                 raise CheckFailed(f"{found} holds model {manifest['model'].get('name')!r} of another shape than the "
                                   f"plan's {model.name!r}; resume needs the same model")
@@ -160,3 +164,52 @@ def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, che
             if manifest["step"] >= steps:
                 warnings.append(f"{found} is at step {manifest['step']}, --steps is {steps}: nothing to train")
     return warnings
+
+
+def _checked_manifest(found: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest fields a resume compares: model and train objects, step (and steps) integers."""
+    for key, kind in (("model", dict), ("train", dict), ("step", int)):
+        if not isinstance(manifest.get(key), kind) or isinstance(manifest.get(key), bool):
+            raise InputError(f"{found}: checkpoint manifest field {key!r} is missing or not a {kind.__name__}")
+    if "steps" in manifest and not isinstance(manifest["steps"], int):
+        raise InputError(f"{found}: checkpoint manifest field 'steps' is not an integer")
+    return manifest
+
+
+def check_token_ids(source: BatchSource, vocab_size: int) -> None:
+    """Every id of a token file lies below the model's vocabulary (a chunked scan of the memory map)."""
+    from ..runtime.data import TokenFileSource
+
+    if not isinstance(source, TokenFileSource):
+        return
+    largest = source.file.max_token()
+    if largest >= vocab_size:
+        raise InputError(f"{source.file.path}: largest token id {largest} is not below the model's vocab_size "
+                         f"{vocab_size}; prepare the data with the model's tokenizer")
+
+
+def check_run_dirs(out: str, checkpoint_dir: str | None) -> None:
+    """The run folder and the checkpoint folder can be created and written (before the plan is even read)."""
+    check_writable_dir(out, "--out")
+    if checkpoint_dir is not None:
+        check_writable_dir(checkpoint_dir, "--checkpoint-dir")
+
+
+def checkpoint_bytes(plan: Plan) -> int:
+    """Estimated size of one checkpoint: every parameter with its AdamW moments, 16 bytes each."""
+    return total_params(plan.inputs.model) * CHECKPOINT_BYTES_PER_PARAM
+
+
+def check_checkpoint_space(plan: Plan, checkpoint_dir: str | None) -> None:
+    """The file system of `checkpoint_dir` has room for at least one checkpoint."""
+    if checkpoint_dir is None:
+        return
+    folder = Path(checkpoint_dir)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    need = checkpoint_bytes(plan)
+    if need > free:
+        raise CheckFailed(f"--checkpoint-dir {checkpoint_dir}: one checkpoint needs about {need / GIB:.2f} GiB "
+                          f"({total_params(plan.inputs.model):,} parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes), "
+                          f"{free / GIB:.2f} GiB free there")

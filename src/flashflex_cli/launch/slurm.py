@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import InputError
 from ..hardware.cluster import Cluster
 from ..plan.schema import Plan
 from .layout import NodeLayout, node_layouts
 from .options import RunOptions
-from .templates import find_template, render
+from .templates import find_template, plain_text, render, sbatch_word
 from .torchrun import RenderSettings, global_values, node_values
 
 
@@ -38,6 +39,14 @@ def _device_types(cluster: Cluster | None, layout: NodeLayout) -> tuple[str, ...
     return tuple(sorted({cluster.device(d).type for d in layout.devices}))
 
 
+def _sbatch_line(line: str) -> str:
+    """An extra `#SBATCH ...` directive line, without control characters."""
+    text = plain_text(line, "extra #SBATCH line")
+    if not text.startswith("#SBATCH "):
+        raise InputError(f"extra #SBATCH line {text!r} must start with '#SBATCH '")
+    return text
+
+
 def default_template(plan: Plan, cluster: Cluster | None) -> str:
     """`slurm-hetjob` when the nodes differ in process count or device type, else `slurm`."""
     layouts = node_layouts(plan, cluster)
@@ -52,12 +61,12 @@ def render_slurm(plan: Plan, cluster: Cluster | None, options: RunOptions, setti
     template = find_template(settings.template or default_template(plan, cluster))
     values = global_values(plan, layouts, options, settings)
     gpus = [sum(_is_gpu(cluster, d) for d in layout.devices) for layout in layouts]
-    extra = list(slurm.sbatch_extra)
+    extra = [_sbatch_line(line) for line in slurm.sbatch_extra]
     if max(gpus) > 0:
         extra.insert(0, f"#SBATCH --gres=gpu:{max(gpus)}")
     values.update({
-        "job_name": slurm.job_name,
-        "log": slurm.log,
+        "job_name": sbatch_word(slurm.job_name, "--job-name"),
+        "log": sbatch_word(slurm.log, "SLURM log path"),
         "cpus_per_task": max(layout.nproc for layout in layouts) * slurm.cpus_per_process,
         "sbatch_extra": "\n".join(extra),
     })
@@ -67,7 +76,7 @@ def render_slurm(plan: Plan, cluster: Cluster | None, options: RunOptions, setti
         if settings.hosts is None and cluster is not None:
             hostname = next((n.hostname for n in cluster.nodes if n.name == layout.name), None)
             if hostname:
-                node_sbatch += f" --nodelist={hostname}"
+                node_sbatch += f" --nodelist={sbatch_word(hostname, f'hostname of node {layout.name}')}"
         entry.update({
             "cpus": layout.nproc * slurm.cpus_per_process,
             "node_sbatch": node_sbatch,

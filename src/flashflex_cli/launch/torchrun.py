@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import InputError
 from ..hardware.cluster import Cluster
 from ..plan.schema import Plan
+from ..validate_numbers import port
 from .layout import NodeLayout, node_layouts
 from .options import RunOptions
-from .templates import find_template, render
+from .templates import find_template, plain_text, render, shell_join, shell_word
 
 
 @dataclass(frozen=True)
@@ -34,38 +35,50 @@ def _env_prefix(settings: RenderSettings, index: int) -> str:
     if not settings.ifnames:
         return ""
     name = settings.ifnames[index] if len(settings.ifnames) > 1 else settings.ifnames[0]
-    return f"env GLOO_SOCKET_IFNAME={shlex.quote(name)} "
+    return f"env GLOO_SOCKET_IFNAME={shell_word(name, '--ifname')} "
+
+
+def check_settings(settings: RenderSettings, nodes: int) -> None:
+    """The port is a TCP port; --ifname names one interface for all hosts or one per host."""
+    port(settings.port)
+    if len(settings.ifnames) not in (0, 1, nodes):
+        raise InputError(f"--ifname names {len(settings.ifnames)} interfaces, expected one for all hosts or one "
+                         f"per host ({nodes})")
 
 
 def node_values(layouts: list[NodeLayout], options: RunOptions, settings: RenderSettings) -> list[dict[str, object]]:
-    """Per-node template fields: node, host, index, nproc, is_host, ranks, env, worker_args."""
+    """Per-node template fields, each a shell word: node, host, index, nproc, is_host, ranks, devices, env,
+    worker_args."""
+    check_settings(settings, len(layouts))
+    worker_args = shell_join(options.worker_argv(), "worker argument")
     out = []
     for i, layout in enumerate(layouts):
         out.append({
-            "node": layout.name,
-            "host": layout.host,
+            "node": shell_word(layout.name, "plan node"),
+            "host": shell_word(layout.host, "host"),
             "index": i,
             "nproc": layout.nproc,
             "is_host": 1 if i == 0 else 0,
             "ranks": ",".join(str(r) for r in layout.ranks),
-            "devices": ",".join(layout.devices),
+            "devices": shell_word(",".join(layout.devices), "plan devices"),
             "env": _env_prefix(settings, i),
-            "worker_args": options.worker_shell(),
+            "worker_args": worker_args,
         })
     return out
 
 
 def global_values(plan: Plan, layouts: list[NodeLayout], options: RunOptions,
                   settings: RenderSettings) -> dict[str, object]:
-    """Template fields shared by every node."""
+    """Template fields shared by every node, each a shell word."""
+    check_settings(settings, len(layouts))
     return {
-        "plan": options.plan,
+        "plan": shell_word(options.plan, "plan path"),
         "nnodes": len(layouts),
         "world_size": plan.world_size,
-        "torchrun": settings.torchrun,
-        "run_id": settings.run_id,
+        "torchrun": shell_word(settings.torchrun, "--torchrun"),
+        "run_id": shell_word(settings.run_id, "--run-id"),
         "port": settings.port,
-        "rdzv_endpoint": f"{layouts[0].host}:{settings.port}",
+        "rdzv_endpoint": shell_word(f"{plain_text(layouts[0].host, 'host')}:{settings.port}", "host"),
     }
 
 

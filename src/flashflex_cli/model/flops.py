@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from .spec import ModelSpec
 
-DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4}
 
 
 def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a training dtype ("bf16", "fp16", "fp32")."""
+    """Bytes per element of a training dtype ("bf16", "fp16", "fp32", "tf32": fp32 storage)."""
     return DTYPE_BYTES[dtype]
 
 
@@ -118,6 +118,13 @@ def layer_activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, tp:
     h, k, f = model.hidden_size, kv_width(model), model.intermediate_size
     per_token_elems = 4 * h + (2 * h + 2 * k + 4 * f) / tp
     return micro_batch * seq_len * per_token_elems * dtype_bytes(dtype)
+
+
+def attention_score_elements(model: ModelSpec, micro_batch: int, seq_len: int, tp: int = 1) -> float:
+    """Elements of the [b, heads / tp, s, s] attention probabilities one device holds for one layer and
+    micro-batch: what a non-fused (eager) attention keeps for its backward on top of
+    `layer_activation_bytes` (a fused kernel recomputes them)."""
+    return micro_batch * (model.num_heads / tp) * float(seq_len) * seq_len
 
 
 def layer_input_bytes(model: ModelSpec, micro_batch: int, seq_len: int, dtype: str = "bf16") -> float:

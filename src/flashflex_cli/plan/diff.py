@@ -6,6 +6,7 @@ regression check compares predicted tokens/s (what CI runs as a dry-run plan dif
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,17 +48,24 @@ class PlanDiff:
         return next(m for m in self.metrics if m.name == name)
 
     def regression_pct(self) -> float | None:
-        """How much predicted tokens/s fell, in percent (negative or 0 when it rose); None if unknown."""
+        """How much predicted tokens/s fell, in percent (negative or 0 when it rose); None if unknown: absent,
+        NaN or infinite in either plan, or 0 in A."""
         pct = self.metric("tokens_per_s").pct
-        return None if pct is None else -pct
+        return None if pct is None or not math.isfinite(pct) else -pct
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready form for `--json`."""
         return {
             "changes": list(self.changes),
-            "metrics": {m.name: {"a": m.a, "b": m.b, "delta": m.delta, "pct": m.pct} for m in self.metrics},
+            "metrics": {m.name: {"a": _json_number(m.a), "b": _json_number(m.b), "delta": _json_number(m.delta),
+                                 "pct": _json_number(m.pct)} for m in self.metrics},
             "identical": not self.changes and all(m.delta in (0, 0.0, None) for m in self.metrics),
         }
+
+
+def _json_number(value: float | None) -> float | None:
+    """A float for strict JSON: NaN and infinities become null."""
+    return value if value is None or math.isfinite(value) else None
 
 
 def _stage_text(stage: Any) -> str:
@@ -80,6 +88,11 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
                            f"{ib.cluster_name or '?'} ({ib.cluster_sha256[:12]})")
     if ia.strategy != ib.strategy:
         out.changes.append(f"strategy: {ia.strategy} -> {ib.strategy}")
+    la, lb = set(ia.layer_profiles or ()), set(ib.layer_profiles or ())
+    for sha in sorted(lb - la):
+        out.changes.append(f"layer profile {sha[:12]}: now used")
+    for sha in sorted(la - lb):
+        out.changes.append(f"layer profile {sha[:12]}: no longer used")
     if len(a.pipelines) != len(b.pipelines):
         out.changes.append(f"pipelines: {len(a.pipelines)} -> {len(b.pipelines)}")
     for p in range(max(len(a.pipelines), len(b.pipelines))):

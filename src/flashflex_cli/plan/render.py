@@ -54,6 +54,9 @@ def plan_table(plan: Plan, title: str | None = None) -> Table:
                           ("memory GiB", "right")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     stages = {(s["pipeline"], s["stage"]): s for s in (plan.predicted or {}).get("stages", [])}
+    sources = any(str(s.get("source", "modelled")) != "modelled" for s in stages.values())
+    if sources:  # a column only when some stage is measured; render_plan says "all modelled" otherwise
+        table.add_column("costs", justify="left")
     for p, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
             info = stages.get((p, s), {})
@@ -63,7 +66,8 @@ def plan_table(plan: Plan, title: str | None = None) -> Table:
             table.add_row(str(p) if s == 0 else "", str(s), compact_devices(stage.devices), str(stage.tp),
                           f"{stage.layers[0]}-{stage.layers[1] - 1} ({stage.num_layers})",
                           f"{pipe.num_micro_batches}x{pipe.micro_batch_size}" if s == 0 else "",
-                          f"{info['time_s'] * 1e3:,.1f}" if "time_s" in info else "", memory)
+                          f"{info['time_s'] * 1e3:,.1f}" if "time_s" in info else "", memory,
+                          *((str(info.get("source", "modelled")),) if sources else ()))
     return table
 
 
@@ -73,10 +77,15 @@ def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
     for unused in plan.unused_devices:
         console.print(f"  unused {unused.device}: {unused.reason}")
     train = plan.inputs.train
-    console.print(f"  global batch {train.global_batch} x seq {train.seq_len} ({train.dtype}"
+    console.print(f"  global batch {train.global_batch} x seq {train.seq_len} ({train.dtype}, {train.attention} attention"
                   f"{', recompute' if train.recompute else ''}), {plan.world_size} devices, "
                   f"{len(plan.pipelines)} pipelines")
     console.print(f"  predicted: {summary_line(plan.predicted)}")
+    stages = (plan.predicted or {}).get("stages", [])
+    if stages and all(str(s.get("source", "modelled")) == "modelled" for s in stages):
+        console.print("  every stage modelled (analytic cost model: no layer profile matched)")
+    elif plan.inputs.layer_profiles:
+        console.print(f"  measured layer profiles used: {', '.join(sha[:12] for sha in plan.inputs.layer_profiles)}")
     for problem in (plan.predicted or {}).get("problems", []):
         console.print(f"  [red]problem[/red]: {problem}")
 

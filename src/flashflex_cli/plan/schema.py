@@ -11,7 +11,15 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
 
 from ..fileio import dumps_json, load_model
 from ..model.spec import ModelSpec
@@ -20,17 +28,24 @@ PLAN_SCHEMA = "flashflex.plan/1"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class TrainConfig(_Strict):
-    """What one optimizer step processes. global_batch and micro_batch_size count sequences."""
+    """What one optimizer step processes. global_batch and micro_batch_size count sequences.
+
+    dtype: bf16/fp16 (mixed precision), fp32, or tf32 (fp32 tensors, TF32 tensor-core matmuls).
+    attention: the attention kernel: flash (flash-attn), sdpa (torch's fused scaled_dot_product_attention)
+    or eager (softmax(QK^T)V, keeping the s x s probabilities for the backward). Plans written before the
+    field existed load as sdpa, what the runtime used then.
+    """
 
     global_batch: PositiveInt
     seq_len: PositiveInt
     micro_batch_size: PositiveInt = 1
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp32", "tf32"] = "bf16"
     recompute: bool = False
+    attention: Literal["flash", "sdpa", "eager"] = "sdpa"
 
     @property
     def tokens_per_step(self) -> int:
@@ -80,7 +95,8 @@ class UnusedDevice(_Strict):
 
 
 class PlanInputs(_Strict):
-    """What the plan was made from: the cluster (by hash), the model, the training configuration."""
+    """What the plan was made from: the cluster (by hash), the model, the training configuration, and the
+    sha256 of every measured layer profile its prediction used (absent: none, or an earlier version)."""
 
     cluster_sha256: str
     cluster_name: str = ""
@@ -88,6 +104,52 @@ class PlanInputs(_Strict):
     train: TrainConfig
     strategy: str = "manual"
     seed: int = 0
+    layer_profiles: list[str] | None = None
+
+
+_PREDICTED_REQUIRED = ("tokens_per_s", "mfu", "iteration_time_s")
+_PREDICTED_NUMBERS = ("model_flops_per_token", "peak_flops_used", "dp_exposed_s", "optimizer_s")
+_STAGE_NUMBERS = ("time_s", "memory_bytes", "memory_capacity_bytes")
+
+
+def _expect(value: Any, kind: str, where: str) -> None:
+    """Raise ValueError unless `value` is of `kind`: number (int/float, not bool), integer, bool, str, list."""
+    numeric = isinstance(value, int | float) and not isinstance(value, bool)
+    ok = {"number": numeric, "integer": numeric and isinstance(value, int), "bool": isinstance(value, bool),
+          "str": isinstance(value, str), "list": isinstance(value, list), "object": isinstance(value, dict)}[kind]
+    if not ok:
+        raise ValueError(f"{where} must be a{'n' if kind[0] in 'aeiou' else ''} {kind}, got {value!r}"[:200])
+
+
+def _check_predicted_stage(stage: Any, where: str) -> None:
+    _expect(stage, "object", where)
+    for key in ("pipeline", "stage"):
+        _expect(stage.get(key), "integer", f"{where}.{key}")
+    for key in _STAGE_NUMBERS:
+        if key in stage:
+            _expect(stage[key], "number", f"{where}.{key}")
+    if "source" in stage:
+        _expect(stage["source"], "str", f"{where}.source")
+
+
+def check_predicted(predicted: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The fields of a plan's `predicted` section that show/diff read have the right types (values may be
+    NaN or infinite: the cost model's answer for a plan that cannot run)."""
+    if not predicted:
+        return predicted
+    for key in _PREDICTED_REQUIRED:
+        _expect(predicted.get(key), "number", f"predicted.{key}")
+    for key in _PREDICTED_NUMBERS:
+        if key in predicted:
+            _expect(predicted[key], "number", f"predicted.{key}")
+    if "fits" in predicted:
+        _expect(predicted["fits"], "bool", "predicted.fits")
+    for key in ("stages", "pipelines", "problems"):
+        if key in predicted:
+            _expect(predicted[key], "list", f"predicted.{key}")
+    for i, stage in enumerate(predicted.get("stages", [])):
+        _check_predicted_stage(stage, f"predicted.stages.{i}")
+    return predicted
 
 
 @dataclass(frozen=True)
@@ -109,6 +171,8 @@ class Plan(_Strict):
     pipelines: list[PipelinePlan] = Field(min_length=1)
     unused_devices: list[UnusedDevice] = []
     predicted: dict[str, Any] | None = None
+
+    _predicted = field_validator("predicted")(check_predicted)
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
@@ -134,9 +198,6 @@ class Plan(_Strict):
             if expected_start != model.num_layers:
                 raise ValueError(f"pipelines.{p}: stages cover layers [0, {expected_start}), "
                                  f"the model has {model.num_layers}")
-            if pipe.num_micro_batches < len(pipe.stages):
-                raise ValueError(f"pipelines.{p}: {pipe.num_micro_batches} micro-batches for "
-                                 f"{len(pipe.stages)} stages; 1F1B needs at least one per stage")
             batch += pipe.sequences
         if batch != train.global_batch:
             raise ValueError(f"pipelines process {batch} sequences per step, global_batch is {train.global_batch}")

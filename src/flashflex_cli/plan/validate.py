@@ -1,31 +1,26 @@
-"""Check a plan against a cluster (and the model it names) and re-estimate it with the cost model.
+"""Check a plan against a cluster, as a format: nothing here estimates (cost/reestimate.py does).
 
 Plans are edited by hand, so nothing in them is trusted: every device must exist in the cluster, the
 cluster's hash should match the one the plan was made for (a mismatch is a warning: a re-profiled
-cluster is still the same machine), every stage must fit in its devices' memory per the cost model, and
-every device of the cluster should be either used or listed as unused (a warning otherwise).
-Structural rules (contiguous layers, TP dividing the heads, a micro-batch per stage) are enforced when
-the plan is loaded (`plan/schema.py`).
+cluster is still the same machine), and every device of the cluster should be either used or listed as
+unused (a warning otherwise). Structural rules (contiguous layers, TP dividing the heads) are enforced
+when the plan is loaded (`plan/schema.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cost.estimate import Estimate, estimate
-from ..cost.params import CostParams
-from ..hardware.cluster import Cluster
+from ..hardware.cluster import Cluster, is_catalogued
 from .schema import Plan
 
 
 @dataclass
 class Validation:
-    """Errors (the plan cannot run on this cluster), warnings, and the fresh estimate (None on errors
-    that make estimating impossible, such as unknown devices)."""
+    """Errors (the plan cannot run on this cluster) and warnings."""
 
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    estimate: Estimate | None = None
 
     @property
     def ok(self) -> bool:
@@ -33,8 +28,8 @@ class Validation:
         return not self.errors
 
 
-def validate_plan(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> Validation:
-    """Validate `plan` against `cluster` and re-estimate it (module docstring)."""
+def check_plan(plan: Plan, cluster: Cluster) -> Validation:
+    """Check `plan` against `cluster` (module docstring)."""
     out = Validation()
     known = set(cluster.device_ids)
     used = [rank.device for rank in plan.ranks()]
@@ -60,13 +55,12 @@ def validate_plan(plan: Plan, cluster: Cluster, params: CostParams | None = None
     if idle:
         out.warnings.append(f"{len(idle)} device(s) of the cluster are neither used nor listed as unused: "
                             f"{', '.join(idle[:5])}")
-    est = estimate(plan, cluster, params)
-    out.estimate = est
-    for problem in est.problems:
-        out.errors.append(f"out of memory: {problem}")
+    uncatalogued = sorted({cluster.device(d).type for d in used if not is_catalogued(cluster.device(d).type)})
+    if uncatalogued:
+        out.warnings.append(f"device type(s) {', '.join(uncatalogued)} not in the catalog: the cluster file's peaks "
+                            "with the default efficiency curve (give a layer profile to measure them)")
+    short = [p for p, pipe in enumerate(plan.pipelines) if pipe.num_micro_batches < len(pipe.stages)]
+    if short:
+        out.warnings.append(f"pipeline(s) {', '.join(map(str, short))} have fewer micro-batches than stages: "
+                            "1F1B cannot fill them and most of their devices idle")
     return out
-
-
-def reestimated(plan: Plan, est: Estimate) -> Plan:
-    """`plan` with `predicted` replaced by a fresh estimate."""
-    return plan.model_copy(update={"predicted": est.to_predicted()})

@@ -1,6 +1,10 @@
 """Attention backend: flash-attn's `flash_attn_func` where installed and supported (CUDA SM80 or newer,
 bf16/fp16), else `torch.nn.functional.scaled_dot_product_attention`. Chosen per rank and logged on the
 "flashflex.runtime" logger.
+
+A third backend, "eager" (plain softmax(q k^T / sqrt(d)) v keeping the [b, heads, s, s] probabilities for the
+backward), is never chosen automatically: `flashflex profile --model --attention eager` measures it, for
+comparisons with implementations that materialise the attention matrix.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ LOG = logging.getLogger("flashflex.runtime")
 
 FLASH = "flash-attn"
 SDPA = "sdpa"
+EAGER = "eager"
 
 
 def flash_attn_available() -> bool:
@@ -68,6 +73,24 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [b, s, hq, d], k/v [b, s, hkv, d] -> [b, s, hq, d], causal, materialising the [b, hq, s, s] scores.
+
+    The additive mask (0 on and below the diagonal, -inf above) saves nothing for the backward; softmax saves
+    its [b, hq, s, s] output, which the second matmul saves again (the same storage)."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=2)
+        v = v.repeat_interleave(groups, dim=2)
+    s = q.shape[1]
+    scores = torch.matmul(q.transpose(1, 2), k.permute(0, 2, 3, 1)) * q.shape[-1] ** -0.5
+    mask = torch.full((s, s), float("-inf"), device=q.device, dtype=scores.dtype).triu(1)
+    probs = torch.softmax(scores + mask, dim=-1)
+    return torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2)
+
+
 def attention_fn(backend: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The causal attention function of a backend: (q [b,s,hq,d], k, v [b,s,hkv,d]) -> [b,s,hq,d]."""
+    if backend == EAGER:
+        return _eager
     return _flash if backend == FLASH else _sdpa

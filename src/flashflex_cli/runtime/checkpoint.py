@@ -81,6 +81,8 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         data = json.loads(target.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise InputError(f"{target}: unreadable checkpoint manifest: {exc}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{target}: a checkpoint manifest must be a JSON object")
     if data.get("schema") != SCHEMA:
         raise InputError(f"{target}: unknown checkpoint schema {data.get('schema')!r}")
     return data

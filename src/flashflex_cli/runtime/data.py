@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from ..fileio import atomic_open
 
 MAGIC = b"FLXTOKEN"
 VERSION = 1
@@ -33,6 +34,8 @@ HEADER_BYTES = 64
 _HEADER = struct.Struct("<8sIIQQ")
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 BYTE_VOCAB = 256
+MAX_VOCAB = 2**32  # ids must fit uint32
+SCAN_CHUNK = 1 << 24  # tokens per step of a vocabulary scan (32-64 MiB of the memory map)
 SYNTHETIC = "synthetic"
 
 
@@ -47,23 +50,40 @@ def write_token_file(path: str | os.PathLike[str], tokens: np.ndarray, vocab_siz
     tokens = np.asarray(tokens)
     if tokens.ndim != 1:
         raise InputError("tokens must be one-dimensional")
+    if not 1 <= vocab_size <= MAX_VOCAB:
+        raise InputError(f"vocab_size must lie in [1, {MAX_VOCAB}], got {vocab_size}")
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
         raise InputError(f"token ids must lie in [0, {vocab_size})")
     dtype = token_dtype(vocab_size)
     header = _HEADER.pack(MAGIC, VERSION, dtype.itemsize, vocab_size, tokens.size).ljust(HEADER_BYTES, b"\0")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp")
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(header)
-            handle.write(tokens.astype(dtype).tobytes())
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_open(target, binary=True) as handle:
+        handle.write(header)
+        handle.write(tokens.astype(dtype).tobytes())
     return target
+
+
+def _read_header(path: Path) -> tuple[int, int, int]:
+    """(bytes per token, vocab_size, num_tokens) of a token file, every field checked."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(HEADER_BYTES)
+        size = path.stat().st_size
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read token file: {exc.strerror or exc}") from None
+    if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
+        raise InputError(f"{path}: not a flashflex token file (bad magic); make one with "
+                         "`flashflex data prepare`")
+    _, version, itemsize, vocab, count = _HEADER.unpack(raw[: _HEADER.size])
+    if version != VERSION:
+        raise InputError(f"{path}: token file version {version}, this flashflex reads {VERSION}")
+    if itemsize not in _DTYPES:
+        raise InputError(f"{path}: unsupported token width {itemsize} bytes")
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise InputError(f"{path}: header vocab_size {vocab} outside [1, {MAX_VOCAB}]")
+    expected = HEADER_BYTES + itemsize * count
+    if size != expected:
+        raise InputError(f"{path}: truncated or padded: {size} bytes, header says {expected}")
+    return itemsize, int(vocab), int(count)
 
 
 class TokenFile:
@@ -71,25 +91,18 @@ class TokenFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
+        if not os.path.isfile(self.path):
             raise InputError(f"{self.path}: no such token file")
-        with open(self.path, "rb") as handle:
-            raw = handle.read(HEADER_BYTES)
-        if len(raw) < HEADER_BYTES or raw[:8] != MAGIC:
-            raise InputError(f"{self.path}: not a flashflex token file (bad magic); make one with "
-                             "`flashflex data prepare`")
-        _, version, itemsize, vocab, count = _HEADER.unpack(raw[: _HEADER.size])
-        if version != VERSION:
-            raise InputError(f"{self.path}: token file version {version}, this flashflex reads {VERSION}")
-        if itemsize not in _DTYPES:
-            raise InputError(f"{self.path}: unsupported token width {itemsize} bytes")
-        expected = HEADER_BYTES + itemsize * count
-        size = self.path.stat().st_size
-        if size != expected:
-            raise InputError(f"{self.path}: truncated or padded: {size} bytes, header says {expected}")
-        self.vocab_size = int(vocab)
+        itemsize, self.vocab_size, count = _read_header(self.path)
         self.tokens: np.ndarray = (np.memmap(self.path, dtype=_DTYPES[itemsize], mode="r", offset=HEADER_BYTES,
                                              shape=(count,)) if count else np.zeros(0, _DTYPES[itemsize]))
+
+    def max_token(self, chunk: int = SCAN_CHUNK) -> int:
+        """The largest token id in the file (-1 when empty), scanned chunk by chunk over the memory map."""
+        largest = -1
+        for start in range(0, len(self), chunk):
+            largest = max(largest, int(self.tokens[start : start + chunk].max()))
+        return largest
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -217,16 +230,18 @@ def prepare(text_files: Sequence[str | os.PathLike[str]], out: str | os.PathLike
     texts = []
     for name in text_files:
         path = Path(name)
-        if not path.is_file():
+        if not os.path.isfile(path):
             raise InputError(f"{path}: no such file")
         try:
             texts.append(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError:
             raise InputError(f"{path}: not a UTF-8 text file") from None
+        except OSError as exc:
+            raise InputError(f"{path}: cannot read: {exc.strerror or exc}") from None
     if tokenizer is None:
         ids, vocab = encode_bytes(texts), BYTE_VOCAB
     else:
-        if not Path(tokenizer).is_file():
+        if not os.path.isfile(tokenizer):
             raise InputError(f"{tokenizer}: no such tokenizer file")
         ids, vocab = encode_hf(texts, tokenizer)
     if ids.size < 2:

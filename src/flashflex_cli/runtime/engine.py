@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ..errors import InputError
 from ..plan.schema import Plan
-from .attention import LOG, choose_backend
+from .attention import EAGER, FLASH, LOG, SDPA, choose_backend
 from .grad_sync import GradSync
 from .groups import PlanGroups
 from .init import full_init
@@ -49,6 +49,9 @@ from .optimizer import OptimConfig, lr_at, make_optimizer, set_lr
 from .pipeline import PipelineRunner, PipelineTimes
 from .shards import ShardSpec
 from .slowdown import Slowdown
+
+# the plan's attention setting -> the runtime's backend (flash-attn only where supported, else SDPA, logged)
+PLAN_ATTENTION = {"flash": FLASH, "sdpa": SDPA, "eager": EAGER}
 
 __all__ = ["OptimConfig", "RankEngine", "ShardSpec", "StepResult", "plan_shard_specs"]
 
@@ -59,12 +62,14 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 class StepResult:
     """One optimizer step: global mean loss (same on every rank), gradient norm before clipping, learning rate
     used, and timings in seconds ("forward", "backward", "p2p", "tp_comm" (CPU only), "dp_sync", "optimizer",
-    "step")."""
+    "step"). `ops`: this rank's compute ops (kind "F"/"B", micro-batch, start_s, end_s since the step start), when
+    train_step was asked to record them."""
 
     loss: float
     grad_norm: float
     lr: float
     timings: dict[str, float] = field(default_factory=dict)
+    ops: tuple[tuple[str, int, float, float], ...] = ()
 
 
 def plan_shard_specs(plan: Plan, rank: int) -> list[ShardSpec]:
@@ -105,7 +110,12 @@ class RankEngine:
             self.amp_dtype = torch.bfloat16 if train.dtype == "bf16" else torch.float16
             if train.dtype == "fp16":
                 LOG.warning("rank %d: fp16 autocast without loss scaling; prefer bf16 where supported", rank)
-        self.backend = choose_backend(device, self.amp_dtype or torch.float32, rank, prefer=attention)
+        if device.type == "cuda" and train.dtype == "tf32":  # fp32 tensors, TF32 tensor-core matmuls
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        wanted = attention or PLAN_ATTENTION[train.attention]
+        self.backend = EAGER if wanted == EAGER else choose_backend(device, self.amp_dtype or torch.float32, rank,
+                                                                   prefer=wanted)
         self.tp = groups.tp_context()
         self.module = StageModule(spec, self.stage_plan.layers, first, last, self.tp, self.backend,
                                   recompute=train.recompute)
@@ -148,8 +158,9 @@ class RankEngine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def train_step(self, tokens: torch.Tensor) -> StepResult:
-        """One optimizer step on this pipeline's rows `tokens` int64 [n_seq, seq_len + 1] (collective)."""
+    def train_step(self, tokens: torch.Tensor, record_ops: bool = False) -> StepResult:
+        """One optimizer step on this pipeline's rows `tokens` int64 [n_seq, seq_len + 1] (collective);
+        `record_ops`: also return each compute op's start and end (StepResult.ops)."""
         train = self.plan.inputs.train
         want = (self.pipe.sequences, train.seq_len + 1)
         if tokens.dim() != 2 or tuple(tokens.shape) != want:
@@ -165,7 +176,7 @@ class RankEngine:
         inputs = [m[:, :-1] for m in micro]
         targets: list[torch.Tensor | None] = [m[:, 1:] for m in micro]
         global_tokens = train.global_batch * train.seq_len
-        times = PipelineTimes()
+        times = PipelineTimes(ops=[] if record_ops else None, origin=t0)
         loss_sum = self.runner.run(inputs, targets, 1.0 / global_tokens, times)
         t1 = self._timed()
         self.sync.reduce()
@@ -182,7 +193,8 @@ class RankEngine:
                    "dp_sync": t2 - t1, "optimizer": t3 - t2, "step": t4 - t0, "pipeline": t1 - t0}
         if self.device.type == "cpu":
             timings["tp_comm"] = self.tp.comm_seconds[0]
-        return StepResult(loss=float(loss_sum.item()) / global_tokens, grad_norm=grad_norm, lr=lr, timings=timings)
+        return StepResult(loss=float(loss_sum.item()) / global_tokens, grad_norm=grad_norm, lr=lr, timings=timings,
+                          ops=tuple(times.ops or ()))
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
         """Local shards (detached views, do not modify): params, AdamW moments (zeros before the first step)

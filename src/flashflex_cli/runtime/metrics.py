@@ -4,7 +4,13 @@ terminal) and `RUN_DIR/metrics.jsonl`.
 Each JSON line holds at least: step, loss, tokens_per_s, mfu, step_time_s, lr, grad_norm,
 memory_bytes (largest over ranks), and `stages`: per pipeline stage (from its TP rank 0) the
 forward_s, backward_s, comm_s (pipeline p2p + gradient sync), optimizer_s and, on CPU, tp_comm_s (the
-tensor-parallel all-reduces, included in forward_s and backward_s) of that step.
+tensor-parallel all-reduces, included in forward_s and backward_s) of that step; comm_s split into p2p_s and
+dp_s, pipeline_s (the whole 1F1B schedule: compute, transfers and waits) and memory_bytes (largest over the
+stage's TP ranks).
+
+`RUN_DIR/timeline.jsonl` (`write_timeline`): the compute ops of the last step, one JSON object per stage:
+{"step", "pipeline", "stage", "ops": [[kind "F"/"B", micro-batch, start_s, end_s], ...]}, seconds since the
+step start on that stage's TP rank 0.
 MFU = model FLOPs per token (6N + 12*L*s*h, model/flops.py) * tokens/s / summed peak FLOP/s of the
 devices used (emulation slowdown included).
 """
@@ -35,8 +41,48 @@ def rank_memory_bytes(device_type: str) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def stage_times(plan_ranks: list[Any], per_rank: list[dict[str, float]]) -> list[dict[str, Any]]:
-    """Per-stage times (seconds) from the TP-rank-0 ranks' timings, pipelines then stages."""
+def held_memory_bytes(device_type: str) -> int:
+    """Memory this process holds now: CUDA allocated on GPUs, resident set size on CPU (bytes); and the peak
+    counter is reset (CUDA peak stats; Linux VmHWM through /proc/self/clear_refs), so that `peak_since_reset`
+    sees only what comes after. Taken before the first step: the baseline of `memory_growth_bytes`."""
+    if device_type == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        return int(torch.cuda.memory_allocated())
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")  # resets the peak resident set size (Linux >= 4.0)
+    except OSError:
+        pass  # then the peak includes initialisation: an overstatement, never an understatement
+    return _status_bytes("VmRSS")
+
+
+def peak_since_reset(device_type: str) -> int:
+    """Peak memory since `held_memory_bytes` reset the counter (bytes)."""
+    if device_type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_allocated())
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
+    """A kB field of /proc/self/status in bytes (0 where unavailable)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def stage_times(plan_ranks: list[Any], per_rank: list[dict[str, float]],
+                memory: list[int] | None = None) -> list[dict[str, Any]]:
+    """Per-stage times (seconds) from the TP-rank-0 ranks' timings, pipelines then stages; with `memory`
+    (bytes per rank), each stage's largest."""
     out = []
     for info, timings in zip(plan_ranks, per_rank, strict=True):
         if info.tp_rank != 0:
@@ -48,10 +94,29 @@ def stage_times(plan_ranks: list[Any], per_rank: list[dict[str, float]]) -> list
             "backward_s": round(float(timings.get("backward", 0.0)), 6),
             "comm_s": round(float(timings.get("p2p", 0.0)) + float(timings.get("dp_sync", 0.0)), 6),
             "optimizer_s": round(float(timings.get("optimizer", 0.0)), 6),
+            "p2p_s": round(float(timings.get("p2p", 0.0)), 6),
+            "dp_s": round(float(timings.get("dp_sync", 0.0)), 6),
+            "pipeline_s": round(float(timings.get("pipeline", 0.0)), 6),
         })
+        if memory is not None:
+            out[-1]["memory_bytes"] = max(int(memory[r.rank]) for r in plan_ranks
+                                          if (r.pipeline, r.stage) == (info.pipeline, info.stage))
         if "tp_comm" in timings:  # measured on CPU only; part of forward_s and backward_s
             out[-1]["tp_comm_s"] = round(float(timings["tp_comm"]), 6)
     return out
+
+
+def stage_ops(plan_ranks: list[Any], per_rank: list[Any], step: int) -> list[dict[str, Any]]:
+    """timeline.jsonl rows: per stage (its TP rank 0) the step's compute ops [kind, micro, start_s, end_s]
+    (seconds since the step start, rounded to microseconds)."""
+    return [{"step": step, "pipeline": info.pipeline, "stage": info.stage,
+             "ops": [[kind, int(micro), round(float(a), 6), round(float(b), 6)] for kind, micro, a, b in ops]}
+            for info, ops in zip(plan_ranks, per_rank, strict=True) if info.tp_rank == 0]
+
+
+def write_timeline(run_dir: str | os.PathLike[str], rows: list[dict[str, Any]]) -> Path:
+    """Write `run_dir/timeline.jsonl` atomically, one stage per line."""
+    return atomic_write_text(Path(run_dir) / "timeline.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
 class MetricsLog:
@@ -91,13 +156,17 @@ class MetricsLog:
             self._live.start()
 
     def record(self, step: int, loss: float, tokens: int, step_time_s: float, lr: float, grad_norm: float,
-               memory_bytes: int, stages: list[dict[str, Any]]) -> dict[str, Any]:
-        """Write and show one step (`tokens` processed in `step_time_s` seconds); returns the record."""
+               memory_bytes: int, stages: list[dict[str, Any]],
+               memory_growth_bytes: int | None = None) -> dict[str, Any]:
+        """Write and show one step (`tokens` processed in `step_time_s` seconds); returns the record.
+        `memory_growth_bytes`: the largest rank's peak memory above what it held before the first step."""
         tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
         mfu = self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops > 0 else 0.0
         row = {"step": step, "loss": round(loss, 6), "tokens_per_s": round(tokens_per_s, 3), "mfu": round(mfu, 6),
                "step_time_s": round(step_time_s, 6), "lr": lr, "grad_norm": round(grad_norm, 6),
                "memory_bytes": memory_bytes, "stages": stages}
+        if memory_growth_bytes is not None:
+            row["memory_growth_bytes"] = memory_growth_bytes
         self._handle.write(json.dumps(row) + "\n")
         self._handle.flush()
         self.step_times.append(step_time_s)

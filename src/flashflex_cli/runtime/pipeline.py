@@ -43,12 +43,22 @@ def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> list[tuple[str, 
 
 @dataclass
 class PipelineTimes:
-    """Seconds spent in one step: forward and backward compute (with emulated slowdown), point-to-point."""
+    """Seconds spent in one step: forward and backward compute (with emulated slowdown), point-to-point.
+
+    With `ops` a list, each compute op is appended as (kind "F" or "B", micro-batch, start_s, end_s): seconds of
+    time.perf_counter() since `origin` (the step start)."""
 
     forward: float = 0.0
     backward: float = 0.0
     p2p: float = 0.0
     pending: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)  # sends and their buffers
+    ops: list[tuple[str, int, float, float]] | None = None
+    origin: float = 0.0
+
+    def op(self, kind: str, micro: int, start: float, end: float) -> None:
+        """Note one compute op that ran from `start` to `end` (perf_counter seconds), when ops are recorded."""
+        if self.ops is not None:
+            self.ops.append((kind, micro, start - self.origin, end - self.origin))
 
 
 def _sync(device: torch.device) -> None:
@@ -131,7 +141,9 @@ class PipelineRunner:
                         loss_sum += out.detach().double()
                         out = out * loss_scale
                     _sync(self.device)
-                times.forward += time.perf_counter() - start
+                end = time.perf_counter()
+                times.forward += end - start
+                times.op("F", i, start, end)
                 if not self.last:
                     pair = nxt is not None and nxt[0] == "B"
                     got = self._exchange(out, g.send_act_to, FWD_TAG, g.recv_grad_from if pair else None,
@@ -150,7 +162,9 @@ class PipelineRunner:
                 with self.slowdown.op():
                     torch.autograd.backward(out, grad_tensors=grad)
                     _sync(self.device)
-                times.backward += time.perf_counter() - start
+                end = time.perf_counter()
+                times.backward += end - start
+                times.op("B", i, start, end)
                 if not self.first:
                     assert x_in is not None and x_in.grad is not None
                     pair = nxt is not None and nxt[0] == "F"

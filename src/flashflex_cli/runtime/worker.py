@@ -5,7 +5,8 @@ RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment torchrun sets
 (`--plan-node`, LOCAL_RANK): local rank i runs the i-th device of that plan node in plan rank order (without
 `--plan-node`, every device of the plan runs on this host, and the plan rank is LOCAL_RANK). The process group
 uses plan ranks (gloo on CPU devices, NCCL on GPUs) over torchrun's store, so torchrun's own rank order
-does not matter.
+does not matter. A rank on an emulated CPU device runs one intra-op thread pinned to one core
+(runtime/cpu_share.py), whatever OMP_NUM_THREADS says.
 
 Exit codes: 0 done (or stopped by SIGTERM after saving a checkpoint); 1 an error on this rank;
 3 a peer rank failed (a collective broke or timed out); 2 bad input.
@@ -22,6 +23,12 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from .cpu_share import pin_emulated_device, usable_cores
+
+if TYPE_CHECKING:
+    from ..hardware.cluster import Cluster
 
 PEER_LOST = 3
 
@@ -78,10 +85,34 @@ class StopRequest:
         self.requested = True
 
 
-def cpu_threads_per_rank(local_world_size: int, cores: int | None = None) -> int:
-    """Intra-op threads for each of `local_world_size` ranks sharing this host's `cores` (default: all usable)."""
-    available = cores if cores is not None else len(os.sched_getaffinity(0))
+def host_device_index(cluster: Cluster, device_id: str, node: str | None = None) -> int:
+    """The index that picks an emulated device's core: its position among all the cluster's devices. A
+    node's devices are consecutive there, so they get distinct cores as its index on the node would, and
+    nodes emulated on one machine (network-namespace hosts, or one host running every node) do not all
+    crowd onto the first cores. `node` (the host's plan node) is accepted for the call sites' symmetry."""
+    del node
+    return cluster.device_ids.index(device_id)
+
+
+def gpu_rank_threads(local_world_size: int, cores: int | None = None) -> int:
+    """Host intra-op threads (count) for each of `local_world_size` GPU ranks sharing `cores` (default: usable)."""
+    available = cores if cores is not None else len(usable_cores())
     return max(1, available // max(1, local_world_size))
+
+
+def claim_host_share(on_cpu: bool, device_index: int) -> None:
+    """Set this rank's host threads; call before any parallel torch work.
+
+    Emulated CPU device (`device_index`: see host_device_index): one intra-op thread pinned to one core
+    (runtime/cpu_share.py), even when OMP_NUM_THREADS is set, since the device model is one core per device.
+    GPU rank: unless OMP_NUM_THREADS is set, the host's cores are split between the LOCAL_WORLD_SIZE ranks.
+    """
+    import torch
+
+    if on_cpu:
+        pin_emulated_device(device_index)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(gpu_rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def _init_process_group(rank: int, world: int, backend: str, timeout_s: float):  # type: ignore[no-untyped-def]
@@ -110,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from ..fileio import atomic_write_text
     from ..hardware.cluster import load_cluster
     from ..model.flops import model_flops_per_token
     from ..plan.schema import load_plan
@@ -117,7 +149,16 @@ def run(args: argparse.Namespace) -> int:
     from .data import open_source
     from .engine import RankEngine
     from .groups import build_groups
-    from .metrics import MetricsLog, predicted_step_seconds, rank_memory_bytes, stage_times
+    from .metrics import (
+        MetricsLog,
+        held_memory_bytes,
+        peak_since_reset,
+        predicted_step_seconds,
+        rank_memory_bytes,
+        stage_ops,
+        stage_times,
+        write_timeline,
+    )
     from .optimizer import OptimConfig
 
     plan, cluster = load_plan(args.plan), load_cluster(args.cluster)
@@ -139,8 +180,7 @@ def run(args: argparse.Namespace) -> int:
         if device.index >= count:
             raise ValueError(f"plan rank {rank} wants {me.device} (cuda:{device.index}), this host has {count} GPU(s)")
         torch.cuda.set_device(device)
-    if "OMP_NUM_THREADS" not in os.environ:  # share the host's cores between the ranks instead of oversubscribing
-        torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    claim_host_share(on_cpu, host_device_index(cluster, me.device, args.node))
     _init_process_group(rank, world, "gloo" if on_cpu else "nccl", args.timeout)
 
     stop = StopRequest()
@@ -172,22 +212,31 @@ def run(args: argparse.Namespace) -> int:
         peak = sum(cluster.device(info.device).flops(train.dtype) for info in ranks)
         log = MetricsLog(args.out, args.steps, model_flops_per_token(model, train.seq_len), peak,
                          start_step=start)
+        # what `flashflex show --run` and `flashflex calibrate` read back next to metrics.jsonl
+        atomic_write_text(os.path.join(args.out, "plan.json"), plan.to_json())
+        atomic_write_text(os.path.join(args.out, "cluster.json"), cluster.to_json())
+    timeline: list[dict] = []
     flag = torch.zeros(1, device=device)  # NCCL reduces only device tensors
     step = start
+    held_before = held_memory_bytes(device.type)
     for step in range(start, args.steps):
         _fault(rank, step)
         t0 = time.perf_counter()
         batch = source.global_batch(step)
-        result = engine.train_step(batch[engine.pipeline_slice(batch.shape[0])])
+        result = engine.train_step(batch[engine.pipeline_slice(batch.shape[0])], record_ops=True)
         step_time = time.perf_counter() - t0
-        payload = (result.timings, rank_memory_bytes(device.type))
+        payload = (result.timings, rank_memory_bytes(device.type), result.ops,
+                   max(0, peak_since_reset(device.type) - held_before))
         gathered: list | None = [None] * world if rank == 0 else None
         dist.gather_object(payload, gathered, dst=0)
         flag.fill_(1.0 if stop.requested else 0.0)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if log is not None and gathered is not None:
             log.record(step, result.loss, train.tokens_per_step, step_time, result.lr, result.grad_norm,
-                       max(int(g[1]) for g in gathered), stage_times(ranks, [g[0] for g in gathered]))
+                       max(int(g[1]) for g in gathered),
+                       stage_times(ranks, [g[0] for g in gathered], [int(g[1]) for g in gathered]),
+                       memory_growth_bytes=max(int(g[3]) for g in gathered))
+            timeline = stage_ops(ranks, [g[2] for g in gathered], step)
         done = step + 1
         stopping = flag.item() > 0
         due = done == args.steps or (args.checkpoint_every > 0 and done % args.checkpoint_every == 0)
@@ -200,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"flashflex: SIGTERM: stopped after step {done}", file=sys.stderr, flush=True)
             break
     if log is not None:
+        if timeline:
+            write_timeline(args.out, timeline)
         log.summary(predicted_step_seconds(plan.predicted))
         log.close()
     dist.barrier()

@@ -1,0 +1,379 @@
+"""Validate the cost model against real runs: predicted vs measured iteration time and peak memory.
+
+Launches distinct plans for real on emulated CPU clusters (1-3 pipelines, 1-4 stages, TP 1 and 2,
+micro-batch sizes 1-4, unlike slowdowns), three of them and Holmes' setting across network-namespace hosts
+with one host's link shaped to 1 Gbit/s, and compares each run with two predictions of the same plan:
+- analytic: the cost model alone (cluster file + catalog/measured matmul rates);
+- calibrated: the cost model with the layer profile `flashflex profile --model` measured on this machine.
+Holmes' setting end to end: three namespace hosts, the cluster file measured by `flashflex profile
+--distributed` across them, the flashflex plan and the uniform plan both planned and launched there.
+
+Every emulated device is one thread pinned to one core (runtime/cpu_share.py), and every cluster leaves
+each core headroom (the demand of the devices pinned there, sum of 1 / slowdown, at most 0.75 of it), so a
+device runs as its cluster file says even beside the launcher and gloo's threads.
+Measured iteration time: the median step time after the warm-up steps. Measured memory (CPU): the largest
+rank's peak RSS above what it held before the first step; predicted: the cost model's bytes that training
+adds to a built stage (gradients, optimizer state, activations, logits, and the fixed bytes of a layer
+profile: everything but the weights and the analytic process reserve).
+Beside each run: wall time, CPU time of its processes, 1-minute load average before and after.
+
+Targets (calibrated): median absolute time error <= 10%, worst <= 25%, Spearman rank correlation >= 0.9,
+and the plan predicted fastest is the fastest measured (within each cluster).
+
+Run (root, for the namespaces): .venv/bin/python benchmarks/validate_cost_model.py [--steps N] [--no-netns]
+Last line: `validate_cost_model: N plans, median error X%, worst Y%, spearman Z, top1 ok|wrong`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from flashflex_cli.hardware.cluster import load_cluster  # noqa: E402
+from flashflex_cli.model.spec import resolve_model  # noqa: E402
+from flashflex_cli.plan.schema import Plan, save_plan  # noqa: E402
+
+BIN = Path(sys.executable).parent
+FLASHFLEX = str(BIN / "flashflex")
+MODEL, SEQ, BATCH, DTYPE = "llama-small", 128, 16, "fp32"
+WARMUP = 2
+# Emulated clusters whose devices leave each core headroom (the launcher, gloo's threads and the host's other
+# load run there too): device i sits on core i mod 2, and a device at slowdown k uses 1/k of its core.
+LOCAL_CLUSTERS = {
+    "two": "1x2xcpu:slowdown=2,4",        # core 0: 0.5, core 1: 0.25
+    "three": "1x3xcpu:slowdown=2,4,4",    # core 0: 0.75, core 1: 0.25
+    "four": "1x4xcpu:slowdown=2,4,4,8",   # core 0: 0.75, core 1: 0.375
+}
+NETNS_SLOWDOWN = (2.0, 4.0, 4.0)  # the 3 namespace hosts, one device each (cores 0, 1, 0: 0.75 and 0.25)
+Stage = tuple[list[str], tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Case:
+    """A plan to run: its cluster, and per pipeline (micro-batch size, micro-batches, stages)."""
+
+    name: str
+    cluster: str
+    pipelines: list[tuple[int, int, list[Stage]]]
+    strategy: str = ""  # "flashflex" / "uniform": planned by `flashflex plan` instead of written here
+
+
+L = resolve_model(MODEL).num_layers
+CASES = [
+    Case("one-fast-dev", "two", [(4, 4, [(["node0/0"], (0, L))])]),
+    Case("one-slow-dev", "two", [(2, 8, [(["node0/1"], (0, L))])]),
+    Case("pp2-mbs1", "two", [(1, 16, [(["node0/0"], (0, 5)), (["node0/1"], (5, L))])]),
+    Case("pp2-mbs4", "two", [(4, 4, [(["node0/0"], (0, 5)), (["node0/1"], (5, L))])]),
+    Case("dp2-unequal", "two", [(2, 5, [(["node0/0"], (0, L))]), (2, 3, [(["node0/1"], (0, L))])]),
+    Case("tp2", "two", [(2, 8, [(["node0/0", "node0/1"], (0, L))])]),
+    Case("pp4", "four", [(1, 16, [(["node0/0"], (0, 3)), (["node0/1"], (3, 6)), (["node0/2"], (6, 7)),
+                                  (["node0/3"], (7, L))])]),
+    Case("dp2-pp2", "four", [(2, 4, [(["node0/0"], (0, 5)), (["node0/2"], (5, L))]),
+                             (2, 4, [(["node0/1"], (0, 5)), (["node0/3"], (5, L))])]),
+    Case("tp2-tp2", "four", [(2, 8, [(["node0/0", "node0/1"], (0, 5)), (["node0/2", "node0/3"], (5, L))])]),
+    Case("tp2+pp2", "four", [(4, 3, [(["node0/0", "node0/1"], (0, L))]),
+                             (2, 2, [(["node0/2"], (0, 4)), (["node0/3"], (4, L))])]),
+    Case("dp3-unequal", "three", [(2, 3, [(["node0/0"], (0, L))]), (2, 3, [(["node0/1"], (0, L))]),
+                                  (1, 4, [(["node0/2"], (0, L))])]),
+    Case("pp3-mbs2", "three", [(2, 8, [(["node0/0"], (0, 3)), (["node0/1"], (3, 6)), (["node0/2"], (6, L))])]),
+    Case("hosts-pp3", "netns", [(2, 8, [(["h0/0"], (0, 3)), (["h1/0"], (3, 6)), (["h2/0"], (6, L))])]),
+    Case("hosts-dp3", "netns", [(2, 3, [(["h0/0"], (0, L))]), (2, 3, [(["h1/0"], (0, L))]),
+                                (2, 2, [(["h2/0"], (0, L))])]),
+    Case("hosts-flashflex", "netns", [], strategy="flashflex"),
+    Case("hosts-uniform", "netns", [], strategy="uniform"),
+]
+
+
+@dataclass
+class Result:
+    """One plan: predicted (analytic, calibrated) and measured iteration seconds and memory bytes."""
+
+    case: Case
+    analytic_s: float = 0.0
+    calibrated_s: float = 0.0
+    measured_s: float = 0.0
+    analytic_mem: float = 0.0
+    calibrated_mem: float = 0.0
+    measured_mem: float = 0.0
+    run: dict[str, float] = field(default_factory=dict)
+
+
+# ---- running commands -----------------------------------------------------------------------------
+def children_cpu_s() -> float:
+    """User + system CPU seconds of this process's finished children so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
+def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run a command; on failure print its output and stop."""
+    done = subprocess.run(command, capture_output=True, text=True, **kwargs)
+    if done.returncode != 0:
+        sys.exit(f"failed ({done.returncode}): {shlex.join(command)}\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
+    return done
+
+
+def measured(run_dir: Path) -> tuple[float, float]:
+    """(median step seconds after the warm-up, largest rank's peak RSS growth in bytes) of a finished run."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in rows[WARMUP:]] or [r["step_time_s"] for r in rows]
+    growth = max(r.get("memory_growth_bytes", r["memory_bytes"]) for r in rows)
+    return statistics.median(times), float(growth)
+
+
+# ---- clusters and plans ---------------------------------------------------------------------------
+def local_cluster(name: str, work: Path) -> Path:
+    """`flashflex profile --synthetic` of an emulated CPU cluster."""
+    path = work / f"{name}.json"
+    run([FLASHFLEX, "profile", "--synthetic", LOCAL_CLUSTERS[name], "--out", str(path), "--name", name])
+    return path
+
+
+def write_plan(case: Case, cluster_path: Path, work: Path) -> Path:
+    """A plan file for a hand-written case (predictions are filled by `show`)."""
+    cluster = load_cluster(cluster_path)
+    train = {"global_batch": BATCH, "seq_len": SEQ, "dtype": DTYPE, "attention": "sdpa"}
+    data = {"schema": "flashflex.plan/1",
+            "inputs": {"cluster_sha256": cluster.sha256(), "cluster_name": cluster.name,
+                       "model": resolve_model(MODEL).model_dump(), "train": train, "strategy": "manual"},
+            "pipelines": [{"micro_batch_size": mbs, "num_micro_batches": m,
+                           "stages": [{"devices": devs, "tp": len(devs), "layers": list(layers)}
+                                      for devs, layers in stages]}
+                          for mbs, m, stages in case.pipelines]}
+    used = {d for _, _, stages in case.pipelines for devs, _ in stages for d in devs}
+    data["unused_devices"] = [{"device": d, "reason": "not in this validation case"}
+                              for d in cluster.device_ids if d not in used]
+    path = work / f"{case.name}.plan.json"
+    save_plan(path, Plan.model_validate(data))
+    return path
+
+
+def planned(case: Case, cluster_path: Path, layers: Path, work: Path) -> Path:
+    """A plan made by `flashflex plan` (with the measured layer profile) for a planner case."""
+    path = work / f"{case.name}.plan.json"
+    run([FLASHFLEX, "plan", str(cluster_path), "--model", MODEL, "--global-batch", str(BATCH), "--seq-len", str(SEQ),
+         "--dtype", DTYPE, "--attention", "sdpa", "--strategy", case.strategy, "--layers", str(layers),
+         "--no-baseline", "--out", str(path)])
+    return path
+
+
+def prediction(plan: Path, cluster: Path, layers: Path | None) -> tuple[float, float]:
+    """(iteration seconds, largest stage's training memory in bytes) from `flashflex show --json`."""
+    extra = ["--layers", str(layers)] if layers else []
+    shown = json.loads(run([FLASHFLEX, "show", str(plan), "--cluster", str(cluster), "--json", *extra]).stdout)
+    predicted = shown["predicted"]
+    memory = max(training_bytes(stage) for stage in predicted["stages"])
+    return float(predicted["iteration_time_s"]), memory
+
+
+def training_bytes(stage: dict[str, Any]) -> float:
+    """What training adds to a built stage: all memory but its weights and, when modelled, the process
+    reserve (a measured profile's fixed bytes are what a step adds beyond tensors, so they count)."""
+    mem = stage["memory"]
+    modelled = not str(stage.get("source", "modelled")).startswith("measured")
+    weights = mem["weights"] + mem.get("embedding_head_weights", 0.0)
+    return mem["total"] - weights - (mem["reserve"] if modelled else 0.0)
+
+
+# ---- launching ----------------------------------------------------------------------------------------
+def launch_local(plan: Path, cluster: Path, out: Path, steps: int) -> dict[str, float]:
+    """`flashflex launch` on this host; wall and CPU seconds, load before and after."""
+    load, cpu, start = os.getloadavg()[0], children_cpu_s(), time.perf_counter()
+    run([FLASHFLEX, "launch", str(plan), "--cluster", str(cluster), "--out", str(out), "--steps", str(steps),
+         "--timeout", "120"], timeout=900)
+    return {"wall_s": time.perf_counter() - start, "cpu_s": children_cpu_s() - cpu, "load_before": load,
+            "load_after": os.getloadavg()[0]}
+
+
+def launch_hosts(net: Any, plan: Path, cluster: Path, out: Path, steps: int, run_id: str) -> dict[str, float]:
+    """Render the plan's torchrun commands and run line i inside namespace host i, all at once."""
+    rendered = run([FLASHFLEX, "launch", str(plan), "--cluster", str(cluster), "--steps", str(steps),
+                    "--out", str(out), "--launcher", "torchrun", "--hosts", ",".join(h.addr for h in net.hosts),
+                    "--ifname", ",".join(h.ifname for h in net.hosts), "--run-id", run_id, "--timeout", "120",
+                    "--torchrun", str(BIN / "torchrun")])
+    lines = [x for x in rendered.stdout.splitlines() if x.strip() and not x.startswith("#")]
+    load, cpu, start = os.getloadavg()[0], children_cpu_s(), time.perf_counter()
+    procs = [subprocess.Popen([*net.prefix_cmd(i), *shlex.split(line)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for i, line in enumerate(lines)]
+    try:
+        outputs = [proc.communicate(timeout=900)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    for proc, text in zip(procs, outputs, strict=True):
+        if proc.returncode != 0:
+            sys.exit(f"a host failed ({proc.returncode}):\n{text[-4000:]}")
+    return {"wall_s": time.perf_counter() - start, "cpu_s": children_cpu_s() - cpu, "load_before": load,
+            "load_after": os.getloadavg()[0]}
+
+
+def profile_hosts(net: Any, out: Path) -> Path:
+    """`flashflex profile --distributed` across the namespace hosts (one emulated device each)."""
+    procs = []
+    for i in range(len(net.hosts)):
+        command = [*net.prefix_cmd(i), sys.executable, "-m", "torch.distributed.run",
+                   *net.torchrun_args(i, port=29611, rdzv_id="validate-profile"), "-m", "flashflex_cli.cli",
+                   "profile", "--distributed", "--quick", "--node-name", f"h{i}", "--slowdown", str(NETNS_SLOWDOWN[i]),
+                   "--out", str(out)]
+        procs.append(subprocess.Popen(command, env=net.torchrun_env(i), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    for proc in procs:
+        text = proc.communicate(timeout=300)[0]
+        if proc.returncode != 0:
+            sys.exit(f"distributed profile failed:\n{text[-4000:]}")
+    return out
+
+
+# ---- statistics -----------------------------------------------------------------------------------
+def ranks(values: list[float]) -> list[float]:
+    """Average ranks (ties share the mean rank), 1-based."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation: Pearson correlation of the ranks."""
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    var = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / var if var else 0.0
+
+
+def top1_ok(results: list[Result], predicted: str) -> bool:
+    """In every cluster with several plans, the plan predicted fastest is the one measured fastest."""
+    groups: dict[str, list[Result]] = {}
+    for r in results:
+        groups.setdefault(r.case.cluster, []).append(r)
+    return all(min(g, key=lambda r: getattr(r, predicted)) is min(g, key=lambda r: r.measured_s)
+               for g in groups.values() if len(g) > 1)
+
+
+def error(predicted: float, actual: float) -> float:
+    """Signed relative error of a prediction (predicted / actual - 1)."""
+    return predicted / actual - 1.0
+
+
+# ---- main ---------------------------------------------------------------------------------------------
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--steps", type=int, default=8, help="Training steps per run (first 2 are warm-up).")
+    parser.add_argument("--no-netns", action="store_true", help="Skip the namespace-host plans.")
+    parser.add_argument("--work", type=Path, default=None, help="Keep files here (default: a temp folder).")
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="validate-cost-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"host: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; work folder {work}", flush=True)
+
+    layers = work / "cpu.layers.json"
+    start_cpu, start = children_cpu_s(), time.perf_counter()
+    run([FLASHFLEX, "profile", "--model", MODEL, "--seq-len", str(SEQ), "--micro-batch", "1,2,4,8", "--tp", "1,2",
+         "--dtype", DTYPE, "--attention", "sdpa", "--out", str(layers)], timeout=1200)
+    print(f"profiled {MODEL} layers in {time.perf_counter() - start:.1f} s wall, "
+          f"{children_cpu_s() - start_cpu:.1f} s CPU", flush=True)
+
+    clusters = {name: local_cluster(name, work) for name in LOCAL_CLUSTERS}
+    results: list[Result] = []
+    local = [c for c in CASES if c.cluster != "netns"]
+    hosts = [c for c in CASES if c.cluster == "netns"]
+    for case in local:
+        results.append(run_case(case, clusters[case.cluster], layers, work, args.steps))
+    if not args.no_netns:
+        results.extend(run_netns(hosts, layers, work, args.steps))
+    report(results)
+
+
+def run_case(case: Case, cluster: Path, layers: Path, work: Path, steps: int, net: Any = None) -> Result:
+    """Predict `case` both ways, launch it, measure it; print one line."""
+    plan = planned(case, cluster, layers, work) if case.strategy else write_plan(case, cluster, work)
+    result = Result(case)
+    result.analytic_s, result.analytic_mem = prediction(plan, cluster, None)
+    result.calibrated_s, result.calibrated_mem = prediction(plan, cluster, layers)
+    out = work / f"run-{case.name}"
+    if net is None:
+        result.run = launch_local(plan, cluster, out, steps)
+    else:
+        result.run = launch_hosts(net, plan, cluster, out, steps, f"validate-{case.name}")
+    result.measured_s, result.measured_mem = measured(out)
+    r = result.run
+    print(f"{case.name:16s} {case.cluster:6s} measured {result.measured_s * 1e3:8.1f} ms | "
+          f"analytic {result.analytic_s * 1e3:8.1f} ms ({error(result.analytic_s, result.measured_s):+6.1%}) | "
+          f"calibrated {result.calibrated_s * 1e3:8.1f} ms ({error(result.calibrated_s, result.measured_s):+6.1%}) | "
+          f"memory measured {result.measured_mem / 2**20:7.1f} MiB, analytic "
+          f"{error(result.analytic_mem, result.measured_mem):+6.1%}, calibrated "
+          f"{error(result.calibrated_mem, result.measured_mem):+6.1%} | wall {r['wall_s']:.1f} s, CPU "
+          f"{r['cpu_s']:.1f} s, load {r['load_before']:.2f}->{r['load_after']:.2f}", flush=True)
+    return result
+
+
+def run_netns(cases: list[Case], layers: Path, work: Path, steps: int) -> list[Result]:
+    """The namespace-host plans, Holmes' setting among them: 3 hosts, host 2's link shaped to 1 Gbit/s."""
+    from tests.infra.netns import NetnsHosts, netns_available
+
+    ok, why = netns_available()
+    if not ok:
+        print(f"namespace hosts skipped: {why}")
+        return []
+    out: list[Result] = []
+    with NetnsHosts(3, shape={2: "1gbit"}) as net:
+        cluster = profile_hosts(net, work / "netns.json")
+        described = load_cluster(cluster)
+        pairs = ", ".join(f"{p.a}-{p.b} {p.bandwidth * 8 / 1e9:.2f} Gbit/s" for p in described.inter_node.pairs)
+        print(f"namespace cluster (profile --distributed): {pairs}", flush=True)
+        for case in cases:
+            out.append(run_case(case, cluster, layers, work, steps, net=net))
+    by_name = {r.case.name: r for r in out}
+    flex, uni = by_name.get("hosts-flashflex"), by_name.get("hosts-uniform")
+    if flex and uni:
+        print(f"Holmes setting: flashflex/uniform measured {uni.measured_s / flex.measured_s:.2f}x, "
+              f"predicted {uni.calibrated_s / flex.calibrated_s:.2f}x (calibrated), "
+              f"{uni.analytic_s / flex.analytic_s:.2f}x (analytic)", flush=True)
+    return out
+
+
+def report(results: list[Result]) -> None:
+    """Summary per model, then the benchmark's last line (calibrated)."""
+    measured_s = [r.measured_s for r in results]
+    for label, attr, mem in (("analytic", "analytic_s", "analytic_mem"),
+                             ("calibrated", "calibrated_s", "calibrated_mem")):
+        errs = [abs(error(getattr(r, attr), r.measured_s)) for r in results]
+        mems = [abs(error(getattr(r, mem), r.measured_mem)) for r in results if r.measured_mem > 0]
+        print(f"{label:10s}: time error median {statistics.median(errs):.1%}, worst {max(errs):.1%}, spearman "
+              f"{spearman([getattr(r, attr) for r in results], measured_s):.3f}, top1 "
+              f"{'ok' if top1_ok(results, attr) else 'wrong'}; memory error median "
+              f"{statistics.median(mems):.1%}, worst {max(mems):.1%}")
+    errs = [abs(error(r.calibrated_s, r.measured_s)) for r in results]
+    rho = spearman([r.calibrated_s for r in results], measured_s)
+    print(f"validate_cost_model: {len(results)} plans, median error {statistics.median(errs) * 100:.1f}%, "
+          f"worst {max(errs) * 100:.1f}%, spearman {rho:.2f}, top1 {'ok' if top1_ok(results, 'calibrated_s') else 'wrong'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Layer profile schema ("flashflex.layers/1"), validated on load; docs/layer-profiles.md describes it.
+
+One file holds measured costs of one model shape on one device type at one sequence length, dtype,
+attention implementation and recompute setting, for any set of (micro_batch_size, tp) entries. Times are
+seconds per micro-batch on each device of the TP group (TP collectives of a TP group inside one node
+included); `activation_bytes` is what one micro-batch keeps on each device until its backward. The format
+is open so that measurements of other tools can be converted into it; it imports nothing of the cost model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from typing import Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
+
+from ..fileio import dumps_json, load_model
+from ..model.spec import ModelSpec
+
+LAYERS_SCHEMA = "flashflex.layers/1"
+Attention = Literal["flash", "sdpa", "eager"]
+ProfileDtype = Literal["bf16", "fp16", "fp32", "tf32"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+
+
+class ModelShape(_Strict):
+    """The shape a profile was measured for: what sets a layer's cost (not its depth or name)."""
+
+    hidden_size: PositiveInt
+    num_heads: PositiveInt
+    num_kv_heads: PositiveInt
+    intermediate_size: PositiveInt
+    vocab_size: PositiveInt
+
+    @classmethod
+    def of(cls, model: ModelSpec) -> ModelShape:
+        """The shape of `model`."""
+        return cls(hidden_size=model.hidden_size, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                   intermediate_size=model.intermediate_size, vocab_size=model.vocab_size)
+
+
+class PartCost(_Strict):
+    """One part (a transformer layer, the embedding, or the head) for one micro-batch on one device:
+    forward and backward seconds, activation bytes kept until the backward."""
+
+    fwd_s: NonNegativeFloat
+    bwd_s: NonNegativeFloat
+    activation_bytes: NonNegativeFloat = 0.0
+
+    @field_validator("fwd_s", "bwd_s", "activation_bytes")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value}")
+        return value
+
+
+class ProfileEntry(_Strict):
+    """Costs at one (micro_batch_size, tp). `fixed_bytes`: per-device memory beyond weights, gradients,
+    optimizer state and activations (runtime context, communication buffers, allocator slack)."""
+
+    micro_batch_size: PositiveInt
+    tp: PositiveInt
+    layer: PartCost
+    embedding: PartCost
+    head: PartCost
+    fixed_bytes: NonNegativeFloat | None = None
+
+    @field_validator("fixed_bytes")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value}")
+        return value
+
+
+class LayerProfile(_Strict):
+    """Measured per-layer costs of one model shape on one device type (module docstring)."""
+
+    schema_: Literal["flashflex.layers/1"] = Field(LAYERS_SCHEMA, alias="schema")
+    device_type: str = Field(min_length=1)
+    model: ModelShape
+    seq_len: PositiveInt
+    dtype: ProfileDtype
+    attention: Attention
+    recompute: bool = False
+    source: str = ""
+    entries: list[ProfileEntry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_entries(self) -> LayerProfile:
+        seen: set[tuple[int, int]] = set()
+        for i, entry in enumerate(self.entries):
+            key = (entry.micro_batch_size, entry.tp)
+            if key in seen:
+                raise ValueError(f"entries.{i}: a second entry for micro_batch_size {key[0]}, tp {key[1]}")
+            seen.add(key)
+        return self
+
+    def to_json(self) -> str:
+        """Stable JSON text (byte-identical for equal profiles)."""
+        return dumps_json(self.model_dump(mode="json", by_alias=True, exclude_none=True))
+
+    def sha256(self) -> str:
+        """Hex sha256 of the stable JSON text: how plans record which profiles they used."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def __hash__(self) -> int:  # frozen, but holds a list: hash the stable text once
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(self.to_json())
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LayerProfile) and self.to_json() == other.to_json()
+
+
+def load_layer_profile(path: str | os.PathLike[str]) -> LayerProfile:
+    """Load and validate a layer profile file; bad input raises InputError naming the file and field."""
+    return load_model(path, LayerProfile, LAYERS_SCHEMA)
+
+
+def save_layer_profile(path: str | os.PathLike[str], profile: LayerProfile) -> None:
+    """Write a layer profile atomically."""
+    from ..fileio import atomic_write_text
+
+    atomic_write_text(path, profile.to_json())

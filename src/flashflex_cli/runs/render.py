@@ -1,0 +1,47 @@
+"""Rich rendering of a RunComparison (stderr): one table, predicted and measured side by side."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from ..hardware.catalog import GIB
+from .compare import RunComparison, Term
+
+
+def _fmt(term: Term, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if term.unit == "B":
+        return f"{value / GIB:.2f} GiB"
+    return f"{1e3 * value:.2f} ms"
+
+
+def _ratio(term: Term) -> str:
+    ratio = term.ratio
+    if ratio is None:
+        return "-"
+    colour = "green" if 0.8 <= ratio <= 1.25 else ("yellow" if 0.5 <= ratio <= 2.0 else "red")
+    return f"[{colour}]{ratio:.2f}[/]"
+
+
+def render_comparison(console: Console, cmp: RunComparison) -> None:
+    """Print the per-stage table, the step times and the term that is off most."""
+    table = Table(title=f"predicted vs measured (medians of {cmp.steps_used} steps, warm-up left out)",
+                  title_justify="left")
+    for name, justify in (("stage", "left"), ("term", "left"), ("predicted", "right"), ("measured", "right"),
+                          ("measured/predicted", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for sc in cmp.stages:
+        for i, term in enumerate(sc.terms):
+            label = f"p{sc.pipeline}.s{sc.stage} ({','.join(sc.devices)})" if i == 0 else ""
+            table.add_row(label, term.name, _fmt(term, term.predicted), _fmt(term, term.measured), _ratio(term),
+                          end_section=i == len(sc.terms) - 1)
+    console.print(table)
+    ratio = cmp.measured_step_s / cmp.predicted_step_s if cmp.predicted_step_s > 0 else float("nan")
+    console.print(f"  step time: predicted {1e3 * cmp.predicted_step_s:.1f} ms, measured "
+                  f"{1e3 * cmp.measured_step_s:.1f} ms (measured/predicted {ratio:.2f})")
+    if cmp.worst is not None:
+        p, s, name, diff = cmp.worst
+        console.print(f"  off most: pipeline {p} stage {s} {name}: measured {'+' if diff >= 0 else ''}"
+                      f"{1e3 * diff:.1f} ms per step against the prediction")

@@ -1,0 +1,483 @@
+"""Measure one transformer layer, the embedding and the head of a model shape with the runtime's own modules.
+
+For every requested (micro_batch_size, tp) this gives, per micro-batch and per device of the TP group:
+forward seconds, backward seconds and `activation_bytes` (what one micro-batch keeps alive until its
+backward) of three parts, each a `StageModule` of runtime/model.py:
+
+- layer: one `DecoderLayer` (with activation recompute when asked), input fp32 [b, s, hidden] -> [b, s, hidden];
+- embedding: the vocabulary-parallel embedding, int64 tokens [b, s] -> [b, s, hidden];
+- head: final RMSNorm + output projection + summed cross-entropy, [b, s, hidden] and targets [b, s] -> scalar.
+
+Every TP degree runs in `tp` freshly spawned processes (gloo on CPU, each pinned to one core with
+`pin_emulated_device`; NCCL on GPU, one GPU each), so the times include the part's real TP collectives.
+Each process builds the three parts once, then for each micro-batch size: `warmup` untimed forward+backward
+runs, then `repeats` timed ones. A forward is timed from the aligned start of the group (a barrier) to the
+output (CUDA synchronised); the backward is timed separately, from the saved graph with a gradient of the
+output's shape. Figures are medians over the repeats, then the max over the ranks of the group.
+
+Memory (bytes):
+- CUDA: `activation_bytes` = torch.cuda.memory_allocated after a forward (output kept) minus before it;
+  `fixed_bytes` = device memory in use (mem_get_info: total - free) minus memory_allocated, after the
+  micro-batch's measurements: CUDA context, communicator buffers and allocator cache beyond live tensors.
+- CPU: `activation_bytes` = bytes of the distinct storages that a forward saves for its backward (seen with
+  `torch.autograd.graph.saved_tensors_hooks`) plus its output, leaving out storages that existed before the
+  forward (weights, the input, cached rotary tables): two forwards run with the first graph kept alive, and
+  only storages new in the second count. `fixed_bytes` is not measured on CPU (None): the process RSS is
+  too coarse and too noisy to split from tensor memory.
+
+A micro-batch that runs out of memory on any rank is skipped (reported, left out); the others continue.
+"""
+
+from __future__ import annotations
+
+import gc
+import queue as queue_module
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import InputError, RuntimeFailure
+from ..layers.schema import LayerProfile, ModelShape, PartCost, ProfileEntry
+from ..model.spec import ModelSpec
+from .attention import EAGER, FLASH, SDPA, flash_attn_available
+from .cpu_share import pin_emulated_device, usable_cores
+from .model import StageModule
+from .tensor_parallel import TPContext
+
+PARTS = ("layer", "embedding", "head")
+BACKENDS = {"flash": FLASH, "sdpa": SDPA, "eager": EAGER}
+DTYPES = ("bf16", "fp16", "fp32", "tf32")
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure: model shape, sequence length (tokens), micro-batch sizes (sequences), dtype, attention
+    ("flash", "sdpa", "eager"), layer recompute, timed repeats and untimed warm-up runs per part, and the
+    timeout (seconds) of the TP process group's collectives."""
+
+    spec: ModelSpec
+    seq_len: int
+    micro_batches: tuple[int, ...]
+    dtype: str = "fp32"
+    attention: str = "sdpa"
+    recompute: bool = False
+    repeats: int = 5
+    warmup: int = 2
+    timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class PartTimes:
+    """One part for one micro-batch on one device: seconds forward, seconds backward, bytes kept."""
+
+    fwd_s: float
+    bwd_s: float
+    activation_bytes: float
+
+
+@dataclass(frozen=True)
+class EntryResult:
+    """All three parts at one (micro_batch_size, tp); fixed_bytes None where not measured (CPU)."""
+
+    micro_batch_size: int
+    tp: int
+    parts: dict[str, PartTimes]
+    fixed_bytes: float | None
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A (micro_batch_size, tp) left out, and why (e.g. out of memory)."""
+
+    micro_batch_size: int
+    tp: int
+    reason: str
+
+
+# ---------------------------------------------------------------------------------------------- checks (parent)
+
+
+def devices_available() -> tuple[str, int]:
+    """("cuda", GPU count) when CUDA is usable, else ("cpu", usable cores: one emulated device per core)."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return "cuda", torch.cuda.device_count()
+    return "cpu", len(usable_cores())
+
+
+def check_request(config: BenchConfig, tps: tuple[int, ...], kind: str, count: int) -> None:
+    """Refuse a request that cannot be measured here (InputError, one line), before spawning anything."""
+    _check_numbers(config, tps)
+    spec = config.spec
+    for tp in tps:
+        if not spec.supports_tp(tp):
+            raise InputError(f"--tp {tp} does not divide the heads ({spec.num_heads} query, {spec.num_kv_heads} "
+                             f"key/value) and the MLP width {spec.intermediate_size} of {spec.name}")
+        if tp > count:
+            what = "GPUs" if kind == "cuda" else "usable cores (one emulated device each)"
+            raise InputError(f"--tp {tp} needs {tp} devices; this machine has {count} {what}")
+    _check_dtype(config, kind)
+
+
+def _check_numbers(config: BenchConfig, tps: tuple[int, ...]) -> None:
+    checks = [("--seq-len", config.seq_len), ("--repeats", config.repeats)]
+    checks += [("--micro-batch", b) for b in config.micro_batches] + [("--tp", tp) for tp in tps]
+    for option, value in checks:
+        if value < 1:
+            raise InputError(f"{option} must be a positive integer, got {value}")
+    if config.warmup < 0:
+        raise InputError(f"--warmup must be 0 or more, got {config.warmup}")
+    if not config.micro_batches or not tps:
+        raise InputError("--micro-batch and --tp each need at least one value")
+
+
+def _check_dtype(config: BenchConfig, kind: str) -> None:
+    if config.dtype not in DTYPES:
+        raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
+    if config.attention not in BACKENDS:
+        raise InputError(f"--attention must be one of {', '.join(BACKENDS)}, got {config.attention!r}")
+    if kind == "cpu" and config.dtype != "fp32":
+        raise InputError(f"--dtype {config.dtype} needs a GPU: the runtime computes in fp32 on CPU")
+    if config.attention == "flash":
+        if kind != "cuda" or not flash_attn_available():
+            raise InputError("--attention flash needs a CUDA GPU and the flash_attn package")
+        if config.dtype not in ("bf16", "fp16"):
+            raise InputError(f"--attention flash runs in bf16/fp16, not {config.dtype}")
+        if torch.cuda.get_device_capability(0) < (8, 0):
+            raise InputError("--attention flash needs compute capability 8.0 or newer")
+
+
+# --------------------------------------------------------------------------------------------- measuring (rank)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _align(tp: TPContext, device: torch.device) -> None:
+    """Start a timed region together on every rank of the group (the times then include waiting in
+    collectives for slower ranks, as in training, but not the skew of the previous region)."""
+    _sync(device)
+    if tp.size > 1:
+        dist.barrier(group=tp.group)
+
+
+def _autocast(device: torch.device, dtype: str) -> AbstractContextManager[object]:
+    """The runtime's precision: fp32 weights, autocast in bf16/fp16 on CUDA; plain fp32 (or tf32) otherwise."""
+    if device.type == "cuda" and dtype in ("bf16", "fp16"):
+        return torch.autocast(device_type="cuda", dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
+    return nullcontext()
+
+
+def _init_weights(module: StageModule, seed: int) -> None:
+    """normal(0, 0.02) for every weight but the norms (ones), drawn locally on CPU (values do not set cost)."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.normal_(0.0, INIT_STD, generator=generator)
+
+
+def _build_parts(config: BenchConfig, tp: TPContext, device: torch.device) -> dict[str, StageModule]:
+    """The three parts as StageModules on `device`: one layer, the embedding alone, the head alone."""
+    backend = BACKENDS[config.attention]
+    layouts = {"layer": ((0, 1), False, False), "embedding": ((0, 0), True, False), "head": ((0, 0), False, True)}
+    parts: dict[str, StageModule] = {}
+    for name, (layers, first, last) in layouts.items():
+        module = StageModule(config.spec, layers, first, last, tp, backend, recompute=config.recompute)
+        _init_weights(module, seed=1000 * tp.rank + len(parts))
+        parts[name] = module.to(device)
+    return parts
+
+
+def _inputs(part: str, spec: ModelSpec, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The arguments of a part's forward: the same values on every rank (a replicated input, as in a run).
+    layer: hidden fp32 [b, s, hidden] (needs a gradient); embedding: tokens int64 [b, s]; head: hidden and
+    targets int64 [b, s]."""
+    generator = torch.Generator(device="cpu").manual_seed(b * 7919 + s)
+    hidden = torch.randn(b, s, spec.hidden_size, generator=generator).to(device).requires_grad_()
+    tokens = torch.randint(0, spec.vocab_size, (b, s), generator=generator).to(device)
+    if part == "layer":
+        return (hidden,)
+    if part == "embedding":
+        return (tokens,)
+    return hidden, tokens
+
+
+def _time_part(forward: Callable[[], torch.Tensor], tp: TPContext, device: torch.device,
+               warmup: int, repeats: int) -> tuple[float, float]:
+    """(median forward seconds, median backward seconds) over `repeats` after `warmup` untimed runs; the
+    backward gets a gradient of ones shaped like the output ([b, s, hidden], or a scalar for the head)."""
+    fwd: list[float] = []
+    bwd: list[float] = []
+    for i in range(warmup + repeats):
+        _align(tp, device)
+        start = time.perf_counter()
+        out = forward()
+        _sync(device)
+        fwd_s = time.perf_counter() - start
+        grad = torch.ones_like(out)
+        _align(tp, device)
+        start = time.perf_counter()
+        out.backward(grad)
+        _sync(device)
+        bwd_s = time.perf_counter() - start
+        del out, grad
+        if i >= warmup:
+            fwd.append(fwd_s)
+            bwd.append(bwd_s)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def _note_storage(tensor: torch.Tensor, found: dict[int, int]) -> None:
+    """Record a tensor's storage (address -> bytes) in `found`; views share one entry."""
+    storage = tensor.untyped_storage()
+    if storage.nbytes() > 0:
+        found[storage.data_ptr()] = storage.nbytes()
+
+
+def _forward_saving(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, dict[int, int]]:
+    """Run `forward` and return its output and the storages it saved for the backward plus the output's."""
+    found: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        _note_storage(tensor, found)
+        return tensor.detach()  # the same storage, kept alive; no grad_fn, so an output saved by its own node
+        # makes no reference cycle (which would outlive the measurement, and the process group with it)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = forward()
+    _note_storage(out, found)
+    return out, found
+
+
+def saved_activation_bytes(forward: Callable[[], torch.Tensor]) -> int:
+    """Bytes a forward newly allocates and keeps until its backward (saved tensors and output, distinct
+    storages). Storages saved by a first forward whose graph stays alive are pre-existing (weights, input,
+    cached tables) and are left out of the second forward's count. Works on any device."""
+    first, before = _forward_saving(forward)
+    second, found = _forward_saving(forward)
+    total = sum(nbytes for address, nbytes in found.items() if address not in before)
+    del first, second
+    return total
+
+
+def cuda_activation_bytes(forward: Callable[[], torch.Tensor], device: torch.device) -> int:
+    """torch.cuda.memory_allocated after a forward (output kept) minus before it, in bytes."""
+    _sync(device)
+    before = torch.cuda.memory_allocated(device)
+    out = forward()
+    _sync(device)
+    used = torch.cuda.memory_allocated(device) - before
+    del out
+    return max(used, 0)
+
+
+def _fixed_bytes(device: torch.device) -> float | None:
+    """CUDA: memory in use on the device beyond live tensors (bytes); CPU: None (not measured)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return float(max(total - free - torch.cuda.memory_allocated(device), 0))
+
+
+def _measure_part(module: StageModule, part: str, config: BenchConfig, b: int, tp: TPContext,
+                  device: torch.device) -> PartTimes:
+    """Times and activation bytes of one part at micro-batch size `b`."""
+    args = _inputs(part, config.spec, b, config.seq_len, device)
+
+    def forward() -> torch.Tensor:
+        with _autocast(device, config.dtype):
+            return module(*args)
+
+    fwd_s, bwd_s = _time_part(forward, tp, device, config.warmup, config.repeats)
+    if device.type == "cuda":
+        nbytes = cuda_activation_bytes(forward, device)
+    else:
+        nbytes = saved_activation_bytes(forward)
+    for param in module.parameters():
+        param.grad = None
+    return PartTimes(fwd_s, bwd_s, float(nbytes))
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA OOM, Python MemoryError, or the CPU allocator's failure (a RuntimeError)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+
+
+def _any_rank(flag: bool, tp: TPContext, device: torch.device) -> bool:
+    """True when `flag` holds on some rank of the group (collective)."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    tp.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def _max_over_ranks(parts: dict[str, PartTimes], fixed: float | None, tp: TPContext,
+                    device: torch.device) -> tuple[dict[str, PartTimes], float | None]:
+    """Element-wise max over the group of every figure (collective); the group's slowest rank sets the pace."""
+    values = [v for name in PARTS for v in (parts[name].fwd_s, parts[name].bwd_s, parts[name].activation_bytes)]
+    values.append(-1.0 if fixed is None else fixed)
+    packed = torch.tensor(values, dtype=torch.float64, device=device)
+    tp.all_reduce(packed, op=dist.ReduceOp.MAX)
+    flat = packed.tolist()
+    merged = {name: PartTimes(*flat[3 * i:3 * i + 3]) for i, name in enumerate(PARTS)}
+    return merged, (None if flat[-1] < 0 else flat[-1])
+
+
+def _measure_entry(parts: dict[str, StageModule], config: BenchConfig, b: int, tp: TPContext,
+                   device: torch.device) -> EntryResult | Skipped:
+    """One micro-batch size on this rank; every rank agrees on a skip (out of memory anywhere)."""
+    measured: dict[str, PartTimes] = {}
+    reason = ""
+    try:
+        for name in PARTS:
+            measured[name] = _measure_part(parts[name], name, config, b, tp, device)
+    except Exception as exc:  # only out-of-memory is survivable
+        if not _is_out_of_memory(exc):
+            raise
+        reason = "out of memory"
+        for module in parts.values():
+            module.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if _any_rank(bool(reason), tp, device):
+        return Skipped(b, tp.size, reason or "out of memory on another rank")
+    merged, fixed = _max_over_ranks(measured, _fixed_bytes(device), tp, device)
+    return EntryResult(b, tp.size, merged, fixed)
+
+
+def _rank_device(rank: int, kind: str, dtype: str) -> torch.device:
+    """Claim this rank's device: a pinned core (CPU) or GPU `rank` with the dtype's matmul setting."""
+    if kind != "cuda":
+        pin_emulated_device(rank)
+        return torch.device("cpu")
+    torch.cuda.set_device(rank)
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    torch.backends.cudnn.allow_tf32 = dtype == "tf32"
+    return torch.device("cuda", rank)
+
+
+def _measure_rank(rank: int, tp_size: int, config: BenchConfig, device: torch.device,
+                  results: queue_module.Queue) -> None:
+    """Build the parts and measure every micro-batch size; rank 0 puts the group's results."""
+    tp = TPContext(dist.group.WORLD if tp_size > 1 else None, tp_size, rank)
+    parts = _build_parts(config, tp, device)
+    for b in config.micro_batches:
+        result = _measure_entry(parts, config, b, tp, device)
+        if rank == 0:
+            results.put(result)
+
+
+def _worker(rank: int, tp_size: int, port: int, config: BenchConfig, kind: str,
+            results: queue_module.Queue) -> None:
+    """One spawned rank of a TP group (see `_measure_rank`).
+
+    Collectives issued under the saved-tensor hooks keep those Python hooks in their work objects, which gloo
+    frees on its own threads: the process group must go (joining those threads) while Python still runs, so
+    every reference to it is dropped, and cycles collected, before it is destroyed."""
+    device = _rank_device(rank, kind, config.dtype)
+    if tp_size > 1:
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=tp_size, timeout=timedelta(seconds=config.timeout_s),
+                                **({"device_id": device} if kind == "cuda" else {}))
+    try:
+        _measure_rank(rank, tp_size, config, device, results)
+    finally:
+        gc.collect()
+        if tp_size > 1:
+            dist.barrier()  # no rank tears its connections down while another still uses them
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------- driver (parent)
+
+
+def _drain(results: queue_module.Queue, on_result: Callable[[EntryResult | Skipped], None]) -> None:
+    while True:
+        try:
+            item = results.get_nowait()
+        except queue_module.Empty:
+            return
+        on_result(item)
+
+
+def measure_tp(config: BenchConfig, tp: int, kind: str,
+               on_result: Callable[[EntryResult | Skipped], None]) -> None:
+    """Spawn the `tp` ranks of one TP group and pass each micro-batch's result to `on_result` as it comes."""
+    import torch.multiprocessing as mp
+
+    from ..hardware.probe_gloo import free_port
+
+    results = mp.get_context("spawn").Queue()
+    try:
+        context = mp.start_processes(_worker, args=(tp, free_port(), config, kind, results), nprocs=tp,
+                                     join=False, start_method="spawn")
+        while not context.join(timeout=0.2):
+            _drain(results, on_result)
+    except Exception as exc:  # ProcessRaisedException, ProcessExitedException
+        lines = str(exc).strip().splitlines()
+        raise RuntimeFailure(f"layer measurement at tp {tp} failed: {lines[-1] if lines else type(exc).__name__}"
+                             ) from None
+    _drain(results, on_result)
+
+
+def _progress(enabled: bool, total: int):  # noqa: ANN202 - a rich Progress (disabled when not asked)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn(), console=Console(stderr=True), disable=not enabled)
+    return bar, bar.add_task("measuring layers", total=total)
+
+
+def measure(config: BenchConfig, tps: tuple[int, ...], kind: str, progress: bool = False,
+            on_skip: Callable[[Skipped], None] | None = None) -> tuple[list[EntryResult], list[Skipped]]:
+    """Measure every (micro_batch_size, tp), tp by tp; returns (entries, skipped), skipped ones also
+    reported to `on_skip` as they happen. A rich progress bar on stderr when `progress`."""
+    entries: list[EntryResult] = []
+    skipped: list[Skipped] = []
+    bar, task = _progress(progress, len(tps) * len(config.micro_batches))
+
+    def take(item: EntryResult | Skipped) -> None:
+        if isinstance(item, Skipped):
+            skipped.append(item)
+            if on_skip is not None:
+                on_skip(item)
+        else:
+            entries.append(item)
+        bar.advance(task)
+
+    with bar:
+        for tp in tps:
+            bar.update(task, description=f"measuring layers at tp {tp}")
+            measure_tp(config, tp, kind, take)
+    return entries, skipped
+
+
+def _sig(value: float, digits: int = 4) -> float:
+    """`value` to `digits` significant digits: timings are not more precise, and files diff cleanly."""
+    return float(f"{value:.{digits}g}")
+
+
+def _part_cost(times: PartTimes) -> PartCost:
+    return PartCost(fwd_s=_sig(times.fwd_s), bwd_s=_sig(times.bwd_s), activation_bytes=times.activation_bytes)
+
+
+def build_profile(config: BenchConfig, entries: list[EntryResult], device_type: str, source: str) -> LayerProfile:
+    """A `flashflex.layers/1` profile of the measured entries, sorted by (tp, micro_batch_size)."""
+    rows = [ProfileEntry(micro_batch_size=e.micro_batch_size, tp=e.tp, layer=_part_cost(e.parts["layer"]),
+                         embedding=_part_cost(e.parts["embedding"]), head=_part_cost(e.parts["head"]),
+                         fixed_bytes=None if e.fixed_bytes is None else _sig(e.fixed_bytes))
+            for e in sorted(entries, key=lambda e: (e.tp, e.micro_batch_size))]
+    return LayerProfile(device_type=device_type, model=ModelShape.of(config.spec), seq_len=config.seq_len,
+                        dtype=config.dtype, attention=config.attention,  # type: ignore[arg-type]
+                        recompute=config.recompute, source=source, entries=rows)

@@ -1,0 +1,208 @@
+"""Measured layer profiles in the cost model: matching, interpolation and extrapolation, and their use by
+estimate, `plan`, `show` and `diff`; the analytic fallback's fixes (a + b * mbs, tf32, eager attention memory,
+fewer micro-batches than stages, uncatalogued device types)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flashflex_cli.cli import main
+from flashflex_cli.cost.comm import allreduce_time
+from flashflex_cli.cost.compute import layer_times
+from flashflex_cli.cost.estimate import estimate
+from flashflex_cli.cost.measured import find_profile, read_profile
+from flashflex_cli.cost.memory import stage_memory
+from flashflex_cli.cost.params import CostParams
+from flashflex_cli.hardware.synthetic import build_cluster
+from flashflex_cli.layers.schema import LayerProfile, ModelShape, save_layer_profile
+from flashflex_cli.model.flops import layer_input_bytes
+from flashflex_cli.model.spec import PRESETS
+from flashflex_cli.plan.schema import TrainConfig, load_plan
+
+from .cost_fixtures import cluster, plan, stage
+
+MODEL = PRESETS["llama-small"]
+TRAIN = TrainConfig(global_batch=8, seq_len=128, dtype="fp32", attention="sdpa")
+
+
+def part(fwd: float, bwd: float, act: float = 0.0) -> dict:
+    return {"fwd_s": fwd, "bwd_s": bwd, "activation_bytes": act}
+
+
+def profile(entries: list[tuple[int, int, float]], device_type: str = "cpu", fixed: float | None = 1e8,
+            **over) -> LayerProfile:
+    """A profile whose layer takes `t` seconds forward and 2t backward at each (mbs, tp, t)."""
+    data = {"schema": "flashflex.layers/1", "device_type": device_type,
+            "model": ModelShape.of(MODEL).model_dump(), "seq_len": 128, "dtype": "fp32", "attention": "sdpa",
+            "entries": [{"micro_batch_size": m, "tp": tp, "layer": part(t, 2 * t, 1e6 * m / tp),
+                         "embedding": part(1e-4, 1e-4), "head": part(t, 2 * t, 5e6 * m),
+                         **({"fixed_bytes": fixed} if fixed is not None else {})}
+                        for m, tp, t in entries], **over}
+    return LayerProfile.model_validate(data)
+
+
+def test_profile_matches_only_the_same_shape_and_settings() -> None:
+    prof = profile([(1, 1, 0.01)])
+    assert find_profile([prof], "cpu", MODEL, TRAIN) is prof
+    assert find_profile([prof], "CPU", MODEL, TRAIN) is prof
+    assert find_profile([prof], "A100-80G-SXM", MODEL, TRAIN) is None
+    assert find_profile([prof], "cpu", PRESETS["llama-tiny"], TRAIN) is None
+    for other in ({"seq_len": 256}, {"dtype": "bf16"}, {"attention": "eager"}, {"recompute": True}):
+        assert find_profile([prof], "cpu", MODEL, TRAIN.model_copy(update=other)) is None, other
+
+
+def test_interpolates_between_and_extrapolates_beyond_measured_points() -> None:
+    prof = profile([(1, 1, 0.010), (4, 1, 0.025), (1, 2, 0.006)])
+    inside = read_profile(prof, 2, 1)
+    assert inside.layer.fwd_s == pytest.approx(0.015) and not inside.extrapolated
+    assert inside.layer.activation_bytes == pytest.approx(2e6)
+    beyond = read_profile(prof, 8, 1)  # the line a + b * mbs through (1, 0.010), (4, 0.025): 0.005 + 0.005 mbs
+    assert beyond.layer.fwd_s == pytest.approx(0.045) and beyond.extrapolated
+    wider = read_profile(prof, 1, 4)  # beyond the measured TP degrees: nearest (tp 2) scaled by 2/4
+    assert wider.layer.fwd_s == pytest.approx(0.003) and wider.extrapolated
+    between = read_profile(profile([(1, 1, 0.010), (1, 4, 0.004)]), 1, 2)  # linear in 1/tp
+    assert between.layer.fwd_s == pytest.approx(0.004 + (0.010 - 0.004) * (0.5 - 0.25) / (1 - 0.25))
+
+
+def test_measured_stage_uses_the_profile_times_slowdown_and_adds_no_tp_comm() -> None:
+    c = build_cluster("1x4xcpu:slowdown=1,1,2,2")
+    prof = profile([(1, 1, 0.010), (1, 2, 0.006)])
+    params = CostParams(layer_profiles=(prof,))
+    fast = layer_times(c, ["node0/0"], MODEL, TRAIN, params)
+    slow = layer_times(c, ["node0/2"], MODEL, TRAIN, params)
+    pair = layer_times(c, ["node0/0", "node0/2"], MODEL, TRAIN, params)
+    assert fast.source == "measured" and (fast.fwd_s, fast.bwd_s) == pytest.approx((0.010, 0.020))
+    assert slow.fwd_s == pytest.approx(0.020)  # slowdown 2
+    # the slower device of the TP pair sets the pace: its compute (TP 1 time / 2) is stretched, the
+    # collectives (what TP 2 adds to a perfect split: 0.006 - 0.010 / 2) are not
+    assert pair.fwd_s == pytest.approx(0.010 / 2 * 2 + (0.006 - 0.010 / 2)) and pair.tp_fwd_s == 0.0
+    alone = CostParams(layer_profiles=(profile([(1, 2, 0.006)]),))  # no TP 1 entry: modelled all-reduces
+    ar = allreduce_time(c, ["node0/0", "node0/2"], layer_input_bytes(MODEL, 1, 128, "fp32"), alone)
+    paired = layer_times(c, ["node0/0", "node0/2"], MODEL, TRAIN, alone)
+    assert paired.fwd_s == pytest.approx((0.006 - 2 * ar) * 2 + 2 * ar)
+    assert layer_times(c, ["node0/0"], MODEL, TRAIN, CostParams()).source == "modelled"
+
+
+def test_estimate_and_memory_follow_the_profile() -> None:
+    c = build_cluster("1x2xcpu")
+    prof = profile([(1, 1, 0.010), (2, 1, 0.016)], fixed=1.5e8)
+    p = plan(c, MODEL, TRAIN, [(4, [stage(["node0/0"], 0, 2), stage(["node0/1"], 2, MODEL.num_layers)])], mbs=2)
+    est = estimate(p, c, CostParams(layer_profiles=(prof,)))
+    assert [s.source for s in est.stages] == ["measured", "measured"]
+    assert est.profiles_used() == [prof.sha256()]
+    first = est.stages[0]
+    assert first.fwd_s == pytest.approx(2 * 0.016 + 1e-4)  # 2 layers + embedding at mbs 2
+    assert first.memory.reserve == 1.5e8  # the measured fixed bytes
+    assert first.memory.activations == pytest.approx(2 * 2 * 2e6)  # 2 in flight x 2 layers x 2e6 bytes
+    predicted = est.to_predicted()["stages"][0]
+    assert predicted["source"] == "measured" and set(predicted["memory"]) >= {"weights", "activations", "reserve"}
+    assert {"tp_comm_s", "dp_exposed_s", "optimizer_s", "end_s"} <= set(predicted)
+
+
+def test_compute_time_has_an_intercept_so_larger_micro_batches_are_cheaper_per_sequence() -> None:
+    c = cluster(("A100-80G-SXM", 1, "ib", "nvlink"))
+    model = PRESETS["llama2-7b"]
+    one = layer_times(c, ["node0/0"], model, TrainConfig(global_batch=8, seq_len=1024, micro_batch_size=1),
+                      CostParams())
+    eight = layer_times(c, ["node0/0"], model, TrainConfig(global_batch=8, seq_len=1024, micro_batch_size=8),
+                        CostParams())
+    assert one.layer_s > eight.layer_s / 8  # per sequence, micro-batch 1 pays the fixed part 8 times
+
+
+def test_tf32_uses_the_tensor_core_peak() -> None:
+    c = cluster(("A100-80G-SXM", 1, "ib", "nvlink"))
+    fp32 = layer_times(c, ["node0/0"], MODEL, TRAIN.model_copy(update={"dtype": "fp32"}), CostParams())
+    tf32 = layer_times(c, ["node0/0"], MODEL, TRAIN.model_copy(update={"dtype": "tf32"}), CostParams())
+    assert tf32.layer_s < fp32.layer_s
+
+
+def test_eager_attention_keeps_the_score_matrix() -> None:
+    args = (MODEL, 1, 1, False, False, 1, CostParams())
+    sdpa = stage_memory(args[0], TRAIN, *args[1:])
+    eager = stage_memory(args[0], TRAIN.model_copy(update={"attention": "eager"}), *args[1:])
+    scores = MODEL.num_heads * TRAIN.seq_len**2 * (4 + CostParams().eager_score_bytes)
+    assert eager.activations - sdpa.activations == pytest.approx(scores)
+
+
+def test_fewer_micro_batches_than_stages_is_estimated() -> None:
+    c = build_cluster("1x3xcpu")
+    p = plan(c, MODEL, TRAIN, [(1, [stage(["node0/0"], 0, 1), stage(["node0/1"], 1, 2),
+                                    stage(["node0/2"], 2, MODEL.num_layers)])], mbs=8)
+    est = estimate(p, c)
+    assert est.iteration_time_s > 0 and est.pipelines[0].bubble_fraction > 0.5
+
+
+def test_uncatalogued_device_type_uses_the_default_curve() -> None:
+    c = cluster(("A100-80G-SXM", 1, "ib", "nvlink"))
+    data = json.loads(c.to_json())
+    data["nodes"][0]["devices"][0]["type"] = "Future-GPU"
+    data["nodes"][0]["devices"][0]["source"] = "measured"  # datasheet peaks given in the file: not a matmul rate
+    from flashflex_cli.hardware.cluster import Cluster
+
+    future = Cluster.model_validate(data)
+    params = CostParams()
+    lt = layer_times(future, ["node0/0"], MODEL, TrainConfig(global_batch=8, seq_len=128), params)
+    want = params.default_compute_efficiency
+    rate = future.device("node0/0").flops("bf16") * want
+    flops = 2 * 128 * (2 * 4 * MODEL.hidden_size**2 + 3 * MODEL.hidden_size * MODEL.intermediate_size)
+    assert params.efficiency("Future-GPU", "bf16") == want
+    assert lt.fwd_s - lt.tp_fwd_s >= 0.5 * flops / rate  # the default curve, not measured_compute_efficiency
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    cluster_path = tmp_path / "c.json"
+    assert main(["profile", "--synthetic", "1x2xcpu", "--out", str(cluster_path)]) == 0
+    prof_path = tmp_path / "cpu.layers.json"
+    save_layer_profile(prof_path, profile([(1, 1, 0.004), (2, 1, 0.007)]))
+    return {"cluster": cluster_path, "layers": prof_path, "dir": tmp_path}
+
+
+PLAN = ["--model", "llama-small", "--global-batch", "8", "--seq-len", "128", "--dtype", "fp32", "--no-baseline"]
+
+
+def test_plan_show_and_diff_take_layer_profiles(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    modelled, measured = files["dir"] / "a.json", files["dir"] / "b.json"
+    assert main(["plan", str(files["cluster"]), *PLAN, "--out", str(modelled)]) == 0
+    assert main(["plan", str(files["cluster"]), *PLAN, "--layers", str(files["layers"]), "--out", str(measured)]) == 0
+    sha = LayerProfile.model_validate_json(files["layers"].read_text()).sha256()
+    assert load_plan(modelled).inputs.layer_profiles is None
+    assert load_plan(measured).inputs.layer_profiles == [sha]
+    assert all(s["source"].startswith("measured") for s in load_plan(measured).predicted["stages"])
+    capsys.readouterr()
+    assert main(["show", str(measured), "--cluster", str(files["cluster"]), "--layers", str(files["layers"])]) == 0
+    err = capsys.readouterr().err
+    assert "measured" in err and sha[:12] in err
+    assert main(["show", str(measured), "--cluster", str(files["cluster"])]) == 0
+    assert "every stage modelled" in capsys.readouterr().err
+    assert main(["diff", str(modelled), str(measured), "--json"]) == 0
+    assert f"layer profile {sha[:12]}: now used" in json.loads(capsys.readouterr().out)["changes"]
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: d.update(schema="flashflex.layers/2"),
+    lambda d: d.update(dtype="int8"),
+    lambda d: d["entries"][0]["layer"].update(fwd_s=-1),
+    lambda d: d["entries"].append(dict(d["entries"][0])),
+    lambda d: d.update(colour="red"),
+])
+def test_bad_layer_profile_is_one_line_exit_2_and_writes_nothing(files: dict[str, Path], mutate,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    data = json.loads(files["layers"].read_text())
+    mutate(data)
+    bad = files["dir"] / "bad.layers.json"
+    bad.write_text(json.dumps(data))
+    out = files["dir"] / "never.json"
+    assert main(["plan", str(files["cluster"]), *PLAN, "--layers", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(bad) in err and not out.exists()
+
+
+def test_two_profiles_for_the_same_thing_are_refused(files: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    twin = files["dir"] / "twin.json"
+    save_layer_profile(twin, profile([(1, 1, 0.005)]))
+    assert main(["plan", str(files["cluster"]), *PLAN, "--layers", str(files["layers"]), "--layers", str(twin)]) == 2
+    assert "describes the same" in capsys.readouterr().err

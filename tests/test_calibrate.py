@@ -93,3 +93,48 @@ def test_bad_inputs_exit_2_and_write_nothing(made: tuple[Path, Path, Path], tmp_
         assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert not out.exists() and not out.parent.exists()
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+
+
+def test_a_measured_profile_is_scaled_by_what_the_run_measured_against_it(
+        made: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_file, cluster_file, run_dir = made
+    plan = load_plan(plan_file)
+    model, train = plan.inputs.model, plan.inputs.train
+    entries = [{"micro_batch_size": m, "tp": 1, "layer": {"fwd_s": 1e-3 * m, "bwd_s": 2e-3 * m, "activation_bytes": 1e5},
+                "embedding": {"fwd_s": 1e-5, "bwd_s": 1e-5}, "head": {"fwd_s": 1e-4, "bwd_s": 2e-4}}
+               for m in (1, 2)]
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({
+        "schema": "flashflex.layers/1", "device_type": "cpu",
+        "model": {k: getattr(model, k) for k in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size",
+                                                  "vocab_size")},
+        "seq_len": train.seq_len, "dtype": train.dtype, "attention": train.attention, "entries": entries}))
+    out = tmp_path / "scaled.json"
+    assert main(["calibrate", str(run_dir), "--layers", str(base), "--out", str(out), "--json"]) == 0
+    fits = json.loads(capsys.readouterr().out)["stages"]
+    scaled = load_layer_profile(out)
+    # the run's stages ran at micro-batch 1: the ratio there, median over stages, scales every entry
+    r_fwd = statistics.median(f["layer"]["fwd_s"] / 1e-3 for f in fits)
+    r_bwd = statistics.median(f["layer"]["bwd_s"] / 2e-3 for f in fits)
+    for entry in scaled.entries:
+        m = entry.micro_batch_size
+        assert entry.layer.fwd_s == pytest.approx(1e-3 * m * r_fwd, rel=1e-3)
+        assert entry.layer.bwd_s == pytest.approx(2e-3 * m * r_bwd, rel=1e-3)
+        assert entry.layer.activation_bytes == 1e5  # bytes are not scaled
+    assert "scaled by flashflex calibrate" in scaled.source
+    other = json.loads(base.read_text())
+    other["seq_len"] = train.seq_len * 2
+    mismatched = tmp_path / "other.json"
+    mismatched.write_text(json.dumps(other))
+    assert main(["calibrate", str(run_dir), "--layers", str(mismatched), "--out", str(tmp_path / "x.json")]) == 2
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_the_run_records_memory_growth_per_stage(made: tuple[Path, Path, Path]) -> None:
+    _plan, _cluster, run_dir = made
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        growth = [s["memory_growth_bytes"] for s in row["stages"]]
+        # a training step allocates gradients and optimizer state at least: never zero, never above the peak
+        assert all(0 < g <= s["memory_bytes"] for g, s in zip(growth, row["stages"], strict=True))
+        assert row["memory_growth_bytes"] == max(growth)

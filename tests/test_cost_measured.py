@@ -206,3 +206,54 @@ def test_two_profiles_for_the_same_thing_are_refused(files: dict[str, Path], cap
     save_layer_profile(twin, profile([(1, 1, 0.005)]))
     assert main(["plan", str(files["cluster"]), *PLAN, "--layers", str(files["layers"]), "--layers", str(twin)]) == 2
     assert "describes the same" in capsys.readouterr().err
+
+
+def test_stages_reduced_across_pipelines_hold_a_gradient_buffer() -> None:
+    c = build_cluster("1x3xcpu")
+    p = plan(c, MODEL, TRAIN, [(4, [stage(["node0/0"], 0, MODEL.num_layers)]),
+                               (4, [stage(["node0/1"], 0, 4), stage(["node0/2"], 4, MODEL.num_layers)])], mbs=1)
+    one = plan(c, MODEL, TRAIN.model_copy(update={"global_batch": 4}),
+               [(4, [stage(["node0/0"], 0, MODEL.num_layers)])], mbs=1)
+    reduced = estimate(p, c).stages[0].memory
+    alone = estimate(one, c).stages[0].memory
+    assert alone.dp_buffers == 0.0
+    assert reduced.dp_buffers == pytest.approx(CostParams().dp_buffer_factor * (reduced.grads + reduced.embedding_head_weights))
+    assert reduced.total == pytest.approx(alone.total + reduced.dp_buffers)
+
+
+def test_profile_slowdown_marks_probed_cpu_devices_as_emulated(tmp_path: Path) -> None:
+    out = tmp_path / "slow.json"
+    assert main(["profile", "--quick", "--slowdown", "3", "--out", str(out)]) == 0
+    from flashflex_cli.hardware.cluster import load_cluster
+
+    assert {d.slowdown for d in load_cluster(out).nodes[0].devices} == {3.0}
+    assert main(["profile", "--quick", "--slowdown", "0.5", "--out", str(tmp_path / "bad.json")]) == 2
+    assert not (tmp_path / "bad.json").exists()
+
+
+def test_a_profile_for_another_shape_or_setting_is_refused(files: dict[str, Path],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    out = files["dir"] / "never.json"
+    for args, word in ((["--seq-len", "256"], "seq_len"), (["--attention", "eager"], "attention")):
+        argv = ["plan", str(files["cluster"]), *PLAN, "--layers", str(files["layers"]), "--out", str(out)]
+        assert main([*argv, *args]) == 2  # a repeated option: the last value counts
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and word in err and str(files["layers"]) in err and not out.exists()
+    other = files["dir"] / "tiny.layers.json"
+    tiny = profile([(1, 1, 0.001)]).model_copy(update={"model": ModelShape.of(PRESETS["llama-tiny"])})
+    save_layer_profile(other, tiny)
+    assert main(["plan", str(files["cluster"]), *PLAN, "--layers", str(other)]) == 2
+    assert "model shape" in capsys.readouterr().err
+
+
+def test_diff_predicts_both_plans_afresh_with_profiles(files: dict[str, Path],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    a = files["dir"] / "a.json"
+    assert main(["plan", str(files["cluster"]), *PLAN, "--out", str(a)]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(a), str(a), "--cluster", str(files["cluster"]), "--layers", str(files["layers"]),
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical"]  # both sides predicted the same way
+    assert main(["diff", str(a), str(a), "--layers", str(files["layers"])]) == 2
+    assert "need --cluster" in capsys.readouterr().err

@@ -61,7 +61,7 @@ def test_show_fails_with_exit_1_when_the_plan_does_not_fit(cluster_file: Path, t
     tiny = tmp_path / "tiny.json"
     data = build_cluster("1x4xcpu", name="tiny").model_dump(mode="json", by_alias=True)
     for device in data["nodes"][0]["devices"]:
-        device["memory_bytes"] = 300 * 1024**2
+        device["memory_bytes"] = 48 * 1024**2
     tiny.write_text(json.dumps(data))
     capsys.readouterr()
     assert main(["show", str(out), "--cluster", str(tiny)]) == 1

@@ -21,7 +21,8 @@ from tests.conftest import FLASHFLEX
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, MICRO = 3, 4
-TERMS = ("forward/mb", "backward/mb", "forward", "backward", "p2p", "bubble", "dp", "optimizer", "memory")
+TERMS = ("forward/mb", "backward/mb", "forward", "backward", "p2p", "bubble", "dp", "optimizer", "memory",
+         "memory growth")
 
 
 def _inputs(folder: Path) -> tuple[Path, Path]:

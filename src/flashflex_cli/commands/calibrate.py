@@ -34,24 +34,35 @@ def calibrate_command(
     cluster_file: Path | None = typer.Option(None, "--cluster", "-c",
                                              help="The run's cluster (default: RUN_DIR/cluster.json)."),
     json_out: bool = typer.Option(False, "--json", help="Print the files written and the per-stage fits as JSON."),
+    layers: Path | None = typer.Option(
+        None, "--layers", help="A measured layer profile (flashflex profile --model) to scale by what the run "
+        "measured against it, instead of fitting entries at the run's micro-batch size and TP degree only."),
 ) -> None:
     """Fit per-layer forward/backward seconds per device type from a run's measured stage times and write
-    them as flashflex.layers/1 profiles, for `flashflex plan/show --layers`."""
+    them as flashflex.layers/1 profiles, for `flashflex plan/show --layers`; with --layers, write that profile
+    scaled by the run (every micro-batch size and TP degree of it)."""
     from ..errors import InputError
     from ..hardware.cluster import load_cluster
-    from ..layers.schema import save_layer_profile
+    from ..layers.schema import load_layer_profile, save_layer_profile
     from ..plan.schema import load_plan
-    from ..runs.calibrate import fit_profiles
+    from ..runs.calibrate import fit_profiles, scale_profile
     from ..runs.reader import load_run, require_plan_cluster
 
     plan = load_plan(plan_file) if plan_file is not None else None
     cluster = load_cluster(cluster_file) if cluster_file is not None else None
     run = load_run(run_dir, plan=plan, cluster=cluster)
     plan, cluster = require_plan_cluster(run)
-    profiles, fits = fit_profiles(plan, cluster, run)
+    if layers is not None:
+        base = load_layer_profile(layers)
+        scaled, r_fwd, r_bwd, fits = scale_profile(base, plan, cluster, run)
+        profiles = [scaled]
+        Console(stderr=True, highlight=False).print(
+            f"  {base.device_type}: the run measured forward x{r_fwd:.3f}, backward x{r_bwd:.3f} the profile")
+    else:
+        profiles, fits = fit_profiles(plan, cluster, run)
     targets = _targets(profiles, out, out_dir)
     inputs = {p.resolve() for p in run.path.iterdir()} | {run.path.resolve()}
-    inputs |= {p.resolve() for p in (plan_file, cluster_file) if p is not None}
+    inputs |= {p.resolve() for p in (plan_file, cluster_file, layers) if p is not None}
     for target in targets:
         if target.resolve() in inputs:
             raise InputError(f"{target}: is an input of this command; choose another output")

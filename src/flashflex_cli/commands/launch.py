@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -13,6 +15,9 @@ from ..fileio import atomic_write_text, check_writable_output, refuse_same_path
 from ..launch.options import RunOptions
 from ..launch.preflight import check_run_dirs
 from ..validate_numbers import port as port_number
+
+if TYPE_CHECKING:
+    from ..plan.schema import Plan
 
 LAUNCHERS = ("local", "torchrun", "slurm")
 
@@ -47,6 +52,21 @@ def _check_outputs(launcher: str, script: Path | None, options: RunOptions, inpu
         check_run_dirs(options.out, options.checkpoint_dir)
 
 
+def _run_here(plan: Plan, plan_path: Path, options: RunOptions, lock_fds: tuple[int, ...], console: Console) -> None:
+    """Run every rank on this host; a stop signal ends with one line saying whether a checkpoint was written
+    (not an error line) and exit code 128 + the signal."""
+    from ..launch.failures import Interrupted
+    from ..launch.local import launch_local
+
+    console.print(f"launching {plan.world_size} ranks of {plan_path} on this host: {options.steps} steps, "
+                  f"data {options.data}", markup=False)
+    try:
+        launch_local(plan, options, inherit_fds=lock_fds)
+    except Interrupted as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(exc.exit_code) from None
+
+
 def launch_command(
     plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan made by `flashflex plan`."),
     cluster_path: Path = typer.Option(..., "--cluster", "-c", help="The cluster file the plan was made for."),
@@ -62,7 +82,7 @@ def launch_command(
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint (any plan)."),
     timeout: float = typer.Option(60.0, "--timeout", help="Collective timeout in seconds: survivors of a dead "
                                   "rank exit after at most this long."),
-    launcher: str = typer.Option("local", "--launcher", help="local: run here through torch elastic; torchrun: "
+    launcher: str = typer.Option("local", "--launcher", help="local: run every rank here, supervised; torchrun: "
                                  "print one torchrun command per host; slurm: print an sbatch script."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the per-node commands, start nothing."),
     hosts: str | None = typer.Option(None, "--hosts", help="Comma-separated host address per plan node "
@@ -98,18 +118,20 @@ def launch_command(
     check_plan_cluster(plan, cluster, str(cluster_path))
     warnings = check_run(plan, data, steps, options.checkpoint_dir, checkpoint_every, resume, schedule_steps)
     if launcher == "local":
-        from ..launch.local import dry_run_text, launch_local
+        from ..launch.local import dry_run_text
+        from ..launch.lock import run_lock
 
         warnings += check_local_machine(plan, cluster).warnings
         check_checkpoint_space(plan, options.checkpoint_dir)
-        for line in warnings:
-            console.print(f"[yellow]warning:[/] {line}")
-        if dry_run:
-            text = dry_run_text(plan, options)
-            typer.echo(json.dumps({"launcher": "local", "commands": [text]}) if as_json else text)
-            return
-        console.print(f"launching {plan.world_size} ranks of {plan_path} on this host: {steps} steps, data {data}")
-        launch_local(plan, options)
+        # the run folders are locked before any worker starts, while they run and until the last one ends
+        with nullcontext(None) if dry_run else run_lock(options.out, options.checkpoint_dir) as lock:
+            for line in warnings:
+                console.print(f"[yellow]warning:[/] {line}")
+            if dry_run or lock is None:
+                text = dry_run_text(plan, options)
+                typer.echo(json.dumps({"launcher": "local", "commands": [text]}) if as_json else text)
+                return
+            _run_here(plan, plan_path, options, lock.fds, console)
         summary = {"launcher": "local", "run_dir": str(out), "metrics": str(out / "metrics.jsonl")}
         if as_json:
             typer.echo(json.dumps(summary))

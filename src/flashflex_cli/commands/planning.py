@@ -13,12 +13,12 @@ from ..cost.params import CostParams
 from ..cost.reestimate import reestimated, validate_plan
 from ..errors import CheckFailed, FlashflexError, InputError
 from ..fileio import atomic_write_text, check_writable_output, read_json, refuse_same_path
-from ..hardware.cluster import load_cluster
-from ..layers.load import load_layer_profiles
-from ..model.spec import resolve_model
+from ..hardware.cluster import Cluster, load_cluster
+from ..layers.load import check_profile_fits, load_layer_profiles
+from ..model.spec import ModelSpec, resolve_model
 from ..plan.diff import diff_plans
 from ..plan.render import render_baseline, render_diff, render_plan
-from ..plan.schema import TrainConfig, load_plan
+from ..plan.schema import Plan, TrainConfig, load_plan
 
 
 def _stderr() -> Console:
@@ -28,7 +28,10 @@ def _stderr() -> Console:
 LAYERS_HELP = "Measured layer profile (flashflex.layers/1); repeatable. Stages it matches are costed from it."
 
 
-def _cost_params(path: Path | None, layers: list[Path] | None = None) -> CostParams:
+def _cost_params(path: Path | None, layers: list[Path] | None = None, plan: Plan | None = None,
+                 model: ModelSpec | None = None, train: TrainConfig | None = None) -> CostParams:
+    """Defaults, `path`'s overrides, and the layer profiles of `layers`, each of which must describe the
+    plan's (or `model`/`train`'s) model shape and settings."""
     params = CostParams()
     if path is not None:
         data = read_json(path)
@@ -39,7 +42,13 @@ def _cost_params(path: Path | None, layers: list[Path] | None = None) -> CostPar
         except InputError as exc:
             raise InputError(f"{path}: {exc}") from None
     if layers:
-        params = params.with_layer_profiles(load_layer_profiles(layers))
+        profiles = load_layer_profiles(layers)
+        if plan is not None:
+            model, train = plan.inputs.model, plan.inputs.train
+        if model is not None and train is not None:
+            for path_, profile in zip(layers, profiles, strict=True):
+                check_profile_fits(path_, profile, model, train)
+        params = params.with_layer_profiles(profiles)
     return params
 
 
@@ -85,7 +94,7 @@ def plan_command(
     cluster = load_cluster(cluster_file)
     spec = resolve_model(model)
     train = _train(global_batch, seq_len, micro_batch, dtype, recompute, attention)
-    params = _cost_params(cost_params, layers)
+    params = _cost_params(cost_params, layers, model=spec, train=train)
     stats = SearchStats()
     plan = plan_layout(cluster, spec, train, strategy=strategy, time_budget_s=time_budget, seed=seed,
                        params=params, stats=stats)
@@ -131,7 +140,7 @@ def show_command(
         cluster_file = cluster_for_run(cluster_file, run_dir)
     if cluster_file is not None:
         cluster = load_cluster(cluster_file)
-        result = validate_plan(plan, cluster, _cost_params(cost_params, layers))
+        result = validate_plan(plan, cluster, _cost_params(cost_params, layers, plan))
         for line in result.warnings:
             console.print(f"[yellow]warning[/yellow]: {line}")
         if result.estimate is not None:
@@ -154,6 +163,14 @@ def show_command(
     render_plan(console, plan)
 
 
+def _predicted_on(plan: Plan, cluster: Cluster, cost_params: Path | None, layers: list[Path] | None) -> Plan:
+    """`plan` with its prediction made afresh on `cluster` (its checks' errors as one InputError)."""
+    result = validate_plan(plan, cluster, _cost_params(cost_params, layers, plan))
+    if result.estimate is None:
+        raise InputError("; ".join(result.errors))
+    return reestimated(plan, result.estimate)
+
+
 def diff_command(
     plan_a: Path = typer.Argument(..., metavar="A.json", help="The reference plan."),
     plan_b: Path = typer.Argument(..., metavar="B.json", help="The new plan."),
@@ -161,15 +178,26 @@ def diff_command(
         None, "--fail-on-regression", metavar="PCT",
         help="Exit 1 when B's predicted tokens/s is more than PCT percent below A's (PCT >= 0), or unknown."),
     json_out: bool = typer.Option(False, "--json", help="Print the diff as JSON on stdout."),
+    cluster_file: Path | None = typer.Option(
+        None, "--cluster", "-c", help="Predict both plans afresh on this cluster before comparing."),
+    cost_params: Path | None = typer.Option(None, "--cost-params", help="With --cluster: CostParams overrides."),
+    layers: list[Path] | None = typer.Option(None, "--layers", help="With --cluster: " + LAYERS_HELP),
 ) -> None:
-    """Structural changes and predicted-metric deltas from plan A to plan B."""
+    """Structural changes and predicted-metric deltas from plan A to plan B (as written, or predicted afresh
+    on --cluster with --layers profiles)."""
     import json
 
     from ..validate_numbers import non_negative
 
     if fail_on_regression is not None:
         non_negative(fail_on_regression, "--fail-on-regression")
+    if cluster_file is None and (layers or cost_params is not None):
+        raise InputError("--layers and --cost-params need --cluster (diff compares the plans' own predictions "
+                         "otherwise)")
     a, b = load_plan(plan_a), load_plan(plan_b)
+    if cluster_file is not None:
+        cluster = load_cluster(cluster_file)
+        a, b = (_predicted_on(plan, cluster, cost_params, layers) for plan in (a, b))
     result = diff_plans(a, b)
     if json_out:
         typer.echo(json.dumps(result.to_json(), indent=2))

@@ -17,7 +17,14 @@ from ..plan.schema import Plan
 from .comm import p2p_time
 from .compute import layer_times
 from .dp import dp_reduction
-from .memory import MemoryBreakdown, device_capacity, device_reserve, stage_memory, stage_params_per_device
+from .memory import (
+    MemoryBreakdown,
+    device_capacity,
+    device_reserve,
+    stage_memory,
+    stage_params_per_device,
+    with_dp_buffers,
+)
 from .params import CostParams
 from .schedule import simulate_1f1b
 from .view import view
@@ -139,6 +146,7 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
     pipelines: list[PipelineEstimate] = []
     problems: list[str] = []
     last_backward: dict[tuple[int, int], float] = {}
+    dp = dp_reduction(plan, cluster, params)
     for p, pipe in enumerate(plan.pipelines):
         mbs, m, count = pipe.micro_batch_size, pipe.num_micro_batches, len(pipe.stages)
         fwd, bwd, p2p, back, times = [], [], [], [], []
@@ -160,6 +168,8 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
             mem = stage_memory(model, train, stage.tp, stage.num_layers, s == 0, s == count - 1,
                                min(count - s, m), params, micro_batch_size=mbs, reserve_bytes=reserve,
                                measured=lt.measured)
+            if dp.partners.get((p, s)):
+                mem = with_dp_buffers(mem, params.dp_buffer_factor)
             capacity, tightest = min((device_capacity(cluster, d, params), d) for d in stage.devices)
             headroom = capacity - mem.total
             if headroom < 0:
@@ -173,7 +183,6 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
                 tp_comm_s=stage.num_layers * (lt.tp_fwd_s + lt.tp_bwd_s),
                 profile_sha256=lt.measured.sha256 if lt.measured else "", num_micro_batches=m))
 
-    dp = dp_reduction(plan, cluster, params)
     final: list[StageEstimate] = []
     iteration = 0.0
     for st in stages:

@@ -30,23 +30,15 @@ QUANTITIES = ("fwd_s", "bwd_s", "activation_bytes")
 
 
 @dataclass(frozen=True)
-class MeasuredPart:
-    """One part for one micro-batch on one device: seconds forward, seconds backward, bytes kept."""
-
-    fwd_s: float
-    bwd_s: float
-    activation_bytes: float
-
-
-@dataclass(frozen=True)
 class MeasuredCosts:
-    """A profile read at one (micro_batch_size, tp): layer, embedding and head costs, the fixed bytes (None
+    """A profile read at one (micro_batch_size, tp): layer, embedding and head costs (seconds per micro-batch
+    on one device, bytes kept: layers/schema.PartCost), the fixed bytes (None
     when the profile has none), whether any figure was extrapolated, the profile's sha256, and whether the
     TP degree itself was measured (else its TP collectives are not in the times: the caller models them)."""
 
-    layer: MeasuredPart
-    embedding: MeasuredPart
-    head: MeasuredPart
+    layer: PartCost
+    embedding: PartCost
+    head: PartCost
     fixed_bytes: float | None
     extrapolated: bool
     sha256: str
@@ -59,10 +51,10 @@ class MeasuredCosts:
         if factor == 1.0:
             return self
 
-        def part(p: MeasuredPart, comm: tuple[float, float] = (0.0, 0.0)) -> MeasuredPart:
+        def part(p: PartCost, comm: tuple[float, float] = (0.0, 0.0)) -> PartCost:
             fwd_comm, bwd_comm = min(comm[0], p.fwd_s), min(comm[1], p.bwd_s)
-            return MeasuredPart((p.fwd_s - fwd_comm) * factor + fwd_comm, (p.bwd_s - bwd_comm) * factor + bwd_comm,
-                                p.activation_bytes)
+            return PartCost(fwd_s=(p.fwd_s - fwd_comm) * factor + fwd_comm,
+                            bwd_s=(p.bwd_s - bwd_comm) * factor + bwd_comm, activation_bytes=p.activation_bytes)
 
         return MeasuredCosts(part(self.layer, layer_comm_s), part(self.embedding), part(self.head),
                              self.fixed_bytes, self.extrapolated, self.sha256, self.tp_measured)
@@ -178,6 +170,6 @@ def read_profile(profile: LayerProfile, mbs: int, tp: int) -> MeasuredCosts:
             values, fixed, _ = _read_at_tp(groups[near], mbs)
             values = {k: v * near / tp for k, v in values.items()}
             extrapolated = True
-    parts = [MeasuredPart(*(values[(part, q)] for q in QUANTITIES)) for part in PARTS]
+    parts = [PartCost(**{q: max(0.0, values[(part, q)]) for q in QUANTITIES}) for part in PARTS]
     return MeasuredCosts(*parts, fixed_bytes=fixed, extrapolated=extrapolated, sha256=profile.sha256(),
                          tp_measured=tp in groups)

@@ -13,7 +13,7 @@ head and the measured fixed bytes replace the counted ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from ..hardware.cluster import Cluster
@@ -33,8 +33,10 @@ class MemoryBreakdown:
     embedding_head: all model states (weights, grads, master, Adam) of the embedding (first stage) and
     of the final norm and output head (last stage). activations: saved tensors of the in-flight
     micro-batches. logits: one micro-batch's logits on the last stage. reserve: CUDA context, library
-    workspaces and communication buffers. total: the sum of all of these. embedding_head_weights: the
-    weights' share of embedding_head (already in it and in total; for reports that separate weights).
+    workspaces and communication buffers. dp_buffers: temporaries of the DP gradient reduction (a flat copy
+    of the reduced gradients, and the backend's own buffers). total: the sum of all of these.
+    embedding_head_weights: the weights' share of embedding_head (already in it and in total; for reports
+    that separate weights).
     """
 
     weights: float
@@ -47,6 +49,7 @@ class MemoryBreakdown:
     reserve: float
     total: float
     embedding_head_weights: float = 0.0
+    dp_buffers: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         """Field name -> bytes, in declaration order."""
@@ -113,6 +116,13 @@ def layer_activations(model: ModelSpec, train: TrainConfig, tp: int, num_layers:
     if train.recompute:
         return in_flight * num_layers * F.layer_input_bytes(model, mbs, seq, dtype) + full_layer
     return in_flight * num_layers * full_layer
+
+
+def with_dp_buffers(mem: MemoryBreakdown, factor: float) -> MemoryBreakdown:
+    """`mem` plus the DP reduction's temporaries: `factor` x the stage's gradient bytes (all of them are
+    reduced when the stage has DP partners: an upper bound where only some slices are shared)."""
+    extra = factor * (mem.grads + mem.embedding_head_weights)  # embedding/head gradients: as wide as weights
+    return replace(mem, dp_buffers=extra, total=mem.total + extra)
 
 
 def device_reserve(cluster: Cluster, device: str, params: CostParams) -> float:

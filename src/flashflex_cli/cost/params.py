@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InputError
-from ..hardware.catalog import CATALOG, GIB, canonical_name
+from ..hardware.catalog import CATALOG, canonical_name
 from ..layers.schema import LayerProfile
 from .reference_efficiency import REFERENCE_EFFICIENCY
 
@@ -91,8 +91,13 @@ class CostParams:
         cuBLAS workspace, NCCL buffers, the caching allocator's slack. 3.3e9: the fixed part of the measured
         memory of real Megatron-DeepSpeed runs (issue 8: 3.3 GB fixed per GPU); a layer profile's
         fixed_bytes overrides it.
-    cpu_memory_reserve_bytes: the same for an emulated CPU device: peak RSS growth beyond tensors of a
-        training step (allocator slack, gloo buffers); assumed 0.25 GiB; a layer profile overrides it.
+    cpu_memory_reserve_bytes: the same for an emulated CPU device: its peak RSS growth during training beyond
+        the counted tensors (allocator and arena slack, backward temporaries, gloo buffers). 40 MiB: measured
+        here, the median over benchmarks/validate_cost_model.py's plans without DP reduction (19-62 MiB).
+    dp_buffer_factor: gradient-sized temporaries a stage holds while its gradients are reduced across
+        pipelines: 1.0, the flat bucket copy runtime/grad_sync.py packs (the collective reduces it in place);
+        on CPU, plans with DP grew by about their gradient bytes more than the same stages without (measured
+        here with benchmarks/validate_cost_model.py; RSS noise there is +-15 MiB).
     memory_fragmentation: fraction of device memory the caching allocator cannot hand out; 0.05 assumed.
     """
 
@@ -116,7 +121,8 @@ class CostParams:
     activation_bytes_factor: float = 1.0
     eager_score_bytes: float = 0.25
     memory_reserve_bytes: float = 3.3e9
-    cpu_memory_reserve_bytes: float = 0.25 * GIB
+    cpu_memory_reserve_bytes: float = 40 * 2**20
+    dp_buffer_factor: float = 1.0
     memory_fragmentation: float = 0.05
     layer_profiles: tuple[LayerProfile, ...] = ()
 

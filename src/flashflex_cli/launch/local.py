@@ -1,20 +1,44 @@
-"""Launch every rank of a plan on this host through torch elastic (the machinery behind torchrun).
+"""Launch every rank of a plan on this host and supervise them until they end.
 
-`elastic_launch` runs the agent in this process: a c10d rendezvous on a free local port, one worker
-process per plan device (`python -m flashflex_cli.runtime.worker ...`), no restarts. When a worker dies
-the agent stops the others and we report which plan rank (node, device) failed.
+One worker process per plan device (`python -u -m flashflex_cli.runtime.worker ...`), in the launcher's
+process group, with the environment torchrun would give (LOCAL_RANK, RANK, WORLD_SIZE, and MASTER_ADDR /
+MASTER_PORT of a TCP store this process serves). The launcher then polls every `poll_s` seconds:
+- a rank that exits non-zero ends the job: the others get SIGTERM, then SIGKILL after FAILURE_GRACE_S, and
+  one line names the rank that started it (failures.py), with that rank's own error when it left one;
+- a rank whose heartbeat (runtime/heartbeat.py) is older than --timeout (at least 5 s) is frozen: it is
+  killed and named;
+- SIGTERM, SIGINT or SIGHUP (to the launcher alone, or to every process at once: scancel, systemd, Ctrl-C)
+  is passed on once; the workers stop at their next step boundary and save a checkpoint; the launcher
+  waits up to STOP_GRACE_S + --timeout before SIGKILL, and a second signal kills at once. The last line says
+  whether a checkpoint was written, looked up in the checkpoint folder;
+- when the launcher dies, even by SIGKILL, the workers die with it (parent-death signal, runtime/heartbeat.py).
 """
 
 from __future__ import annotations
 
-import inspect
+import os
 import shlex
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
+from ..errors import RuntimeFailure
 from ..plan.schema import Plan
-from .failures import Interrupted, describe_failure
+from ..runtime import heartbeat
+from .failures import Interrupted, checkpoint_note, checkpoint_stamp, describe_failure, stop_text
 from .options import WORKER_MODULE, RunOptions
+
+FAILURE_GRACE_S = 3.0  # after a rank failed: the others exit on their own once their collectives break
+STOP_GRACE_S = 30.0  # after a stop signal (plus --timeout): time to finish the step and save a checkpoint
+PAUSE_S = 2.0  # a gap this long between two polls: the launcher itself was stopped (Ctrl-Z) or starved
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def local_command(plan: Plan, options: RunOptions) -> list[str]:
@@ -23,34 +47,201 @@ def local_command(plan: Plan, options: RunOptions) -> list[str]:
             "-m", WORKER_MODULE, *options.worker_argv()]
 
 
-def launch_local(plan: Plan, options: RunOptions, monitor_interval_s: float = 0.1,
-                 shutdown_timeout_s: int = 30) -> None:
-    """Run the plan on this host; returns when every rank finished, raises RuntimeFailure when one failed.
-
-    shutdown_timeout_s: seconds the agent waits for the other ranks after SIGTERM before SIGKILL.
-    """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    extra = {}
-    if "shutdown_timeout" in inspect.signature(LaunchConfig).parameters:  # not in older torch releases
-        extra["shutdown_timeout"] = shutdown_timeout_s
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=plan.world_size, run_id=f"flashflex-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", rdzv_configs={"timeout": int(options.timeout_s)},
-        max_restarts=0, monitor_interval=monitor_interval_s, start_method="spawn", **extra,
-    )
-    try:
-        elastic_launch(config, sys.executable)("-u", "-m", WORKER_MODULE, *options.worker_argv())
-    except ChildFailedError as exc:
-        raise describe_failure(plan, None, exc.failures) from None
-    except SignalException as exc:
-        saved = f"; checkpoint in {options.checkpoint_dir}" if options.checkpoint_dir else ""
-        raise Interrupted(f"stopped by {exc.sigval.name}: the ranks finished their step{saved}",
-                          128 + int(exc.sigval)) from None
-
-
 def dry_run_text(plan: Plan, options: RunOptions) -> str:
     """Shell text of the single-host command."""
     return shlex.join(local_command(plan, options))
+
+
+@dataclass
+class RankExit:
+    """How one rank ended, in the fields failures.py reads."""
+
+    local_rank: int
+    exitcode: int
+    timestamp: float
+    reason: str | None = None
+    silent: bool = False
+    stopped: bool = False
+
+
+@dataclass
+class Worker:
+    """One running rank: its process, since when (time.time()) its heartbeat counts, what the launcher did."""
+
+    local_rank: int
+    proc: subprocess.Popen[bytes]
+    since: float
+    killed: bool = False
+    silent: str | None = None
+
+
+class StopSignals:
+    """While entered: SIGTERM, SIGINT and SIGHUP are recorded in `received` instead of ending the launcher."""
+
+    def __init__(self) -> None:
+        self.received: list[signal.Signals] = []
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        for sig in _SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _record(self, signum: int, _frame: object) -> None:
+        self.received.append(signal.Signals(signum))
+
+
+def worker_env(local_rank: int, world: int, port: int, job_dir: str, timeout_s: float) -> dict[str, str]:
+    """The environment of local rank `local_rank`: torchrun's variables and the launcher's (heartbeat.py)."""
+    rank, size = str(local_rank), str(world)
+    return {**os.environ, "LOCAL_RANK": rank, "RANK": rank, "ROLE_RANK": rank, "GROUP_RANK": "0",
+            "LOCAL_WORLD_SIZE": size, "WORLD_SIZE": size, "ROLE_WORLD_SIZE": size, "GROUP_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            heartbeat.JOB_DIR_ENV: job_dir, heartbeat.LAUNCHER_PID_ENV: str(os.getpid()),
+            heartbeat.INTERVAL_ENV: f"{heartbeat.heartbeat_interval(timeout_s):g}"}
+
+
+class LocalJob:
+    """The workers of one local launch and the launcher's decisions about them."""
+
+    def __init__(self, options: RunOptions, job_dir: str) -> None:
+        self.options = options
+        self.job_dir = job_dir
+        self.workers: list[Worker] = []
+        self.exits: dict[int, RankExit] = {}
+        self.failing = False
+        self.deadline: float | None = None
+
+    def spawn(self, world: int, port: int, signals: StopSignals, inherit_fds: tuple[int, ...]) -> None:
+        """Start local ranks 0..world-1 (fewer when a stop signal arrives meanwhile)."""
+        argv = [sys.executable, "-u", "-m", WORKER_MODULE, *self.options.worker_argv()]
+        for local_rank in range(world):
+            if signals.received:
+                return
+            env = worker_env(local_rank, world, port, self.job_dir, self.options.timeout_s)
+            try:
+                proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, pass_fds=inherit_fds)
+            except OSError as exc:
+                raise RuntimeFailure(f"cannot start local rank {local_rank}: {exc.strerror or exc}") from None
+            self.workers.append(Worker(local_rank, proc, time.time()))
+
+    def running(self) -> list[Worker]:
+        """Workers not yet reaped."""
+        return [w for w in self.workers if w.local_rank not in self.exits]
+
+    def reap(self) -> None:
+        """Record the workers that exited since the last call."""
+        for worker in self.running():
+            code = worker.proc.poll()
+            if code is not None:
+                self.exits[worker.local_rank] = RankExit(
+                    worker.local_rank, code, time.monotonic(),
+                    reason=worker.silent or heartbeat.read_error(self.job_dir, worker.local_rank),
+                    silent=worker.silent is not None, stopped=worker.killed and worker.silent is None)
+
+    def failures(self) -> dict[int, RankExit]:
+        """The ranks that ended non-zero (or were found frozen)."""
+        return {rank: e for rank, e in self.exits.items() if e.exitcode != 0 or e.silent}
+
+    def signal_running(self, sig: signal.Signals, grace_s: float) -> None:
+        """Send `sig` to every running worker; SIGKILL the ones still running `grace_s` seconds from now."""
+        for worker in self.running():
+            self._send(worker, sig)
+        deadline = time.monotonic() + grace_s
+        self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
+
+    def kill_running(self) -> None:
+        """SIGKILL every running worker."""
+        for worker in self.running():
+            worker.killed = True
+            self._send(worker, signal.SIGKILL)
+
+    def check_health(self) -> None:
+        """End the job when a rank failed or froze. A rank counts as frozen when its heartbeat is older than the
+        silence limit, or, once another rank failed, older than three heartbeats and 5 s (it froze first)."""
+        if self.failing:
+            return
+        timeout = self.options.timeout_s
+        quiet = max(3 * heartbeat.heartbeat_interval(timeout) + 1.0, heartbeat.MIN_SILENCE_S)
+        limit = quiet if self.failures() else heartbeat.silence_limit(timeout)
+        for worker in self.running():
+            age = heartbeat.heartbeat_age(self.job_dir, worker.local_rank, worker.since)
+            if age > limit:
+                worker.silent = f"no heartbeat for {age:.0f} s (--timeout {timeout:g}): the process is frozen or stopped"
+                worker.killed = True
+                self._send(worker, signal.SIGKILL)
+        if self.failures() or any(w.silent for w in self.workers):
+            self.failing = True
+            self.signal_running(signal.SIGTERM, FAILURE_GRACE_S)
+
+    def forgive_pause(self) -> None:
+        """Count heartbeats from now: the launcher was not looking (stopped with the job by Ctrl-Z, or starved)."""
+        for worker in self.running():
+            worker.since = time.time()
+
+    @staticmethod
+    def _send(worker: Worker, sig: signal.Signals) -> None:
+        try:
+            worker.proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _watch(job: LocalJob, signals: StopSignals, poll_s: float) -> None:
+    """Poll until every worker has exited, ending the job on a failure, a frozen rank or a stop signal."""
+    handled, last = 0, time.monotonic()
+    while job.running():
+        now = time.monotonic()
+        if now - last > PAUSE_S:
+            job.forgive_pause()
+        last = now
+        job.reap()
+        if len(signals.received) > handled:
+            handled = len(signals.received)
+            if handled == 1:
+                job.signal_running(signals.received[0], STOP_GRACE_S + job.options.timeout_s)
+            else:
+                job.kill_running()
+        job.check_health()
+        if job.deadline is not None and time.monotonic() >= job.deadline:
+            job.kill_running()
+        time.sleep(poll_s)
+
+
+def _serve_store(timeout_s: float) -> Any:
+    """The job's TCP store on a free local port (workers join the process group through it)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def launch_local(plan: Plan, options: RunOptions, poll_s: float = 0.1, inherit_fds: tuple[int, ...] = ()) -> None:
+    """Run the plan on this host; returns when every rank finished. Raises RuntimeFailure when one failed or
+    froze, Interrupted (exit code 128 + signal) when a signal stopped the job.
+
+    inherit_fds: open descriptors the workers keep (the run-folder locks, launch/lock.py).
+    """
+    before = checkpoint_stamp(options.checkpoint_dir)
+    job_dir = tempfile.mkdtemp(prefix=f"flashflex-{uuid.uuid4().hex[:8]}-")
+    job = LocalJob(options, job_dir)
+    try:
+        with StopSignals() as signals:
+            store = _serve_store(options.timeout_s)
+            job.spawn(plan.world_size, store.port, signals, inherit_fds)
+            _watch(job, signals, poll_s)
+    finally:
+        job.kill_running()
+        for worker in job.workers:
+            worker.proc.wait()
+        shutil.rmtree(job_dir, ignore_errors=True)
+    if signals.received:
+        sig = signals.received[0]
+        raise Interrupted(f"{stop_text(sig)}: {checkpoint_note(options.checkpoint_dir, before)}", 128 + int(sig))
+    failures = job.failures()
+    if failures:
+        raise describe_failure(plan, None, failures)

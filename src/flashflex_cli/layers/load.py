@@ -6,7 +6,9 @@ import os
 from collections.abc import Sequence
 
 from ..errors import InputError
-from .schema import LayerProfile, load_layer_profile
+from ..model.spec import ModelSpec
+from ..plan.schema import TrainConfig
+from .schema import LayerProfile, ModelShape, load_layer_profile
 
 
 def profile_identity(profile: LayerProfile) -> tuple:
@@ -28,3 +30,22 @@ def load_layer_profiles(paths: Sequence[str | os.PathLike[str]]) -> tuple[LayerP
         found[key] = str(path)
         out.append(profile)
     return tuple(out)
+
+
+def check_profile_fits(path: str | os.PathLike[str], profile: LayerProfile, model: ModelSpec,
+                       train: TrainConfig) -> None:
+    """InputError (one line) when `profile` describes another model shape, sequence length, dtype,
+    attention or recompute setting than `model` trained under `train`: it could never
+    match a stage, and a silent mismatch would leave the plan modelled while the user believes it measured."""
+    wanted = {"model shape": ModelShape.of(model), "seq_len": train.seq_len, "dtype": train.dtype,
+              "attention": train.attention, "recompute": train.recompute}
+    found = {"model shape": profile.model, "seq_len": profile.seq_len, "dtype": profile.dtype,
+             "attention": profile.attention, "recompute": profile.recompute}
+    for name, value in wanted.items():
+        if found[name] != value:
+            raise InputError(f"{path}: profiles {name} {_shown(found[name])}, the plan's is {_shown(value)}")
+
+
+def _shown(value: object) -> object:
+    """A value as a message shows it (a pydantic model as its dict)."""
+    return value.model_dump() if isinstance(value, ModelShape) else value

@@ -156,3 +156,42 @@ def fit_profiles(plan: Plan, cluster: Cluster, run: RunRecord, params: CostParam
                                      seq_len=train.seq_len, dtype=train.dtype, attention=train.attention,
                                      recompute=train.recompute, source=_source(run, group), entries=entries))
     return profiles, fits
+
+
+def scale_profile(base: LayerProfile, plan: Plan, cluster: Cluster, run: RunRecord,
+                  params: CostParams | None = None) -> tuple[LayerProfile, float, float, list[StageFit]]:
+    """`base` (a measured layer profile, e.g. from `flashflex profile --model`) with every time scaled by
+    what the run measured against it: r_fwd = median over the run's stages of that device type of (fitted
+    layer forward / the profile's layer forward at the stage's micro-batch size and TP degree), r_bwd likewise.
+    A profile measures a layer alone; a run adds what a layer costs inside a real schedule (the runtime's
+    per-op overheads, caches shared with other processes), which this carries to every micro-batch size and
+    TP degree of the profile. Returns (scaled profile, r_fwd, r_bwd, the fits used)."""
+    from ..cost.measured import read_profile
+
+    params = (params or CostParams()).with_layer_profiles((base,))
+    fits = [f for f in stage_fits(plan, cluster, run, params)
+            if device_type_key(f.device_type) == device_type_key(base.device_type)]
+    if not fits:
+        raise InputError(f"{run.path}: no stage on {base.device_type} devices to calibrate the profile with")
+    model, train = plan.inputs.model, plan.inputs.train
+    if ModelShape.of(model) != base.model or (train.seq_len, train.dtype, train.attention, train.recompute) != (
+            base.seq_len, base.dtype, base.attention, base.recompute):
+        raise InputError(f"{run.path}: the run trained another model shape or setting than the profile describes")
+    fwd, bwd = [], []
+    for fit in fits:
+        ref = read_profile(base, fit.micro_batch_size, fit.tp).layer
+        if ref.fwd_s > 0 and ref.bwd_s > 0:
+            fwd.append(fit.layer.fwd_s / ref.fwd_s)
+            bwd.append(fit.layer.bwd_s / ref.bwd_s)
+    if not fwd:
+        raise InputError(f"{base.device_type}: the profile has no positive layer times to scale")
+    r_fwd, r_bwd = statistics.median(fwd), statistics.median(bwd)
+
+    def scaled(part: PartCost) -> PartCost:
+        return PartCost(fwd_s=part.fwd_s * r_fwd, bwd_s=part.bwd_s * r_bwd, activation_bytes=part.activation_bytes)
+
+    entries = [e.model_copy(update={"layer": scaled(e.layer), "embedding": scaled(e.embedding),
+                                    "head": scaled(e.head)}) for e in base.entries]
+    source = (f"{base.source}; times scaled by flashflex calibrate of run {run.path.name}: forward x{r_fwd:.4g}, "
+              f"backward x{r_bwd:.4g} (medians over {len(fwd)} stage(s))")
+    return base.model_copy(update={"entries": entries, "source": source}), r_fwd, r_bwd, fits

@@ -10,6 +10,8 @@ Terms, per stage (seconds per step unless named per micro-batch; memory in bytes
                       dp - optimizer), so measured p2p waits count here too;
   dp                  data-parallel gradient reduction; optimizer: the optimizer step;
   memory              peak per device (measured: CUDA max allocated, or max RSS on CPU: runtime included).
+  memory growth       what training adds to the built stage: predicted all but the weights; measured the peak
+                      above what the rank held before its first step (absent for runs recorded before).
 Measured values are medians over the run's steps, the first (warm-up) left out (runs/reader.py).
 """
 
@@ -121,6 +123,8 @@ def _stage_terms(st: StageEstimate, prev_p2p_s: float, pipeline_s: float, run: R
         Term("dp", st.dp_s, dp),
         Term("optimizer", st.optimizer_s, opt),
         Term("memory", st.memory.total, run.memory_bytes(st.pipeline, st.stage), unit="B"),
+        Term("memory growth", st.memory.total - st.memory.weights - st.memory.embedding_head_weights,
+             run.stage_value(st.pipeline, st.stage, "memory_growth_bytes"), unit="B"),
     )
 
 

@@ -13,7 +13,8 @@ reassembles full tensors, so a checkpoint saved under one plan loads under any o
 degree, stage split or pipeline count).
 
 A save goes to `step-N.tmp`, then is renamed to `step-N`, then `latest` is rewritten: a crash at any
-point leaves the previous checkpoint and pointer intact. The two newest checkpoints are kept.
+point leaves the previous checkpoint and pointer intact. The two newest checkpoints are kept. A save that
+fails for want of space or permission (`one_line_save_errors`) is one line naming the folder and the OS error.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from ..errors import InputError
+from ..errors import InputError, RuntimeFailure
 from ..fileio import atomic_write_text, dumps_json
 from .shards import ShardSpec
 
@@ -86,6 +88,81 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     if data.get("schema") != SCHEMA:
         raise InputError(f"{target}: unknown checkpoint schema {data.get('schema')!r}")
     return data
+
+
+class CheckpointWriteError(RuntimeFailure):
+    """A checkpoint could not be written (a full, read-only or vanished folder); the previous one is intact."""
+
+
+def _errors_within(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, the exceptions it was raised from, and those DCP gathered from every rank, depth first."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        yield item
+        if isinstance(item, dcp.api.CheckpointException):
+            stack.extend(pair[0] for pair in item.failures.values())
+        stack.extend(e for e in (item.__cause__, item.__context__) if e is not None)
+
+
+PROBE_BYTES = 1 << 20
+
+
+def probe_write(root: str | os.PathLike[str]) -> OSError | None:
+    """The OSError that writing PROBE_BYTES into `root` raises (None: it can be written). torch's zip writer
+    turns a short write (a full disk, a file-size limit) into "unexpected pos" without the OS error; this
+    recovers it."""
+    probe = Path(root) / f".write-probe-{os.getpid()}"
+    try:
+        with open(probe, "wb") as handle:
+            handle.write(bytes(PROBE_BYTES))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as exc:
+        return exc
+    finally:
+        with suppress(OSError):
+            probe.unlink()
+    return None
+
+
+def _write_error(root: str | os.PathLike[str], error: OSError) -> CheckpointWriteError:
+    where = f" ({error.filename})" if error.filename else ""
+    return CheckpointWriteError(f"cannot write a checkpoint in {root}: {error.strerror or error}{where}")
+
+
+def save_error(root: str | os.PathLike[str], exc: BaseException) -> BaseException | None:
+    """One-line replacement of a failed save's exception (None: keep it): an OSError inside it, or else the one
+    a probe write into `root` raises, becomes a CheckpointWriteError naming `root` and the cause; DCP's
+    CheckpointException (a BaseException whose text holds a traceback per rank) otherwise becomes a
+    RuntimeError with its first rank's error."""
+    for inner in _errors_within(exc):
+        if isinstance(inner, OSError):
+            return _write_error(root, inner)
+    if isinstance(exc, dcp.api.CheckpointException):
+        probed = probe_write(root)
+        if probed is not None:
+            return _write_error(root, probed)
+        first = next((pair[0] for pair in exc.failures.values()), None)
+        text = str(first).strip().splitlines()[0] if first is not None and str(first).strip() else "unknown error"
+        return RuntimeError(f"checkpoint save in {root} failed: {type(first).__name__}: {text}")
+    return None
+
+
+@contextmanager
+def one_line_save_errors(root: str | os.PathLike[str]) -> Iterator[None]:
+    """Around a `save`: its I/O errors become one line (see `save_error`), other errors pass through."""
+    try:
+        yield
+    except (Exception, dcp.api.CheckpointException) as exc:
+        replacement = save_error(root, exc)
+        if replacement is None:
+            raise
+        raise replacement from None
 
 
 def save(root: str | os.PathLike[str], step: int, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec],

@@ -1,4 +1,4 @@
-"""Training data: token files (memory-mapped) and a deterministic synthetic source.
+"""Training data: token files (memory-mapped; training reads with pread) and a deterministic synthetic source.
 
 Both answer `global_batch(step) -> int64 [global_batch, seq_len + 1]`, a function of the step, the seed
 and the data only, never of the plan: runs under different plans see the same global batch at step k and
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import struct
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -87,7 +88,10 @@ def _read_header(path: Path) -> tuple[int, int, int]:
 
 
 class TokenFile:
-    """A memory-mapped token file: `.tokens` (numpy view), `.vocab_size`, `len()` tokens."""
+    """A memory-mapped token file: `.tokens` (numpy view), `.vocab_size`, `len()` tokens; `read` for training.
+
+    A file truncated while it is mapped kills a process touching the lost pages with SIGBUS, naming nothing;
+    `read` uses pread on a descriptor opened once, so a shrunken file is one InputError naming it."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -96,6 +100,26 @@ class TokenFile:
         itemsize, self.vocab_size, count = _read_header(self.path)
         self.tokens: np.ndarray = (np.memmap(self.path, dtype=_DTYPES[itemsize], mode="r", offset=HEADER_BYTES,
                                              shape=(count,)) if count else np.zeros(0, _DTYPES[itemsize]))
+        self._fd: int | None = None
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count), read from the file itself (not the memory map)."""
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise InputError(f"token file {self.path} changed while training: {exc.strerror or exc}") from None
+            weakref.finalize(self, os.close, self._fd)
+        dtype = self.tokens.dtype
+        want = count * dtype.itemsize
+        try:
+            raw = os.pread(self._fd, want, HEADER_BYTES + start * dtype.itemsize)
+        except OSError as exc:
+            raise InputError(f"token file {self.path}: read error while training: {exc.strerror or exc}") from None
+        if len(raw) != want:
+            raise InputError(f"token file {self.path} changed while training (truncated?): {len(raw)} of {want} "
+                             f"bytes at token {start}")
+        return np.frombuffer(raw, dtype=dtype)
 
     def max_token(self, chunk: int = SCAN_CHUNK) -> int:
         """The largest token id in the file (-1 when empty), scanned chunk by chunk over the memory map."""
@@ -153,7 +177,7 @@ class TokenFileSource(BatchSource):
             j = step * self.global_batch_size + i
             window = int(self._perm(j // self.windows)[j % self.windows])
             start = window * self.seq_len
-            out[i] = self.file.tokens[start : start + self.seq_len + 1]
+            out[i] = self.file.read(start, self.seq_len + 1)
         return torch.from_numpy(out)
 
     def describe(self) -> str:

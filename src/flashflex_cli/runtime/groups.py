@@ -19,6 +19,7 @@ identical gradient of the replicated input).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -144,11 +145,11 @@ def neighbours(plan: Plan, rank: int) -> tuple[int | None, tuple[int, ...], int 
     return recv_act, send_act, recv_grad, send_grad
 
 
-def build_groups(plan: Plan, rank: int, backend: str | None = None) -> PlanGroups:
+def build_groups(plan: Plan, rank: int, backend: str | None = None, timeout: timedelta | None = None) -> PlanGroups:
     """Create every process group of `plan` (collective: every rank of the job calls it, same plan).
 
-    Needs `torch.distributed` initialised with world size `plan.world_size`. `backend` is passed to
-    `new_group` (None: the default backend).
+    Needs `torch.distributed` initialised with world size `plan.world_size`. `backend` and `timeout` (the
+    collective timeout; None: torch's default of 30 minutes, not the default group's) are passed to `new_group`.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised")
@@ -159,16 +160,16 @@ def build_groups(plan: Plan, rank: int, backend: str | None = None) -> PlanGroup
     for p, pipe_ranks in enumerate(stage_ranks(plan)):
         for s, members in enumerate(pipe_ranks):
             if len(members) > 1:
-                group = dist.new_group(members, backend=backend)
+                group = dist.new_group(members, backend=backend, timeout=timeout)
                 if (p, s) == (me.pipeline, me.stage):
                     tp_group = group
     slices = slice_holders(plan)
     dp_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for members in sorted({sl.ranks for sl in slices if sl.needs_reduce}):
-        group = dist.new_group(list(members), backend=backend)
+        group = dist.new_group(list(members), backend=backend, timeout=timeout)
         if rank in members:
             dp_groups[members] = group
-    world_group = dist.new_group(list(range(plan.world_size)), backend=backend)
+    world_group = dist.new_group(list(range(plan.world_size)), backend=backend, timeout=timeout)
     recv_act, send_act, recv_grad, send_grad = neighbours(plan, rank)
     stage = plan.pipelines[me.pipeline].stages[me.stage]
     return PlanGroups(rank=rank, world_size=plan.world_size, pipeline=me.pipeline, stage=me.stage,

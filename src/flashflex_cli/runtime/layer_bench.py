@@ -48,6 +48,7 @@ from ..model.spec import ModelSpec
 from .attention import EAGER, FLASH, SDPA, flash_attn_available
 from .cpu_share import pin_emulated_device, usable_cores
 from .model import StageModule
+from .slowdown import runqueue_seconds
 from .tensor_parallel import TPContext
 
 PARTS = ("layer", "embedding", "head")
@@ -214,21 +215,26 @@ def _inputs(part: str, spec: ModelSpec, b: int, s: int, device: torch.device) ->
 def _time_part(forward: Callable[[], torch.Tensor], tp: TPContext, device: torch.device,
                warmup: int, repeats: int) -> tuple[float, float]:
     """(median forward seconds, median backward seconds) over `repeats` after `warmup` untimed runs; the
-    backward gets a gradient of ones shaped like the output ([b, s, hidden], or a scalar for the head)."""
+    backward gets a gradient of ones shaped like the output ([b, s, hidden], or a scalar for the head).
+
+    On CPU the time a run spent runnable but waiting for its core (another process on it: Linux schedstat)
+    is left out, as the runtime's emulated slowdown leaves it out (runtime/slowdown.py): a device's time is
+    its on-core compute plus its blocking communication, whatever else the host runs."""
     fwd: list[float] = []
     bwd: list[float] = []
+    queued = runqueue_seconds if device.type == "cpu" else (lambda: 0.0)
     for i in range(warmup + repeats):
         _align(tp, device)
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), queued()
         out = forward()
         _sync(device)
-        fwd_s = time.perf_counter() - start
+        fwd_s = time.perf_counter() - start - (queued() - waited)
         grad = torch.ones_like(out)
         _align(tp, device)
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), queued()
         out.backward(grad)
         _sync(device)
-        bwd_s = time.perf_counter() - start
+        bwd_s = time.perf_counter() - start - (queued() - waited)
         del out, grad
         if i >= warmup:
             fwd.append(fwd_s)

@@ -80,9 +80,10 @@ def _status_bytes(field: str) -> int:
 
 
 def stage_times(plan_ranks: list[Any], per_rank: list[dict[str, float]],
-                memory: list[int] | None = None) -> list[dict[str, Any]]:
+                memory: list[int] | None = None, growth: list[int] | None = None) -> list[dict[str, Any]]:
     """Per-stage times (seconds) from the TP-rank-0 ranks' timings, pipelines then stages; with `memory`
-    (bytes per rank), each stage's largest."""
+    (peak bytes per rank) and `growth` (peak bytes above what the rank held before the first step), each
+    stage's largest."""
     out = []
     for info, timings in zip(plan_ranks, per_rank, strict=True):
         if info.tp_rank != 0:
@@ -98,9 +99,11 @@ def stage_times(plan_ranks: list[Any], per_rank: list[dict[str, float]],
             "dp_s": round(float(timings.get("dp_sync", 0.0)), 6),
             "pipeline_s": round(float(timings.get("pipeline", 0.0)), 6),
         })
+        mine = [r.rank for r in plan_ranks if (r.pipeline, r.stage) == (info.pipeline, info.stage)]
         if memory is not None:
-            out[-1]["memory_bytes"] = max(int(memory[r.rank]) for r in plan_ranks
-                                          if (r.pipeline, r.stage) == (info.pipeline, info.stage))
+            out[-1]["memory_bytes"] = max(int(memory[r]) for r in mine)
+        if growth is not None:
+            out[-1]["memory_growth_bytes"] = max(int(growth[r]) for r in mine)
         if "tp_comm" in timings:  # measured on CPU only; part of forward_s and backward_s
             out[-1]["tp_comm_s"] = round(float(timings["tp_comm"]), 6)
     return out

@@ -8,8 +8,12 @@ uses plan ranks (gloo on CPU devices, NCCL on GPUs) over torchrun's store, so to
 does not matter. A rank on an emulated CPU device runs one intra-op thread pinned to one core
 (runtime/cpu_share.py), whatever OMP_NUM_THREADS says.
 
-Exit codes: 0 done (or stopped by SIGTERM after saving a checkpoint); 1 an error on this rank;
-3 a peer rank failed (a collective broke or timed out); 2 bad input.
+Exit codes: 0 done (or stopped by SIGTERM / SIGINT after saving a checkpoint); 1 an error on this rank;
+3 a peer rank failed (a collective broke or timed out); 2 bad input; 128 + N a stop signal N before training.
+Signals: SIGTERM and SIGINT before training began end the process quietly; during training they stop it at
+the next step boundary, with a checkpoint (repeats are ignored: the launcher escalates with SIGKILL).
+Started by `flashflex launch` (local), it also dies with the launcher, beats a heartbeat the launcher watches
+and leaves its one-line error for the launcher's report (runtime/heartbeat.py).
 Fault injection for tests: FLASHFLEX_FAULT_INJECT="rank=R,step=K" kills plan rank R with SIGKILL at the
 start of step K.
 """
@@ -25,6 +29,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from . import heartbeat
 from .cpu_share import pin_emulated_device, usable_cores
 
 if TYPE_CHECKING:
@@ -71,17 +76,34 @@ def _fault(rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _exit_quietly(signum: int, _frame: object) -> None:
+    """A stop signal before training: nothing to save, no traceback."""
+    os._exit(128 + signum)
+
+
+def exit_quietly_on_stop_signals() -> None:
+    """Until StopRequest takes over, SIGTERM and SIGINT end the process at once and quietly."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _exit_quietly)
+
+
 class StopRequest:
-    """Installs a SIGTERM handler: the first SIGTERM asks to stop after the current step (every rank agrees
-    through an all-reduce, then all save); a second one exits at once."""
+    """Installs SIGTERM and SIGINT handlers: the first signal asks to stop after the current step (every rank
+    agrees through an all-reduce, then all save); repeats are ignored (scancel, systemd and Ctrl-C reach every
+    process and the launcher passes the signal on too; it escalates with SIGKILL after its grace period)."""
 
     def __init__(self) -> None:
         self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
+        self.signal_name = "SIGTERM"
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: object) -> None:
-        if self.requested:
-            os._exit(128 + signum)
+        if not self.requested:
+            self.signal_name = signal.Signals(signum).name
         self.requested = True
 
 
@@ -185,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
     stop = StopRequest()
     train, model = plan.inputs.train, plan.inputs.model
-    groups = build_groups(plan, rank)
+    groups = build_groups(plan, rank, timeout=timedelta(seconds=args.timeout))
     schedule = max(1, args.schedule_steps or args.steps)
     optim = OptimConfig(lr=args.lr, min_lr=args.lr / 10, warmup_steps=min(10, max(1, schedule // 10)),
                         total_steps=schedule)
@@ -234,19 +256,21 @@ def run(args: argparse.Namespace) -> int:
         if log is not None and gathered is not None:
             log.record(step, result.loss, train.tokens_per_step, step_time, result.lr, result.grad_norm,
                        max(int(g[1]) for g in gathered),
-                       stage_times(ranks, [g[0] for g in gathered], [int(g[1]) for g in gathered]),
+                       stage_times(ranks, [g[0] for g in gathered], [int(g[1]) for g in gathered],
+                                   [int(g[3]) for g in gathered]),
                        memory_growth_bytes=max(int(g[3]) for g in gathered))
             timeline = stage_ops(ranks, [g[2] for g in gathered], step)
         done = step + 1
         stopping = flag.item() > 0
         due = done == args.steps or (args.checkpoint_every > 0 and done % args.checkpoint_every == 0)
         if args.checkpoint_dir and (due or stopping):
-            path = ckpt.save(args.checkpoint_dir, done, engine.state_for_checkpoint(), shards, manifest)
+            with ckpt.one_line_save_errors(args.checkpoint_dir):
+                path = ckpt.save(args.checkpoint_dir, done, engine.state_for_checkpoint(), shards, manifest)
             if rank == 0:
                 print(f"flashflex: checkpoint {path}", file=sys.stderr, flush=True)
         if stopping:
             if rank == 0:
-                print(f"flashflex: SIGTERM: stopped after step {done}", file=sys.stderr, flush=True)
+                print(f"flashflex: {stop.signal_name}: stopped after step {done}", file=sys.stderr, flush=True)
             break
     if log is not None:
         if timeline:
@@ -260,6 +284,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one rank; print one line naming the rank on failure."""
+    heartbeat.start()
+    exit_quietly_on_stop_signals()
     args = parse_args(argv)
     try:
         return run(args)
@@ -273,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "NCCL", "Gloo", "gloo", "recv", "send"))
         kind = "lost a peer" if peer else "failed"
         print(f"flashflex worker {label} {kind}: {type(exc).__name__}: {text}", file=sys.stderr, flush=True)
+        heartbeat.report_error(text if isinstance(exc, FlashflexError) else f"{type(exc).__name__}: {text}")
         if os.environ.get("FLASHFLEX_DEBUG"):
             raise
         if isinstance(exc, FlashflexError):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make demo`: profile this machine, plan the bundled emulated heterogeneous CPU cluster, prepare data from
-# a text file in the repository, train on 4 CPU ranks through torch elastic, then close the loop: measure
+# a text file in the repository, train on 4 CPU ranks, then close the loop: measure
 # the model's layers here, calibrate them with the run, and put prediction and measurement side by side.
 # Settings: DEMO_OUT (default runs/demo), DEMO_STEPS (default 30), FLASHFLEX (default .venv/bin/flashflex).
 set -euo pipefail

@@ -1,4 +1,4 @@
-"""`flashflex launch` end to end on CPU ranks (torch elastic + gloo), failures, and preflight refusals."""
+"""`flashflex launch` end to end on CPU ranks (supervised local launch + gloo), failures, and preflight refusals."""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 One worker process per plan device (`python -u -m flashflex_cli.runtime.worker ...`), in the launcher's
 process group, with the environment torchrun would give (LOCAL_RANK, RANK, WORLD_SIZE, and MASTER_ADDR /
 MASTER_PORT of a TCP store this process serves). The launcher then polls every `poll_s` seconds:
-- a rank that exits non-zero ends the job: the others get SIGTERM, then SIGKILL after FAILURE_GRACE_S, and
-  one line names the rank that started it (failures.py), with that rank's own error when it left one;
+- a rank that exits non-zero ends the job: the others exit on their own once their collectives break (no
+  signal: one arriving while a process shuts down can abort it and blur the report), else get SIGKILL after
+  FAILURE_GRACE_S; one line names the rank that started it (failures.py), with its own error if it left one;
 - a rank whose heartbeat (runtime/heartbeat.py) is older than --timeout (at least 5 s) is frozen: it is
   killed and named;
 - SIGTERM, SIGINT or SIGHUP (to the launcher alone, or to every process at once: scancel, systemd, Ctrl-C)
@@ -35,7 +36,7 @@ from ..runtime import heartbeat
 from .failures import Interrupted, checkpoint_note, checkpoint_stamp, describe_failure, stop_text
 from .options import WORKER_MODULE, RunOptions
 
-FAILURE_GRACE_S = 3.0  # after a rank failed: the others exit on their own once their collectives break
+FAILURE_GRACE_S = 3.0  # after a rank failed: time for the others to see their collectives break and exit
 STOP_GRACE_S = 30.0  # after a stop signal (plus --timeout): time to finish the step and save a checkpoint
 PAUSE_S = 2.0  # a gap this long between two polls: the launcher itself was stopped (Ctrl-Z) or starved
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -152,6 +153,10 @@ class LocalJob:
         """Send `sig` to every running worker; SIGKILL the ones still running `grace_s` seconds from now."""
         for worker in self.running():
             self._send(worker, sig)
+        self.kill_after(grace_s)
+
+    def kill_after(self, grace_s: float) -> None:
+        """SIGKILL the workers still running `grace_s` seconds from now (or at an earlier deadline)."""
         deadline = time.monotonic() + grace_s
         self.deadline = deadline if self.deadline is None else min(self.deadline, deadline)
 
@@ -177,7 +182,7 @@ class LocalJob:
                 self._send(worker, signal.SIGKILL)
         if self.failures() or any(w.silent for w in self.workers):
             self.failing = True
-            self.signal_running(signal.SIGTERM, FAILURE_GRACE_S)
+            self.kill_after(FAILURE_GRACE_S)
 
     def forgive_pause(self) -> None:
         """Count heartbeats from now: the launcher was not looking (stopped with the job by Ctrl-Z, or starved)."""

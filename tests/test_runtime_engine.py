@@ -57,10 +57,7 @@ def test_bad_inputs_are_input_errors(one_rank: Plan) -> None:
         engine.pipeline_slice(8)
     with pytest.raises(InputError, match="checkpoint shape"):
         engine.load_from_full(lambda key: torch.zeros(3) if key != "step" else torch.tensor(1))
-    tied = Plan.model_validate({**one_rank.model_dump(by_alias=True), "inputs": {
-        **one_rank.inputs.model_dump(), "model": {**one_rank.inputs.model.model_dump(), "tie_embeddings": True}}})
-    with pytest.raises(InputError, match="tied embeddings"):
-        _engine(tied)
+    # tied embeddings are supported now: tests/test_hf_families.py and tests/test_hf_equivalence.py
 
 
 def test_checkpoint_state_round_trip(one_rank: Plan) -> None:
@@ -86,6 +83,9 @@ def test_checkpoint_state_round_trip(one_rank: Plan) -> None:
 
 def test_slowdown_is_applied(one_rank: Plan) -> None:
     engine = _engine(one_rank, slowdown=2.0)
+    # Run-queue delay is host contention that the slowdown absorbs (runtime/slowdown.py); on a loaded host it
+    # can cover the whole stretch and leave nothing to sleep. Count none, so the check holds at any load.
+    engine.slow.queue_clock = lambda: 0.0
     result = engine.train_step(make_batches(one_rank, steps=1)[0])
     compute = result.timings["forward"] + result.timings["backward"]
     assert 0 < engine.slow.slept <= compute / 2 + 1e-3

@@ -5,6 +5,7 @@ start SLURM), else skips."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,19 @@ from tests.infra.slurm import LocalSlurm, slurm_available
 GOLDEN = Path(__file__).parent / "golden"
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports that were free a moment ago (all bound at once, then released), so a
+    second test run beside this one does not pick the same rendezvous ports."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def _render(tmp_path: Path, name: str, port: int, *extra: str) -> Path:
@@ -35,8 +49,9 @@ def test_rendered_sbatch_scripts_complete_on_a_real_slurm(tmp_path: Path) -> Non
     ok, why = slurm_available()
     if not ok:
         pytest.skip(why)
-    hetjob = _render(tmp_path, "het", 29533)  # default for nodes of 2 and 1 processes: a heterogeneous job
-    plain = _render(tmp_path, "plain", 29534, "--template", "slurm")  # one allocation, srun --relative=i
+    het_port, plain_port = _free_ports(2)
+    hetjob = _render(tmp_path, "het", het_port)  # default for nodes of 2 and 1 processes: a heterogeneous job
+    plain = _render(tmp_path, "plain", plain_port, "--template", "slurm")  # one allocation, srun --relative=i
     assert "#SBATCH hetjob" in hetjob.read_text() and "#SBATCH hetjob" not in plain.read_text()
     for text in (hetjob.read_text(), plain.read_text()):
         assert "--nproc-per-node=2" in text and "--nproc-per-node=1" in text

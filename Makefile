@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.flashflex-setup
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench lint plans profiles clean
+.PHONY: setup demo demo-finetune test bench lint plans profiles clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	bash scripts/demo.sh
+
+demo-finetune: setup
+	bash scripts/demo_finetune.sh
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

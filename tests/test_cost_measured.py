@@ -257,3 +257,17 @@ def test_diff_predicts_both_plans_afresh_with_profiles(files: dict[str, Path],
     assert report["identical"]  # both sides predicted the same way
     assert main(["diff", str(a), str(a), "--layers", str(files["layers"])]) == 2
     assert "need --cluster" in capsys.readouterr().err
+
+
+def test_a_llama_profile_does_not_describe_a_qwen2_or_windowed_model_of_the_same_widths() -> None:
+    """Biases and a sliding window change a layer's cost, so they are part of the shape a profile matches."""
+    from flashflex_cli.layers.schema import ModelShape
+    from flashflex_cli.model.spec import PRESETS
+
+    llama = PRESETS["llama-tiny"]
+    qwen = llama.model_copy(update={"family": "qwen2", "attention_bias": True})
+    mistral = llama.model_copy(update={"family": "mistral", "sliding_window": 16})
+    shapes = {ModelShape.of(m) for m in (llama, qwen, mistral)}
+    assert len(shapes) == 3
+    plain = ModelShape.of(llama).model_dump(exclude_none=True)
+    assert set(plain) == {"hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "vocab_size"}

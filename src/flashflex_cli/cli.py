@@ -12,6 +12,7 @@ import typer
 from . import __version__
 from .commands import calibrate as calibrate_commands
 from .commands import data as data_commands
+from .commands import export as export_commands
 from .commands import launch as launch_commands
 from .commands import planning as planning_commands
 from .commands import profile as profile_commands
@@ -47,6 +48,7 @@ planning_commands.register(app)
 launch_commands.register(app)
 data_commands.register(app)
 calibrate_commands.register(app)
+export_commands.register(app)
 
 
 def main(argv: list[str] | None = None) -> int:

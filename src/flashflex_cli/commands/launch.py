@@ -12,8 +12,10 @@ from rich.console import Console
 
 from ..errors import InputError
 from ..fileio import atomic_write_text, check_writable_output, refuse_same_path
+from ..launch.elastic_options import ElasticSettings, check_elastic_plan, elastic_options
 from ..launch.options import RunOptions
 from ..launch.preflight import check_run_dirs
+from ..launch.recorded_cluster import recorded_cluster_path
 from ..validate_numbers import port as port_number
 
 if TYPE_CHECKING:
@@ -52,16 +54,22 @@ def _check_outputs(launcher: str, script: Path | None, options: RunOptions, inpu
         check_run_dirs(options.out, options.checkpoint_dir)
 
 
-def _run_here(plan: Plan, plan_path: Path, options: RunOptions, lock_fds: tuple[int, ...], console: Console) -> None:
-    """Run every rank on this host; a stop signal ends with one line saying whether a checkpoint was written
-    (not an error line) and exit code 128 + the signal."""
+def _run_here(plan: Plan, plan_path: Path, options: RunOptions, lock_fds: tuple[int, ...], console: Console,
+              elastic: ElasticSettings | None = None) -> None:
+    """Run every rank on this host (re-planning on lost devices with `elastic`); a stop signal ends with one
+    line saying whether a checkpoint was written (not an error line) and exit code 128 + the signal."""
     from ..launch.failures import Interrupted
     from ..launch.local import launch_local
 
     console.print(f"launching {plan.world_size} ranks of {plan_path} on this host: {options.steps} steps, "
-                  f"data {options.data}", markup=False)
+                  f"data {options.data}" + (" (elastic)" if elastic else ""), markup=False)
     try:
-        launch_local(plan, options, inherit_fds=lock_fds)
+        if elastic is not None:
+            from ..launch.elastic import run_elastic
+
+            run_elastic(plan, options, elastic, lock_fds, lambda line: console.print(line, markup=False))
+        else:
+            launch_local(plan, options, inherit_fds=lock_fds)
     except Interrupted as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(exc.exit_code) from None
@@ -69,7 +77,8 @@ def _run_here(plan: Plan, plan_path: Path, options: RunOptions, lock_fds: tuple[
 
 def launch_command(
     plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan made by `flashflex plan`."),
-    cluster_path: Path = typer.Option(..., "--cluster", "-c", help="The cluster file the plan was made for."),
+    cluster_path: Path | None = typer.Option(None, "--cluster", "-c", help="The cluster file the plan was made "
+                                             "for (default: the file the plan records, sha256 checked)."),
     steps: int = typer.Option(10, "--steps", help="Optimizer steps to train (in total, counting resumed ones)."),
     data: str = typer.Option("synthetic", "--data", help="A token file from `flashflex data prepare`, or synthetic."),
     out: Path = typer.Option(Path("runs/run"), "--out", help="Run folder: metrics.jsonl goes here."),
@@ -80,6 +89,8 @@ def launch_command(
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder of checkpoints."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Save every K steps (0: only at the end and on SIGTERM)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint (any plan)."),
+    init_from: Path | None = typer.Option(None, "--init-from", help="Initial weights from a local Hugging Face "
+                                          "checkpoint folder (config.json + *.safetensors) of the plan's model."),
     timeout: float = typer.Option(60.0, "--timeout", help="Collective timeout in seconds: survivors of a dead "
                                   "rank exit after at most this long."),
     launcher: str = typer.Option("local", "--launcher", help="local: run every rank here, supervised; torchrun: "
@@ -97,26 +108,48 @@ def launch_command(
     job_name: str = typer.Option("flashflex", "--job-name", help="SLURM job name."),
     run_id: str = typer.Option("flashflex", "--run-id", help="Rendezvous id of rendered torchrun commands."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    elastic: bool = typer.Option(False, "--elastic", help="Survive lost devices: re-plan on the rest and resume "
+                                 "from the last checkpoint (docs/elastic.md)."),
+    max_restarts: int = typer.Option(3, "--max-restarts", help="With --elastic: re-plans after lost devices."),
+    min_devices: int = typer.Option(1, "--min-devices", help="With --elastic: stop below this many devices."),
+    cluster_watch: Path | None = typer.Option(None, "--cluster-watch", help="With --elastic: re-plan when this "
+                                              "cluster file changes and the new plan pays (--replan-gain)."),
+    replan_gain: float = typer.Option(10.0, "--replan-gain", metavar="PCT", help="With --cluster-watch: predicted "
+                                      "tokens/s gain in percent that a re-plan needs."),
+    layers: list[Path] | None = typer.Option(None, "--layers", help="With --elastic: the layer profiles the plan "
+                                             "was costed with, for re-planning."),
 ) -> None:
     """Check PLAN against the cluster, the machine and the data, then run it or render its launch commands."""
     from ..hardware.cluster import load_cluster
-    from ..launch.preflight import check_checkpoint_space, check_local_machine, check_plan_cluster, check_run
+    from ..launch.preflight import (
+        check_checkpoint_space,
+        check_init_from,
+        check_local_machine,
+        check_plan_cluster,
+        check_run,
+    )
     from ..plan.schema import load_plan
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     if launcher not in LAUNCHERS:
         raise InputError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     host_list, ifnames = _split(hosts, "--hosts"), _split(ifname, "--ifname") or ()
+    elastic_settings = elastic_options(elastic, launcher, max_restarts, min_devices, cluster_watch, replan_gain,
+                                       layers, checkpoint_dir)
+    if cluster_path is None:
+        cluster_path = recorded_cluster_path(plan_path)
     options = RunOptions(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
                          seed=seed, lr=lr, checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                          checkpoint_every=checkpoint_every, resume=resume, timeout_s=timeout,
-                         schedule_steps=schedule_steps)
+                         schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None)
     if launcher != "local":
         port_number(port)
     _check_outputs(launcher, script, options, _script_inputs(plan_path, cluster_path, data, template))
     plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
     check_plan_cluster(plan, cluster, str(cluster_path))
+    check_elastic_plan(plan, elastic_settings)
     warnings = check_run(plan, data, steps, options.checkpoint_dir, checkpoint_every, resume, schedule_steps)
+    warnings += check_init_from(plan, options.init_from, here=launcher == "local")
     if launcher == "local":
         from ..launch.local import dry_run_text
         from ..launch.lock import run_lock
@@ -131,17 +164,18 @@ def launch_command(
                 text = dry_run_text(plan, options)
                 typer.echo(json.dumps({"launcher": "local", "commands": [text]}) if as_json else text)
                 return
-            _run_here(plan, plan_path, options, lock.fds, console)
+            _run_here(plan, plan_path, options, lock.fds, console, elastic_settings)
         summary = {"launcher": "local", "run_dir": str(out), "metrics": str(out / "metrics.jsonl")}
         if as_json:
             typer.echo(json.dumps(summary))
         console.print(f"done: metrics in [bold]{out / 'metrics.jsonl'}[/]")
         return
     from ..launch.slurm import SlurmSettings, render_slurm
-    from ..launch.torchrun import RenderSettings, command_lines, render_torchrun
+    from ..launch.torchrun import ElasticRender, RenderSettings, command_lines, render_torchrun
 
     settings = RenderSettings(hosts=host_list, port=port, ifnames=ifnames, torchrun=torchrun, run_id=run_id,
-                              template=template)
+                              template=template,
+                              elastic=ElasticRender(max_restarts=max_restarts) if elastic_settings else None)
     if launcher == "torchrun":
         text = render_torchrun(plan, cluster, options, settings)
     else:

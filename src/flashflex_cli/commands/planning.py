@@ -19,6 +19,8 @@ from ..model.spec import ModelSpec, resolve_model
 from ..plan.diff import diff_plans
 from ..plan.render import render_baseline, render_diff, render_plan
 from ..plan.schema import Plan, TrainConfig, load_plan
+from ..planner.economics import annotated
+from .plan_objective import PRICES_HELP, Fleet, device_prices
 
 
 def _stderr() -> Console:
@@ -70,7 +72,10 @@ def plan_command(
     model: str = typer.Option(..., "--model", "-m", help="Model preset (e.g. llama2-7b) or a HF config.json."),
     global_batch: int = typer.Option(..., "--global-batch", "-b", help="Sequences per optimizer step."),
     seq_len: int = typer.Option(..., "--seq-len", "-s", help="Tokens per sequence."),
-    micro_batch: int = typer.Option(1, "--micro-batch", help="Sequences per micro-batch."),
+    micro_batch: int | None = typer.Option(None, "--micro-batch", help="Sequences per micro-batch (pins it; "
+                                           "default: searched per pipeline up to --max-micro-batch)."),
+    max_micro_batch: int = typer.Option(8, "--max-micro-batch", help="Largest micro-batch searched (1-1024)."),
+    jobs: int = typer.Option(0, "--jobs", help="Planner worker processes (0: every usable core)."),
     strategy: str = typer.Option("flashflex", "--strategy", help="flashflex, uniform or exhaustive (<= 12 devices)."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Plan file to write (atomically)."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout (nothing else there)."),
@@ -82,23 +87,41 @@ def plan_command(
     cost_params: Path | None = typer.Option(None, "--cost-params", help="JSON file of CostParams overrides."),
     layers: list[Path] | None = typer.Option(None, "--layers", help=LAYERS_HELP),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also plan the uniform baseline."),
+    prices_file: Path | None = typer.Option(None, "--prices", help=PRICES_HELP),
+    objective: str = typer.Option("throughput", "--objective",
+                                  help="throughput (most tokens/s) or cost (least money per token; needs --prices)."),
+    budget: float | None = typer.Option(None, "--budget", metavar="PER_HOUR",
+                                        help="Most tokens/s whose devices cost at most this per hour (--prices)."),
+    exclude: str | None = typer.Option(None, "--exclude", metavar="NODES", help="Nodes not to plan on: node3,node5."),
+    explain_groups: bool = typer.Option(False, "--explain", help="Per node group: drop it, re-plan, and print "
+                                        "what it adds in tokens/s and costs (with --prices)."),
 ) -> None:
     """Plan an asymmetric DP x PP x TP layout and print its predicted throughput next to the uniform one."""
+    from ..planner.pool import usable_cores
     from ..planner.search import SearchStats, plan_layout
 
     if out is not None:
         check_writable_output(out)
-        refuse_same_path(out, [cluster_file, cost_params, *(layers or [])])
+        refuse_same_path(out, [cluster_file, cost_params, prices_file, *(layers or [])])
     validate_numbers.seed(seed)
-    validate_numbers.batch_shape(global_batch, seq_len, micro_batch)
+    validate_numbers.int_in_range(max_micro_batch, "--max-micro-batch", 1, 1024)
+    validate_numbers.int_in_range(jobs, "--jobs", 0, 256)
+    validate_numbers.batch_shape(global_batch, seq_len, 1 if micro_batch is None else micro_batch)
     cluster = load_cluster(cluster_file)
     spec = resolve_model(model)
-    train = _train(global_batch, seq_len, micro_batch, dtype, recompute, attention)
+    train = _train(global_batch, seq_len, micro_batch or 1, dtype, recompute, attention)
     params = _cost_params(cost_params, layers, model=spec, train=train)
+    fleet = Fleet.from_options(cluster, prices_file, objective, budget, exclude)
     stats = SearchStats()
-    plan = plan_layout(cluster, spec, train, strategy=strategy, time_budget_s=time_budget, seed=seed,
-                       params=params, stats=stats)
+    plan = fleet.plan(lambda sub: plan_layout(
+        sub, spec, train, strategy=strategy, time_budget_s=time_budget, seed=seed,
+        params=params, stats=stats, max_micro_batch=max_micro_batch if micro_batch is None else None,
+        jobs=jobs or usable_cores()))
     plan = reestimated(plan, estimate(plan, cluster, params))  # records the layer profiles it used
+    # where `flashflex launch` finds the cluster when --cluster is not given (the sha256 is still checked)
+    recorded = plan.inputs.model_copy(update={"cluster_path": str(cluster_file)})
+    plan = plan.model_copy(update={"inputs": recorded})
+    plan = fleet.finish(plan, params)  # measured idle reasons, MFU over the whole cluster, dollars
     if out is not None:
         atomic_write_text(out, plan.to_json())
     if json_out:
@@ -108,13 +131,16 @@ def plan_command(
     uniform, why = None, ""
     if baseline and strategy != "uniform":
         try:
-            uniform = plan_layout(cluster, spec, train, strategy="uniform", seed=seed, params=params)
+            uniform = fleet.baseline(plan_layout(fleet.baseline_cluster(), spec, train, strategy="uniform",
+                                                 seed=seed, params=params))
         except FlashflexError as exc:
             why = str(exc)
     if strategy != "uniform":
         render_baseline(console, plan, uniform, why)
+    stats.seconds = max(stats.seconds, fleet.seconds)  # every re-plan of the objective search, when it ran
     console.print(f"  searched {stats.candidates} layouts, estimated {stats.estimated}, in {stats.seconds:.2f} s"
                   + (" (time budget reached: the result may depend on machine speed)" if stats.budget_hit else ""))
+    fleet.render(console, explain_groups)
     if out is not None:
         console.print(f"  wrote {out}")
 
@@ -130,8 +156,11 @@ def show_command(
                                         "predicted and measured per stage side by side."),
     timeline: Path | None = typer.Option(None, "--timeline", help="Draw the 1F1B schedules (predicted, and "
                                          "measured with --run) to this PNG (needs matplotlib)."),
+    prices_file: Path | None = typer.Option(None, "--prices", help="With --cluster: " + PRICES_HELP),
 ) -> None:
     """Render a plan; with --cluster, validate it there and predict it afresh (exit 1 if it cannot run)."""
+    if prices_file is not None and cluster_file is None and run_dir is None:
+        raise InputError("--prices needs --cluster (prices are per device type; the cluster names the types)")
     plan = load_plan(plan_file)
     console = _stderr()
     if run_dir is not None or timeline is not None:
@@ -140,11 +169,12 @@ def show_command(
         cluster_file = cluster_for_run(cluster_file, run_dir)
     if cluster_file is not None:
         cluster = load_cluster(cluster_file)
+        prices = device_prices(prices_file, cluster)
         result = validate_plan(plan, cluster, _cost_params(cost_params, layers, plan))
         for line in result.warnings:
             console.print(f"[yellow]warning[/yellow]: {line}")
         if result.estimate is not None:
-            plan = reestimated(plan, result.estimate)
+            plan = annotated(reestimated(plan, result.estimate), cluster, prices)
         compared = None
         if run_dir is not None or timeline is not None:
             from ..runs.show import plan_json_with_run, render_run, run_views
@@ -182,6 +212,7 @@ def diff_command(
         None, "--cluster", "-c", help="Predict both plans afresh on this cluster before comparing."),
     cost_params: Path | None = typer.Option(None, "--cost-params", help="With --cluster: CostParams overrides."),
     layers: list[Path] | None = typer.Option(None, "--layers", help="With --cluster: " + LAYERS_HELP),
+    prices_file: Path | None = typer.Option(None, "--prices", help="With --cluster: " + PRICES_HELP),
 ) -> None:
     """Structural changes and predicted-metric deltas from plan A to plan B (as written, or predicted afresh
     on --cluster with --layers profiles)."""
@@ -191,13 +222,14 @@ def diff_command(
 
     if fail_on_regression is not None:
         non_negative(fail_on_regression, "--fail-on-regression")
-    if cluster_file is None and (layers or cost_params is not None):
-        raise InputError("--layers and --cost-params need --cluster (diff compares the plans' own predictions "
-                         "otherwise)")
+    if cluster_file is None and (layers or cost_params is not None or prices_file is not None):
+        raise InputError("--layers, --cost-params and --prices need --cluster (diff compares the plans' own "
+                         "predictions otherwise)")
     a, b = load_plan(plan_a), load_plan(plan_b)
     if cluster_file is not None:
         cluster = load_cluster(cluster_file)
-        a, b = (_predicted_on(plan, cluster, cost_params, layers) for plan in (a, b))
+        prices = device_prices(prices_file, cluster)
+        a, b = (annotated(_predicted_on(plan, cluster, cost_params, layers), cluster, prices) for plan in (a, b))
     result = diff_plans(a, b)
     if json_out:
         typer.echo(json.dumps(result.to_json(), indent=2))

@@ -8,7 +8,7 @@ holders as a ring (one ring per TP slice, in parallel):
   hop = the slowest link of the ring through the holders' first devices, in pipeline order.
 When that ring crosses nodes, the TP slices' rings share the nodes' NICs, so the volume on the slowest
 hop is the whole segment gradient (x min TP). Embedding (first stages) and head (last stages) gradients
-are reduced the same way. A stage's DP time is the sum of the rings it takes part in (its devices run
+are reduced the same way (a tied embedding: among the first and the last stages together). A stage's DP time is the sum of the rings it takes part in (its devices run
 them one after another), or, when larger, the summed time of all rings crossing the NIC of a node its
 devices sit on (a NIC is one shared channel); it may start once every holder it shares a segment with
 has finished its last backward.
@@ -59,12 +59,14 @@ def _ring_seconds(plan: Plan, cluster: Cluster, holders: list[StageKey], param_c
 
 
 def dp_reduction(plan: Plan, cluster: Cluster, params: CostParams) -> DPResult:
-    """DP reduction time per stage for `plan` (no entries when the plan has one pipeline)."""
+    """DP reduction time per stage for `plan` (no entries when no stages share a parameter: one pipeline, and
+    no tied embedding held by both its first and last stage)."""
     seconds: dict[StageKey, float] = {}
     partners: dict[StageKey, set[StageKey]] = {}
-    if len(plan.pipelines) < 2:
-        return DPResult({}, {})
     model = plan.inputs.model
+    tied_ends = model.tie_embeddings and any(len(pipe.stages) > 1 for pipe in plan.pipelines)
+    if len(plan.pipelines) < 2 and not tied_ends:
+        return DPResult({}, {})
     cuts = sorted({b for pipe in plan.pipelines for st in pipe.stages for b in st.layers})
     segments: list[tuple[list[StageKey], float]] = []
     for lo, hi in zip(cuts, cuts[1:], strict=False):
@@ -75,11 +77,18 @@ def dp_reduction(plan: Plan, cluster: Cluster, params: CostParams) -> DPResult:
                     holders.append((p, s))
                     break
         segments.append((holders, (hi - lo) * F.layer_params(model)))
-    segments.append(([(p, 0) for p in range(len(plan.pipelines))], F.embedding_params(model)))
-    segments.append(([(p, len(pipe.stages) - 1) for p, pipe in enumerate(plan.pipelines)],
-                     F.head_params(model)))
+    lasts = [(p, len(pipe.stages) - 1) for p, pipe in enumerate(plan.pipelines)]
+    if model.tie_embeddings:  # the last stages' copies of the embedding reduce with the first stages'
+        segments.append(([(p, 0) for p in range(len(plan.pipelines))] + [k for k in lasts if k[1] > 0],
+                         F.embedding_params(model)))
+        segments.append((lasts, model.hidden_size))  # the final norm
+    else:
+        segments.append(([(p, 0) for p in range(len(plan.pipelines))], F.embedding_params(model)))
+        segments.append((lasts, F.head_params(model)))
     nic_load: dict[str, float] = {}
     for holders, count in segments:
+        if len(holders) < 2:
+            continue
         t, nodes = _ring_seconds(plan, cluster, holders, count, params)
         for key in holders:
             seconds[key] = seconds.get(key, 0.0) + t

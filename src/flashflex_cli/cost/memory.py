@@ -6,8 +6,10 @@ weights and gradients take 4 bytes each and there is no separate master copy. Ac
 model/flops.py; 1F1B keeps at most min(S - s, m) micro-batches alive on stage s of S (Narayanan et al.
 2021). Full recompute keeps only each layer's input per micro-batch plus one layer's full activations
 while it is recomputed. A non-fused (eager) attention also keeps the [b, heads / t, s, s] probabilities
-of every layer (Korthikanti et al. 2022, sec. 4.1), dtype bytes + CostParams.eager_score_bytes each.
-With a matching layer profile (cost/measured.py) the measured activation bytes per layer, embedding and
+of every layer (Korthikanti et al. 2022, sec. 4.1), dtype bytes + CostParams.eager_score_bytes each
+(with a sliding window w < s, its blocks of at most 2w - 1 keys per query: flops.score_pairs).
+Families: q/k/v biases are split with their rows (flops.layer_params_per_device); a tied embedding is
+held twice, by the first stage and (as the output projection) by the last, so both count it. With a matching layer profile (cost/measured.py) the measured activation bytes per layer, embedding and
 head and the measured fixed bytes replace the counted ones.
 """
 

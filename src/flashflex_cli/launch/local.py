@@ -13,10 +13,14 @@ MASTER_PORT of a TCP store this process serves). The launcher then polls every `
   waits up to STOP_GRACE_S + --timeout before SIGKILL, and a second signal kills at once. The last line says
   whether a checkpoint was written, looked up in the checkpoint folder;
 - when the launcher dies, even by SIGKILL, the workers die with it (parent-death signal, runtime/heartbeat.py).
+`RUN/workers.json` names each rank's pid, plan rank and device while the job runs (for operators and tests).
+`run_job` is the same supervision without the final report, for the elastic loop (launch/elastic.py): a poll
+hook may ask every worker to stop at the next step boundary with a checkpoint (`LocalJob.request_stop`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -26,20 +30,30 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from ..errors import RuntimeFailure
+from ..fileio import atomic_write_text
 from ..plan.schema import Plan
 from ..runtime import heartbeat
-from .failures import Interrupted, checkpoint_note, checkpoint_stamp, describe_failure, stop_text
+from .failures import (
+    CheckpointStamp,
+    Interrupted,
+    checkpoint_note,
+    checkpoint_stamp,
+    describe_failure,
+    stop_text,
+)
 from .options import WORKER_MODULE, RunOptions
 
 FAILURE_GRACE_S = 3.0  # after a rank failed: time for the others to see their collectives break and exit
 STOP_GRACE_S = 30.0  # after a stop signal (plus --timeout): time to finish the step and save a checkpoint
 PAUSE_S = 2.0  # a gap this long between two polls: the launcher itself was stopped (Ctrl-Z) or starved
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+WORKERS_FILE = "workers.json"  # in the run folder: pid, plan rank and device of every running worker
 
 
 def local_command(plan: Plan, options: RunOptions) -> list[str]:
@@ -117,6 +131,7 @@ class LocalJob:
         self.exits: dict[int, RankExit] = {}
         self.failing = False
         self.deadline: float | None = None
+        self.stop_requested = False  # the launcher itself asked every rank to stop at a step boundary
 
     def spawn(self, world: int, port: int, signals: StopSignals, inherit_fds: tuple[int, ...]) -> None:
         """Start local ranks 0..world-1 (fewer when a stop signal arrives meanwhile)."""
@@ -146,8 +161,31 @@ class LocalJob:
                     silent=worker.silent is not None, stopped=worker.killed and worker.silent is None)
 
     def failures(self) -> dict[int, RankExit]:
-        """The ranks that ended non-zero (or were found frozen)."""
-        return {rank: e for rank, e in self.exits.items() if e.exitcode != 0 or e.silent}
+        """The ranks that ended non-zero (or were found frozen). After `request_stop`, a rank that left quietly
+        on that SIGTERM before training began (exit 128 + 15) did not fail."""
+        quiet = 128 + int(signal.SIGTERM) if self.stop_requested else None
+        return {rank: e for rank, e in self.exits.items()
+                if (e.exitcode != 0 and e.exitcode != quiet) or e.silent}
+
+    def request_stop(self) -> None:
+        """Ask every running rank to stop after its current step with a checkpoint (SIGTERM: the workers agree
+        on the step through an all-reduce, save, and exit 0); SIGKILL after STOP_GRACE_S + --timeout."""
+        if self.stop_requested or self.failing:
+            return
+        self.stop_requested = True
+        self.signal_running(signal.SIGTERM, STOP_GRACE_S + self.options.timeout_s)
+
+    def write_workers(self, plan: Plan) -> None:
+        """Record pid, plan rank and device of every worker in RUN/workers.json (atomically)."""
+        ranks = plan.ranks()
+        rows = [{"local_rank": w.local_rank, "rank": ranks[w.local_rank].rank,
+                 "device": ranks[w.local_rank].device, "pid": w.proc.pid} for w in self.workers]
+        try:
+            atomic_write_text(os.path.join(self.options.out, WORKERS_FILE),
+                              json.dumps({"launcher_pid": os.getpid(), "plan": self.options.plan,
+                                          "workers": rows}, indent=2) + "\n")
+        except OSError:
+            pass  # a record for humans: never a reason to stop the job
 
     def signal_running(self, sig: signal.Signals, grace_s: float) -> None:
         """Send `sig` to every running worker; SIGKILL the ones still running `grace_s` seconds from now."""
@@ -197,10 +235,16 @@ class LocalJob:
             pass
 
 
-def _watch(job: LocalJob, signals: StopSignals, poll_s: float) -> None:
-    """Poll until every worker has exited, ending the job on a failure, a frozen rank or a stop signal."""
+PollHook = Callable[[LocalJob], None]
+
+
+def _watch(job: LocalJob, signals: StopSignals, poll_s: float, hook: PollHook | None = None) -> None:
+    """Poll until every worker has exited, ending the job on a failure, a frozen rank or a stop signal;
+    `hook(job)` runs once per poll while no signal arrived."""
     handled, last = 0, time.monotonic()
     while job.running():
+        if hook is not None and not signals.received:
+            hook(job)
         now = time.monotonic()
         if now - last > PAUSE_S:
             job.forgive_pause()
@@ -225,6 +269,42 @@ def _serve_store(timeout_s: float) -> Any:
     return TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
 
+@dataclass
+class JobOutcome:
+    """How a local job ended: the stop signals the launcher received, the failed ranks (by local rank = plan
+    rank), and whether the launcher itself stopped it at a step boundary (`LocalJob.request_stop`)."""
+
+    signals: list[signal.Signals] = field(default_factory=list)
+    failures: dict[int, RankExit] = field(default_factory=dict)
+    stopped: bool = False
+
+
+def run_job(plan: Plan, options: RunOptions, poll_s: float = 0.1, inherit_fds: tuple[int, ...] = (),
+            hook: PollHook | None = None) -> JobOutcome:
+    """Run every rank of the plan on this host and supervise them until the last one ended (module docstring);
+    returns how it ended, raising only when a worker cannot be started."""
+    job_dir = tempfile.mkdtemp(prefix=f"flashflex-{uuid.uuid4().hex[:8]}-")
+    job = LocalJob(options, job_dir)
+    try:
+        with StopSignals() as signals:
+            store = _serve_store(options.timeout_s)
+            job.spawn(plan.world_size, store.port, signals, inherit_fds)
+            job.write_workers(plan)
+            _watch(job, signals, poll_s, hook)
+    finally:
+        job.kill_running()
+        for worker in job.workers:
+            worker.proc.wait()
+        shutil.rmtree(job_dir, ignore_errors=True)
+    return JobOutcome(list(signals.received), job.failures(), job.stop_requested)
+
+
+def interrupted(outcome: JobOutcome, options: RunOptions, before: CheckpointStamp | None) -> Interrupted:
+    """The one-line ending of a job stopped by a signal, saying whether a checkpoint was written."""
+    sig = outcome.signals[0]
+    return Interrupted(f"{stop_text(sig)}: {checkpoint_note(options.checkpoint_dir, before)}", 128 + int(sig))
+
+
 def launch_local(plan: Plan, options: RunOptions, poll_s: float = 0.1, inherit_fds: tuple[int, ...] = ()) -> None:
     """Run the plan on this host; returns when every rank finished. Raises RuntimeFailure when one failed or
     froze, Interrupted (exit code 128 + signal) when a signal stopped the job.
@@ -232,21 +312,8 @@ def launch_local(plan: Plan, options: RunOptions, poll_s: float = 0.1, inherit_f
     inherit_fds: open descriptors the workers keep (the run-folder locks, launch/lock.py).
     """
     before = checkpoint_stamp(options.checkpoint_dir)
-    job_dir = tempfile.mkdtemp(prefix=f"flashflex-{uuid.uuid4().hex[:8]}-")
-    job = LocalJob(options, job_dir)
-    try:
-        with StopSignals() as signals:
-            store = _serve_store(options.timeout_s)
-            job.spawn(plan.world_size, store.port, signals, inherit_fds)
-            _watch(job, signals, poll_s)
-    finally:
-        job.kill_running()
-        for worker in job.workers:
-            worker.proc.wait()
-        shutil.rmtree(job_dir, ignore_errors=True)
-    if signals.received:
-        sig = signals.received[0]
-        raise Interrupted(f"{stop_text(sig)}: {checkpoint_note(options.checkpoint_dir, before)}", 128 + int(sig))
-    failures = job.failures()
-    if failures:
-        raise describe_failure(plan, None, failures)
+    outcome = run_job(plan, options, poll_s, inherit_fds)
+    if outcome.signals:
+        raise interrupted(outcome, options, before)
+    if outcome.failures:
+        raise describe_failure(plan, None, outcome.failures)

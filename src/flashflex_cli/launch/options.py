@@ -31,6 +31,7 @@ class RunOptions:
     resume: bool = False
     timeout_s: float = 60.0
     schedule_steps: int | None = None
+    init_from: str | None = None  # a local Hugging Face checkpoint folder for the initial weights (hf/load.py)
 
     def __post_init__(self) -> None:
         """Range-check the numbers (InputError naming the option): nothing starts with a bad one."""
@@ -53,6 +54,8 @@ class RunOptions:
             argv += ["--checkpoint-dir", self.checkpoint_dir, "--checkpoint-every", str(self.checkpoint_every)]
         if self.resume:
             argv.append("--resume")
+        if self.init_from:
+            argv += ["--init-from", self.init_from]
         if node is not None:
             argv += ["--plan-node", node]
         return argv

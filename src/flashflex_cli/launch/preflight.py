@@ -166,6 +166,20 @@ def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, che
     return warnings
 
 
+def check_init_from(plan: Plan, init_from: str | None, here: bool = True) -> list[str]:
+    """--init-from names a Hugging Face checkpoint of the plan's model: config.json equal field by field, the
+    safetensors files readable, every tensor present with its shape and a float dtype (headers only, hf/load.py).
+    `here` False (rendered scripts for other hosts): a folder absent on this machine is a warning."""
+    if init_from is None:
+        return []
+    if not here and not Path(init_from).exists():
+        return [f"--init-from {init_from} is not on this machine: it was not checked"]
+    from ..hf.load import check_checkpoint
+
+    check_checkpoint(init_from, plan.inputs.model)
+    return []
+
+
 def _checked_manifest(found: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """The manifest fields a resume compares: model and train objects, step (and steps) integers."""
     for key, kind in (("model", dict), ("train", dict), ("step", int)):

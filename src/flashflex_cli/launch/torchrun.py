@@ -29,6 +29,17 @@ class RenderSettings:
     torchrun: str = "torchrun"
     run_id: str = "flashflex"
     template: str | None = None
+    elastic: ElasticRender | None = None
+
+
+@dataclass(frozen=True)
+class ElasticRender:
+    """An elastic rendering (launchers/torchrun-elastic.sh.tmpl): torch elastic restarts with a rendezvous of
+    min_nodes..all hosts; last_call_s: seconds the rendezvous waits for late hosts once min_nodes joined."""
+
+    max_restarts: int = 3
+    min_nodes: int = 1
+    last_call_s: int = 5
 
 
 def _env_prefix(settings: RenderSettings, index: int) -> str:
@@ -85,9 +96,13 @@ def global_values(plan: Plan, layouts: list[NodeLayout], options: RunOptions,
 def render_torchrun(plan: Plan, cluster: Cluster | None, options: RunOptions, settings: RenderSettings) -> str:
     """A shell script with one torchrun command line per host (comment lines name the host)."""
     layouts = node_layouts(plan, cluster, list(settings.hosts) if settings.hosts else None)
-    template = find_template(settings.template or "torchrun")
-    return render(template, global_values(plan, layouts, options, settings),
-                  node_values(layouts, options, settings))
+    elastic = settings.elastic
+    template = find_template(settings.template or ("torchrun-elastic" if elastic else "torchrun"))
+    values = global_values(plan, layouts, options, settings)
+    if elastic is not None:
+        values.update(nnodes_range=f"{min(elastic.min_nodes, len(layouts))}:{len(layouts)}",
+                      max_restarts=elastic.max_restarts, last_call_s=elastic.last_call_s)
+    return render(template, values, node_values(layouts, options, settings))
 
 
 def command_lines(script: str) -> list[str]:

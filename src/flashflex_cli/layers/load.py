@@ -48,4 +48,4 @@ def check_profile_fits(path: str | os.PathLike[str], profile: LayerProfile, mode
 
 def _shown(value: object) -> object:
     """A value as a message shows it (a pydantic model as its dict)."""
-    return value.model_dump() if isinstance(value, ModelShape) else value
+    return value.model_dump(exclude_none=True) if isinstance(value, ModelShape) else value

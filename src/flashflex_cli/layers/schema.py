@@ -37,19 +37,27 @@ class _Strict(BaseModel):
 
 
 class ModelShape(_Strict):
-    """The shape a profile was measured for: what sets a layer's cost (not its depth or name)."""
+    """The shape a profile was measured for: what sets a layer's cost (not its depth or name). The optional
+    keys are absent (None) for a plain Llama layer: `head_dim` only where it is not hidden_size / num_heads,
+    `attention_bias` (q/k/v biases, Qwen2) only when true, `sliding_window` (keys per query, Mistral) only
+    when set; so a Llama profile never matches a Qwen2 or windowed model of the same widths."""
 
     hidden_size: PositiveInt
     num_heads: PositiveInt
     num_kv_heads: PositiveInt
     intermediate_size: PositiveInt
     vocab_size: PositiveInt
+    head_dim: PositiveInt | None = None
+    attention_bias: Literal[True] | None = None
+    sliding_window: PositiveInt | None = None
 
     @classmethod
     def of(cls, model: ModelSpec) -> ModelShape:
         """The shape of `model`."""
         return cls(hidden_size=model.hidden_size, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                   intermediate_size=model.intermediate_size, vocab_size=model.vocab_size)
+                   intermediate_size=model.intermediate_size, vocab_size=model.vocab_size,
+                   head_dim=model.head_dim_override, attention_bias=True if model.attention_bias else None,
+                   sliding_window=model.sliding_window)
 
 
 class PartCost(_Strict):

@@ -1,18 +1,64 @@
-"""ModelSpec: the shape of a Llama-family decoder, from a preset name or a Hugging Face config.json."""
+"""ModelSpec: the shape of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2), from a preset name or a
+Hugging Face config.json (read by model/hf_config.py)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PositiveFloat,
+    PositiveInt,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from ..errors import InputError
-from ..fileio import read_json, validation_message
+
+Family = Literal["llama", "mistral", "qwen2"]
+FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+
+
+class RopeScaling(BaseModel):
+    """Llama 3.1 rotary frequency remapping ("llama3"): wavelengths above original_max_position_embeddings /
+    low_freq_factor are stretched by `factor`, those below original / high_freq_factor are kept, and the band
+    between is interpolated (Meta, Llama 3.1 release, 2024). Wavelengths in tokens."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["llama3"] = "llama3"
+    factor: PositiveFloat
+    low_freq_factor: PositiveFloat
+    high_freq_factor: PositiveFloat
+    original_max_position_embeddings: PositiveInt
+
+    @model_validator(mode="after")
+    def _band(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor {self.high_freq_factor} must exceed low_freq_factor "
+                             f"{self.low_freq_factor}")
+        return self
+
+
+# Fields added after plan format 1 was first written: at these values they mean what a plan without them
+# meant (a Llama decoder), and they are left out of dumps so such plans and checkpoints stay byte-identical.
+_LATER_FIELDS: dict[str, Any] = {"family": "llama", "head_dim_override": None, "attention_bias": False,
+                                 "sliding_window": None, "rope_scaling": None, "max_position_embeddings": None}
 
 
 class ModelSpec(BaseModel):
-    """A Llama-family decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP."""
+    """A Llama-family decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+
+    family: "llama", "mistral" or "qwen2" (what export writes as model_type). head_dim_override: an explicit
+    head size (None: hidden_size / num_heads). attention_bias: biases on the q, k and v projections (Qwen2).
+    sliding_window: each query attends to at most this many keys, itself included (Mistral; None: all
+    earlier keys). rope_scaling: Llama 3.1 frequency remapping. max_position_embeddings: the context length
+    the source config declares (informational). tie_embeddings: the output head is the input embedding.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -26,21 +72,41 @@ class ModelSpec(BaseModel):
     rope_theta: PositiveFloat = 10000.0
     norm_eps: PositiveFloat = 1e-5
     tie_embeddings: bool = False
+    family: Family = "llama"
+    head_dim_override: PositiveInt | None = None
+    attention_bias: bool = False
+    sliding_window: PositiveInt | None = None
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:
-        if self.hidden_size % self.num_heads:
+        if self.head_dim_override is None and self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
-        if (self.hidden_size // self.num_heads) % 2:
+        if self.head_dim % 2:
             raise ValueError("head dimension must be even for rotary embeddings")
+        if self.attention_bias != (self.family == "qwen2"):
+            raise ValueError(f"attention_bias {self.attention_bias} does not match family {self.family!r} "
+                             "(q/k/v biases are Qwen2's, Llama and Mistral have none)")
+        if self.sliding_window is not None and self.family == "llama":
+            raise ValueError("sliding_window needs family 'mistral' or 'qwen2' (Llama attends to every earlier "
+                             "token)")
         return self
+
+    @model_serializer(mode="wrap")
+    def _drop_later_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key, default in _LATER_FIELDS.items():
+            if key in data and data[key] == default:
+                del data[key]
+        return data
 
     @property
     def head_dim(self) -> int:
         """Size of one attention head."""
-        return self.hidden_size // self.num_heads
+        return self.head_dim_override or self.hidden_size // self.num_heads
 
     def supports_tp(self, tp: int) -> bool:
         """True when a TP degree divides query heads, key/value heads and the MLP width."""
@@ -76,29 +142,17 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
-    """Read a Hugging Face Llama `config.json` into a ModelSpec."""
-    data = read_json(path)
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: expected a JSON object")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                           "vocab_size") if k not in data]
-    if missing:
-        raise InputError(f"{path}: not a Llama config, missing {', '.join(missing)}")
-    try:
-        return ModelSpec(
-            name=str(data.get("_name_or_path") or Path(path).parent.name or "hf-model"),
-            hidden_size=data["hidden_size"],
-            num_layers=data["num_hidden_layers"],
-            num_heads=data["num_attention_heads"],
-            num_kv_heads=data.get("num_key_value_heads") or data["num_attention_heads"],
-            intermediate_size=data["intermediate_size"],
-            vocab_size=data["vocab_size"],
-            rope_theta=data.get("rope_theta", 10000.0),
-            norm_eps=data.get("rms_norm_eps", 1e-5),
-            tie_embeddings=bool(data.get("tie_word_embeddings", False)),
-        )
-    except ValidationError as exc:
-        raise InputError(validation_message(str(path), exc)) from None
+    """Read a Hugging Face `config.json` (Llama, Mistral or Qwen2) into a ModelSpec; see model/hf_config.py."""
+    from .hf_config import read_hf_config
+
+    return read_hf_config(path)
+
+
+def to_hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """The Hugging Face `config.json` dict of `spec`; see model/hf_config.py."""
+    from .hf_config import hf_config_dict
+
+    return hf_config_dict(spec)
 
 
 def resolve_model(name_or_path: str) -> ModelSpec:

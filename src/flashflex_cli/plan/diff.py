@@ -13,6 +13,10 @@ from typing import Any
 from .schema import Plan
 
 METRICS = ("tokens_per_s", "mfu", "iteration_time_s")
+# compared when either plan's prediction has them: MFU over every device of the cluster (from
+# `peak_flops_cluster`), and `predicted.dollars` (a prices file's cost per hour and per million tokens)
+OPTIONAL_METRICS = ("mfu_cluster", "per_hour_used", "per_hour_cluster", "per_million_tokens_used",
+                    "per_million_tokens_cluster")
 
 
 @dataclass(frozen=True)
@@ -136,4 +140,21 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     for name in METRICS:
         va, vb = pa_.get(name), pb_.get(name)
         out.metrics.append(MetricDelta(name, None if va is None else float(va), None if vb is None else float(vb)))
+    da, db = pa_.get("dollars") or {}, pb_.get("dollars") or {}
+    if da and db and (da.get("currency"), da.get("prices_sha256")) != (db.get("currency"), db.get("prices_sha256")):
+        out.changes.append(f"prices: {da.get('currency', '?')} ({str(da.get('prices_sha256', ''))[:12]}) -> "
+                           f"{db.get('currency', '?')} ({str(db.get('prices_sha256', ''))[:12]})")
+    for name in OPTIONAL_METRICS:
+        va, vb = optional_metric(pa_, name), optional_metric(pb_, name)
+        if va is not None or vb is not None:
+            out.metrics.append(MetricDelta(name, va, vb))
     return out
+
+
+def optional_metric(predicted: dict[str, Any], name: str) -> float | None:
+    """One of OPTIONAL_METRICS from a prediction; None when it does not carry it."""
+    if name == "mfu_cluster":
+        mfu, used, whole = (predicted.get(k) for k in ("mfu", "peak_flops_used", "peak_flops_cluster"))
+        return None if not (mfu is not None and used and whole) else float(mfu) * float(used) / float(whole)
+    value = (predicted.get("dollars") or {}).get(name)
+    return None if value is None else float(value)

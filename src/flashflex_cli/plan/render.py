@@ -35,13 +35,52 @@ def compact_devices(devices: list[str]) -> str:
     return ",".join(out)
 
 
-def summary_line(predicted: dict[str, Any] | None) -> str:
-    """Predicted tokens/s, MFU and iteration time in one line."""
+def mfu_text(predicted: dict[str, Any], used_devices: int | None = None) -> str:
+    """MFU over the devices used and, when the prediction carries the cluster's peak, over every device of
+    the cluster (the basis on which layouts using different device sets compare), both labelled."""
+    mfu = predicted["mfu"]
+    peak_used, peak_all = predicted.get("peak_flops_used"), predicted.get("peak_flops_cluster")
+    if not peak_used or not peak_all:
+        return f"MFU {mfu * 100:.1f}%"
+    used = f"the {used_devices} devices used" if used_devices is not None else "the devices used"
+    total = predicted.get("devices_cluster")
+    every = f"all {total} devices" if total is not None else "the whole cluster"
+    return f"MFU {mfu * 100:.1f}% of {used}, {mfu * peak_used / peak_all * 100:.1f}% of {every}"
+
+
+def dollars_text(predicted: dict[str, Any]) -> str:
+    """Cost per hour and per million tokens, over the devices used and over the whole cluster ("" when the
+    prediction has no prices)."""
+    money = predicted.get("dollars")
+    if not isinstance(money, dict):
+        return ""
+    cur = money.get("currency", "")
+
+    def num(key: str, fmt: str) -> str:
+        value = money.get(key)
+        return "?" if value is None else format(value, fmt)
+
+    return (f"{cur} {num('per_hour_used', ',.2f')}/h for the devices used ({num('per_hour_cluster', ',.2f')}/h "
+            f"for all), {cur} {num('per_million_tokens_used', ',.4g')} per million tokens "
+            f"({num('per_million_tokens_cluster', ',.4g')} charging all)")
+
+
+def summary_line(predicted: dict[str, Any] | None, used_devices: int | None = None) -> str:
+    """Predicted tokens/s, MFU (both bases when known) and iteration time in one line, then dollars."""
     if not predicted:
         return "no prediction"
-    return (f"{predicted['tokens_per_s']:,.0f} tokens/s, MFU {predicted['mfu'] * 100:.1f}%, "
+    money = dollars_text(predicted)
+    return (f"{predicted['tokens_per_s']:,.0f} tokens/s, {mfu_text(predicted, used_devices)}, "
             f"iteration {predicted['iteration_time_s'] * 1e3:,.1f} ms"
-            + ("" if predicted.get("fits", True) else ", DOES NOT FIT"))
+            + ("" if predicted.get("fits", True) else ", DOES NOT FIT") + (f"; {money}" if money else ""))
+
+
+def unused_lines(plan: Plan) -> list[str]:
+    """One line per distinct reason: the devices left idle for it (compacted, plan order) and the reason."""
+    by_reason: dict[str, list[str]] = {}
+    for unused in plan.unused_devices:
+        by_reason.setdefault(unused.reason, []).append(unused.device)
+    return [f"unused {compact_devices(devices)}: {reason}" for reason, devices in by_reason.items()]
 
 
 def plan_table(plan: Plan, title: str | None = None) -> Table:
@@ -74,13 +113,13 @@ def plan_table(plan: Plan, title: str | None = None) -> Table:
 def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
     """Print a plan: stage table, unused devices, predicted figures."""
     console.print(plan_table(plan, title))
-    for unused in plan.unused_devices:
-        console.print(f"  unused {unused.device}: {unused.reason}")
+    for line in unused_lines(plan):
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     train = plan.inputs.train
     console.print(f"  global batch {train.global_batch} x seq {train.seq_len} ({train.dtype}, {train.attention} attention"
                   f"{', recompute' if train.recompute else ''}), {plan.world_size} devices, "
                   f"{len(plan.pipelines)} pipelines")
-    console.print(f"  predicted: {summary_line(plan.predicted)}")
+    console.print(f"  predicted: {summary_line(plan.predicted, plan.world_size)}", soft_wrap=True)
     stages = (plan.predicted or {}).get("stages", [])
     if stages and all(str(s.get("source", "modelled")) == "modelled" for s in stages):
         console.print("  every stage modelled (analytic cost model: no layer profile matched)")
@@ -92,12 +131,13 @@ def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
 
 def render_baseline(console: Console, plan: Plan, baseline: Plan | None, reason: str = "") -> None:
     """One line each for the plan and the uniform baseline, and their tokens/s ratio."""
-    console.print(f"  {plan.inputs.strategy:>9}: {summary_line(plan.predicted)}")
+    console.print(f"  {plan.inputs.strategy:>9}: {summary_line(plan.predicted, plan.world_size)}", soft_wrap=True)
     if baseline is None:
         console.print(f"    uniform: {reason or 'no symmetric layout fits'}")
         return
     layout = f"{len(baseline.pipelines)}x{len(baseline.pipelines[0].stages)}x{baseline.pipelines[0].stages[0].tp}"
-    console.print(f"    uniform: {summary_line(baseline.predicted)} (DP x PP x TP {layout})")
+    console.print(f"    uniform: {summary_line(baseline.predicted, baseline.world_size)} (DP x PP x TP {layout})",
+                  soft_wrap=True)
     a, b = (plan.predicted or {}).get("tokens_per_s"), (baseline.predicted or {}).get("tokens_per_s")
     if a and b:
         console.print(f"  ratio {plan.inputs.strategy} / uniform: {a / b:.2f}x tokens/s")
@@ -114,7 +154,7 @@ def render_diff(console: Console, diff: PlanDiff, name_a: str, name_b: str) -> N
     for name in ("metric", "A", "B", "change"):
         table.add_column(name, justify="right" if name != "metric" else "left")
     for m in diff.metrics:
-        fmt = (lambda v: f"{v * 100:.2f}%") if m.name == "mfu" else (lambda v: f"{v:,.6g}")
+        fmt = (lambda v: f"{v * 100:.2f}%") if m.name in ("mfu", "mfu_cluster") else (lambda v: f"{v:,.6g}")
         table.add_row(m.name, "-" if m.a is None else fmt(m.a), "-" if m.b is None else fmt(m.b),
                       "-" if m.pct is None else f"{m.pct:+.2f}%")
     console.print(table)

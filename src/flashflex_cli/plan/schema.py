@@ -96,7 +96,9 @@ class UnusedDevice(_Strict):
 
 class PlanInputs(_Strict):
     """What the plan was made from: the cluster (by hash), the model, the training configuration, and the
-    sha256 of every measured layer profile its prediction used (absent: none, or an earlier version)."""
+    sha256 of every measured layer profile its prediction used (absent: none, or an earlier version).
+    cluster_path: the cluster file as `flashflex plan` was given it (absent in older plans); `flashflex launch`
+    without --cluster opens it and still checks its sha256."""
 
     cluster_sha256: str
     cluster_name: str = ""
@@ -105,10 +107,14 @@ class PlanInputs(_Strict):
     strategy: str = "manual"
     seed: int = 0
     layer_profiles: list[str] | None = None
+    cluster_path: str | None = None
 
 
 _PREDICTED_REQUIRED = ("tokens_per_s", "mfu", "iteration_time_s")
-_PREDICTED_NUMBERS = ("model_flops_per_token", "peak_flops_used", "dp_exposed_s", "optimizer_s")
+_PREDICTED_NUMBERS = ("model_flops_per_token", "peak_flops_used", "dp_exposed_s", "optimizer_s",
+                      "peak_flops_cluster")
+# optional `predicted.dollars` (planner/economics.py): cost per hour and per million tokens; null = unknown
+_DOLLAR_NUMBERS = ("per_hour_used", "per_hour_cluster", "per_million_tokens_used", "per_million_tokens_cluster")
 _STAGE_NUMBERS = ("time_s", "memory_bytes", "memory_capacity_bytes")
 
 
@@ -142,6 +148,14 @@ def check_predicted(predicted: dict[str, Any] | None) -> dict[str, Any] | None:
     for key in _PREDICTED_NUMBERS:
         if key in predicted:
             _expect(predicted[key], "number", f"predicted.{key}")
+    if "devices_cluster" in predicted:
+        _expect(predicted["devices_cluster"], "integer", "predicted.devices_cluster")
+    if "dollars" in predicted:
+        _expect(predicted["dollars"], "object", "predicted.dollars")
+        for key in _DOLLAR_NUMBERS:
+            if predicted["dollars"].get(key) is not None:
+                _expect(predicted["dollars"][key], "number", f"predicted.dollars.{key}")
+        _expect(predicted["dollars"].get("currency", ""), "str", "predicted.dollars.currency")
     if "fits" in predicted:
         _expect(predicted["fits"], "bool", "predicted.fits")
     for key in ("stages", "pipelines", "problems"):

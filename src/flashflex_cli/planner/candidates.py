@@ -22,11 +22,13 @@ from .pipeline import PipeEval
 
 @dataclass(frozen=True)
 class Candidate:
-    """Pipelines (in canonical order), their micro-batch counts, and the fast score in seconds."""
+    """Pipelines (in canonical order), their micro-batch counts, the fast score in seconds, and each
+    pipeline's micro-batch size in sequences (None: the training configuration's, for every pipeline)."""
 
     pipes: tuple[PipeEval, ...]
     micro: tuple[int, ...]
     score_s: float
+    mbs: tuple[int, ...] | None = None
 
     @cached_property
     def used(self) -> frozenset[int]:
@@ -35,7 +37,8 @@ class Candidate:
 
     def signature(self) -> tuple:
         """Canonical identity of the layout (for de-duplication and deterministic tie-breaks)."""
-        return tuple((pipe.stages, pipe.counts, m) for pipe, m in zip(self.pipes, self.micro, strict=True))
+        base = tuple((pipe.stages, pipe.counts, m) for pipe, m in zip(self.pipes, self.micro, strict=True))
+        return base if self.mbs is None else (*base, self.mbs)
 
 
 def _rings(cache: CostCache, firsts: np.ndarray, tps: np.ndarray, nbytes: float,
@@ -63,45 +66,58 @@ def _rings(cache: CostCache, firsts: np.ndarray, tps: np.ndarray, nbytes: float,
     return seconds
 
 
+def _rows(cache: CostCache, pipe: PipeEval) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer of one pipeline: its stage's first device, TP degree and stage index (int64 [L] each), and
+    every stage's first device (int64 [S]); memoised on the cache by (stages, counts)."""
+    key = (pipe.stages, pipe.counts)
+    hit = cache.dp_rows.get(key)
+    if hit is None:
+        counts = np.asarray(pipe.counts)
+        heads = np.array([st[0] for st in pipe.stages], dtype=np.int64)
+        hit = (np.repeat(heads, counts), np.repeat(np.array([len(st) for st in pipe.stages], dtype=np.int64), counts),
+               np.repeat(np.arange(len(counts), dtype=np.int64), counts), heads)
+        cache.dp_rows[key] = hit
+    return hit
+
+
 def dp_time(cache: CostCache, pipes: tuple[PipeEval, ...]) -> float:
     """Seconds of the data-parallel gradient reduction of the slowest stage (module docstring).
 
     As cost/dp.py: every layer's gradient is ring-reduced among the stages holding it (one per
     pipeline), through their first devices in pipeline order; a stage's time is the sum over its layers,
     plus the embedding (first stages) and head (last stages) rings, or the load of its node's NIC (every
-    ring crossing that node queues there) when larger.
+    ring crossing that node queues there) when larger. Vectorised over pipelines and layers; every stage's
+    sum adds its layers in layer order, as a per-pipeline `np.bincount` would.
     """
     count = len(pipes)
     if count < 2:
         return 0.0
     g = cache.graph
-    layers = cache.model.num_layers
-    firsts = np.empty((count, layers), dtype=np.int64)
-    tps = np.empty((count, layers), dtype=np.int64)
-    owner = np.empty((count, layers), dtype=np.int64)
-    for p, pipe in enumerate(pipes):
-        counts = np.asarray(pipe.counts)
-        owner[p] = np.repeat(np.arange(len(counts)), counts)
-        firsts[p] = np.repeat([st[0] for st in pipe.stages], counts)
-        tps[p] = np.repeat([len(st) for st in pipe.stages], counts)
+    rows = [_rows(cache, pipe) for pipe in pipes]
+    firsts = np.stack([r[0] for r in rows])
+    tps = np.stack([r[1] for r in rows])
+    stages = np.array([len(r[3]) for r in rows], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(stages)[:-1]])
+    owner = np.stack([r[2] for r in rows]) + offsets[:, None]
+    heads = np.concatenate([r[3] for r in rows])
     nic_load = np.zeros(len(g.cluster.nodes))
     per_layer = _rings(cache, firsts, tps, cache.layer_grad_bytes, nic_load)
     ends = np.array([[pipe.stages[0][0]] for pipe in pipes]), np.array([[pipe.stages[-1][0]] for pipe in pipes])
     end_tps = np.array([[len(pipe.stages[0])] for pipe in pipes]), np.array([[len(pipe.stages[-1])] for pipe in pipes])
     embed_s = float(_rings(cache, ends[0], end_tps[0], cache.embed_grad_bytes, nic_load)[0])
     head_s = float(_rings(cache, ends[1], end_tps[1], cache.head_grad_bytes, nic_load)[0])
-    worst = 0.0
-    for p, pipe in enumerate(pipes):
-        sums = np.bincount(owner[p], weights=per_layer, minlength=pipe.num_stages)
-        sums[0] += embed_s
-        sums[-1] += head_s
-        busiest = nic_load[g.node[[st[0] for st in pipe.stages]]]
-        worst = max(worst, float(np.maximum(sums, busiest).max()))
-    return worst
+    sums = np.bincount(owner.ravel(), weights=np.tile(per_layer, count), minlength=len(heads))
+    sums[offsets] += embed_s
+    sums[offsets + stages - 1] += head_s
+    busiest = nic_load[g.node[heads]]
+    return float(np.maximum(sums, busiest).max())
 
 
-def score(cache: CostCache, pipes: list[PipeEval] | tuple[PipeEval, ...], total_micro: int) -> Candidate | None:
-    """Batch-split `pipes` and score them; None when a pipeline does not fit or the batch is too small."""
+def score(cache: CostCache, pipes: list[PipeEval] | tuple[PipeEval, ...], total_micro: int,
+          bound: float = float("inf")) -> Candidate | None:
+    """Batch-split `pipes` and score them; None when a pipeline does not fit or the batch is too small, or
+    when the slowest pipeline alone already takes `bound` seconds or more (the score can only be larger, so
+    the data-parallel term is not computed)."""
     if not pipes or not all(pipe.ok for pipe in pipes):
         return None
     ordered = tuple(sorted(pipes, key=lambda pipe: min(pipe.devices)))
@@ -110,6 +126,8 @@ def score(cache: CostCache, pipes: list[PipeEval] | tuple[PipeEval, ...], total_
     if micro is None:
         return None
     slowest = max(pipeline_time(p.pace_s, p.fill_s, m) for p, m in zip(ordered, micro, strict=True))
+    if slowest >= bound:
+        return None
     return Candidate(ordered, tuple(micro), slowest + dp_time(cache, ordered))
 
 
@@ -118,18 +136,18 @@ def build_plan(cache: CostCache, cand: Candidate, strategy: str, seed: int,
     """The `Plan` of a candidate, with `predicted` from the cost model's `estimate`."""
     g, train, model = cache.graph, cache.train, cache.model
     pipelines = []
-    for pipe, micro in zip(cand.pipes, cand.micro, strict=True):
+    sizes = cand.mbs or (train.micro_batch_size,) * len(cand.pipes)
+    for pipe, micro, mbs in zip(cand.pipes, cand.micro, sizes, strict=True):
         start, stages = 0, []
         for devs, n in zip(pipe.stages, pipe.counts, strict=True):
             stages.append(StagePlan(devices=[g.ids[i] for i in devs], tp=len(devs), layers=(start, start + n)))
             start += n
-        pipelines.append(PipelinePlan(micro_batch_size=train.micro_batch_size, num_micro_batches=micro,
-                                      stages=stages))
+        pipelines.append(PipelinePlan(micro_batch_size=mbs, num_micro_batches=micro, stages=stages))
     used = cand.used
     reasons = unused or {}
     idle = [UnusedDevice(device=g.ids[i], reason=reasons.get(g.ids[i], "the fastest plan found leaves it idle"))
             for i in range(g.size) if i not in used]
-    inputs = PlanInputs(cluster_sha256=g.cluster.sha256(), cluster_name=g.cluster.name, model=model, train=train,
+    inputs = PlanInputs(cluster_sha256=g.cluster_sha256, cluster_name=g.cluster.name, model=model, train=train,
                         strategy=strategy, seed=seed)
     plan = Plan(inputs=inputs, pipelines=pipelines, unused_devices=idle)
     if predict:

@@ -27,7 +27,9 @@ class CostCache:
     def __init__(self, graph: DeviceGraph, model: ModelSpec, train: TrainConfig, params: CostParams) -> None:
         self.graph, self.model, self.train, self.params = graph, model, train, params
         self._stage: dict[tuple, LayerTimes] = {}
+        self._stage_by_devs: dict[Devs, LayerTimes] = {}  # the same answers, keyed by the devices themselves
         self._p2p: dict[tuple, float] = {}
+        self._p2p_by_devs: dict[tuple[Devs, Devs], float] = {}
         self._mem: dict[tuple, tuple[float, float]] = {}
         self._fit: dict[tuple, int] = {}
         self._keys: dict[Devs, tuple] = {}
@@ -35,6 +37,8 @@ class CostCache:
         self.pipe_memo: dict[tuple, object] = {}  # pipeline.evaluate_pipeline's results
         self.shape_memo: dict[tuple, object] = {}  # the same, by pipeline shape (see evaluate_pipeline)
         self.structure_memo: dict[tuple, object] = {}  # stages.best_pipeline's structures by group signature
+        self.stage_terms: dict[tuple, tuple[float, float, int]] = {}  # pipeline.evaluate_pipeline's per-stage memo
+        self.dp_rows: dict[tuple, tuple] = {}  # candidates._rows: per-layer arrays of a pipeline's DP rings
         self._cap: list[float] | None = None
         grad = params.grad_reduce_bytes  # what the DP all-reduce moves per element, as cost/dp.py
         self.layer_grad_bytes = float(layer_params(model) * grad)
@@ -58,16 +62,23 @@ class CostCache:
     # ---- compute ----------------------------------------------------------------------------------
     def stage(self, devs: Devs) -> LayerTimes:
         """Per-micro-batch seconds of one layer / the embedding / the head on the TP group `devs`."""
+        hit = self._stage_by_devs.get(devs)
+        if hit is not None:
+            return hit
         key = self.stage_key(devs)
         hit = self._stage.get(key)
         if hit is None:
             ids = [self.graph.ids[i] for i in devs]
             hit = layer_times(self.graph.cluster, ids, self.model, self.train, self.params)
             self._stage[key] = hit
+        self._stage_by_devs[devs] = hit
         return hit
 
     def p2p(self, src: Devs, dst: Devs) -> float:
         """Seconds to pass one micro-batch's activation from stage `src` to stage `dst`."""
+        direct = self._p2p_by_devs.get((src, dst))
+        if direct is not None:
+            return direct
         g = self.graph
         a, b = int(g.node[src[0]]), int(g.node[dst[0]])
         key = (self.stage_key(src), self.stage_key(dst), a == b, float(g.node_bw[a, b]))
@@ -77,6 +88,7 @@ class CostCache:
             ids_b = [g.ids[i] for i in dst]
             hit = p2p_time(g.cluster, ids_a, ids_b, self.model, self.train, self.params)
             self._p2p[key] = hit
+        self._p2p_by_devs[(src, dst)] = hit
         return hit
 
     # ---- memory -----------------------------------------------------------------------------------

@@ -39,6 +39,11 @@ class DeviceGraph:
         """Device ids in cluster order."""
         return list(self.cluster.device_ids)
 
+    @cached_property
+    def cluster_sha256(self) -> str:
+        """`Cluster.sha256()`, computed once (plans record it)."""
+        return self.cluster.sha256()
+
     @property
     def size(self) -> int:
         """Number of devices."""
@@ -102,6 +107,16 @@ class DeviceGraph:
                 out[a, b] = out[b, a] = self.cluster.node_link(nodes[a].name, nodes[b].name).bandwidth
         return out
 
+    @cached_property
+    def node_list(self) -> list[int]:
+        """`node` as a Python list (fast scalar reads in the inner loops)."""
+        return [int(n) for n in self.node]
+
+    @cached_property
+    def node_bw_rows(self) -> list[list[float]]:
+        """`node_bw` as Python lists of floats (equal values, fast scalar reads)."""
+        return [[float(x) for x in row] for row in self.node_bw]
+
     def device_key(self, i: int) -> tuple[int, int]:
         """(node class, local index): devices with equal keys are interchangeable inside their node class."""
         return self.node_class[int(self.node[i])], int(self.local[i])
@@ -136,6 +151,31 @@ class DeviceGraph:
                 weights.append(max(1, int(round(100 * bw / scale))))
             xadj.append(len(adjncy))
         return xadj, adjncy, weights
+
+    @cached_property
+    def _sub_csr_memo(self) -> dict[tuple[int, ...], tuple[list[int], list[int], list[int], list[int]]]:
+        return {}
+
+    def sub_csr(self, active: tuple[int, ...]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(xadj, adjncy, eweights, vweights) of the METIS graph restricted to the `active` vertices
+        (renumbered 0.. in the order given); memoised per active set (every k partitions the same one)."""
+        memo = self._sub_csr_memo
+        hit = memo.get(active)
+        if hit is None:
+            xadj_full, adjncy_full, weights_full = self.csr()
+            position = {v: n for n, v in enumerate(active)}
+            xadj, adjncy, weights = [0], [], []
+            for v in active:
+                for e in range(xadj_full[v], xadj_full[v + 1]):
+                    u = position.get(adjncy_full[e])
+                    if u is not None:
+                        adjncy.append(u)
+                        weights.append(weights_full[e])
+                xadj.append(len(adjncy))
+            weights_all = self.compute_weights()
+            hit = (xadj, adjncy, weights, [weights_all[v] for v in active])
+            memo[active] = hit
+        return hit
 
     @cached_property
     def _weights(self) -> list[int]:

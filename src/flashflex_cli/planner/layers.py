@@ -48,8 +48,9 @@ def split_layers(
     inverse = sum(1.0 / x for x in t)
     limit = max(max(x + y for x, y in zip(t, e, strict=True)),
                 (num_layers + sum(y / x for x, y in zip(t, e, strict=True))) / inverse)
-    while True:
-        caps = [min(cs, _room(ts, es, limit)) for ts, es, cs in zip(t, e, c, strict=True)]
+    floor, scale = math.floor, 1 + _EPS
+    while True:  # _room inlined (the planner's hottest loop)
+        caps = [min(cs, int(floor((limit - es) / ts * scale + 1e-9))) for ts, es, cs in zip(t, e, c, strict=True)]
         if sum(caps) >= num_layers:
             break
         limit = min((caps[s] + 1) * t[s] + e[s] for s in range(stages) if caps[s] < c[s])

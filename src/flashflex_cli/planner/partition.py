@@ -95,18 +95,7 @@ def metis_groups(graph: DeviceGraph, k: int, seed: int, active: Sequence[int]) -
         return [active]
     if k >= len(active):
         return [[i] for i in active]
-    xadj_full, adjncy_full, weights_full = graph.csr()
-    position = {v: n for n, v in enumerate(active)}
-    xadj, adjncy, weights = [0], [], []
-    for v in active:
-        for e in range(xadj_full[v], xadj_full[v + 1]):
-            u = position.get(adjncy_full[e])
-            if u is not None:
-                adjncy.append(u)
-                weights.append(weights_full[e])
-        xadj.append(len(adjncy))
-    weights_all = graph.compute_weights()
-    vweights = [weights_all[v] for v in active]
+    xadj, adjncy, weights, vweights = graph.sub_csr(tuple(active))
     options = pymetis.Options(seed=seed)
     if hasattr(pymetis, "CSRAdjacency"):
         result = pymetis.part_graph(k, pymetis.CSRAdjacency(xadj, adjncy), vweights=vweights, eweights=weights,

@@ -82,9 +82,11 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval:
     # Pipelines of equal shape (equal node classes and local indices, equal links between stages) elsewhere
     # in the cluster cost the same: reuse the figures, with this pipeline's devices.
     g = cache.graph
-    nodes = [int(g.node[st[0]]) for st in stages]
-    shape = (tuple(cache.stage_key(st) for st in stages),
-             tuple(float(g.node_bw[a, b]) if a != b else -1.0 for a, b in zip(nodes, nodes[1:], strict=False)))
+    node_of, bw = g.node_list, g.node_bw_rows
+    nodes = [node_of[st[0]] for st in stages]
+    stage_key = cache.stage_key
+    shape = (tuple([stage_key(st) for st in stages]),
+             tuple([bw[a][b] if a != b else -1.0 for a, b in zip(nodes, nodes[1:], strict=False)]))
     same = cache.shape_memo.get(shape)
     if same is not None:
         hit = PipeEval(tuple(stages), same.counts, same.pace_s, same.fill_s, same.shard_bytes, same.ok,
@@ -94,12 +96,18 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval:
     model = cache.model
     count = len(stages)
     per_layer, extra, caps = [], [], []
+    terms = cache.stage_terms  # (layer_s, extra_s, cap) by (devs, first, last, in_flight), see below
     for s, devs in enumerate(stages):
-        cost = cache.stage(devs)
-        first, last = s == 0, s == count - 1
-        per_layer.append(cost.layer_s)
-        extra.append((cost.embed_s if first else 0.0) + (cost.head_s if last else 0.0))
-        caps.append(cache.max_layers(len(devs), first, last, count - s, cache.capacity(devs)))
+        key = (devs, s == 0, s == count - 1, count - s)
+        found = terms.get(key)
+        if found is None:
+            cost = cache.stage(devs)
+            first, last = key[1], key[2]
+            found = terms[key] = (cost.layer_s, (cost.embed_s if first else 0.0) + (cost.head_s if last else 0.0),
+                                  cache.max_layers(len(devs), first, last, count - s, cache.capacity(devs)))
+        per_layer.append(found[0])
+        extra.append(found[1])
+        caps.append(found[2])
     split = split_layers(per_layer, extra, caps, model.num_layers)
     if split is None:
         hit = PipeEval(tuple(stages), (), _INFEASIBLE, _INFEASIBLE, _INFEASIBLE, False)

@@ -70,32 +70,34 @@ def _first_improvement(cache: CostCache, cand: Candidate, total_micro: int, rng:
                     new.append(evaluate_pipeline(cache, changes[p]))
             else:
                 new.append(pipes[p])
-        result = score(cache, new, total_micro)
-        if result is not None and result.score_s < best_known * (1 - 1e-9):
+        bound = best_known * (1 - 1e-9)
+        result = score(cache, new, total_micro, bound)  # None when it cannot beat the bound
+        if result is not None and result.score_s < bound:
             return result
         return None
 
-    attempts: list[Callable[[], tuple[Candidate | None, tuple[int, ...]]]] = []
-    for p in order:
-        stages = pipes[p].stages
-        for s in range(len(stages)):
-            rest = stages[:s] + stages[s + 1:]
-            if rest or count > 1:
-                attempts.append(lambda p=p, rest=rest, gone=stages[s]: (trial({p: rest}), gone))
-        partners = [q for q in order if q != p][:max_pairs]
-        for q in partners:
+    def group_level() -> Iterator[Callable[[], tuple[Candidate | None, tuple[int, ...]]]]:
+        # generated lazily (in a fixed order): a move found early costs nothing for the moves after it
+        for p in order:
+            stages = pipes[p].stages
             for s in range(len(stages)):
                 rest = stages[:s] + stages[s + 1:]
-                moved = place(cache, pipes[q].stages, stages[s])
-                attempts.append(lambda p=p, q=q, rest=rest, moved=moved: (trial({p: rest, q: moved}), ()))
-                for t, other in enumerate(pipes[q].stages):
-                    if other == stages[s] or len(other) != len(stages[s]):
-                        continue
-                    if cache.stage_key(other) == cache.stage_key(stages[s]):
-                        continue  # swapping equal groups changes nothing
-                    mine = place(cache, rest, other)
-                    theirs = place(cache, pipes[q].stages[:t] + pipes[q].stages[t + 1:], stages[s])
-                    attempts.append(lambda p=p, q=q, mine=mine, theirs=theirs: (trial({p: mine, q: theirs}), ()))
+                if rest or count > 1:
+                    yield lambda p=p, rest=rest, gone=stages[s]: (trial({p: rest}), gone)
+            partners = [q for q in order if q != p][:max_pairs]
+            for q in partners:
+                for s in range(len(stages)):
+                    rest = stages[:s] + stages[s + 1:]
+                    moved = place(cache, pipes[q].stages, stages[s])
+                    yield lambda p=p, q=q, rest=rest, moved=moved: (trial({p: rest, q: moved}), ())
+                    for t, other in enumerate(pipes[q].stages):
+                        if other == stages[s] or len(other) != len(stages[s]):
+                            continue
+                        if cache.stage_key(other) == cache.stage_key(stages[s]):
+                            continue  # swapping equal groups changes nothing
+                        mine = place(cache, rest, other)
+                        theirs = place(cache, pipes[q].stages[:t] + pipes[q].stages[t + 1:], stages[s])
+                        yield lambda p=p, q=q, mine=mine, theirs=theirs: (trial({p: mine, q: theirs}), ())
 
     def device_level() -> Iterator[Callable[[], tuple[Candidate | None, tuple[int, ...]]]]:
         stages = [pipe.stages for pipe in pipes]
@@ -105,9 +107,9 @@ def _first_improvement(cache: CostCache, cand: Candidate, total_micro: int, rng:
                                            swap_moves(cache, stages, p, partners)):
                 yield lambda changes=changes: (trial(changes), ())
 
-    every: Iterator[Callable[[], tuple[Candidate | None, tuple[int, ...]]]] = iter(attempts)
+    every: Iterator[Callable[[], tuple[Candidate | None, tuple[int, ...]]]] = group_level()
     if device_moves and count > 1:
-        every = itertools.chain(attempts, device_level())
+        every = itertools.chain(group_level(), device_level())
     for attempt in every:
         if budget[0] <= 0 or time.monotonic() >= deadline:
             return None

@@ -11,8 +11,14 @@ flashflex never predicts below uniform, except where uniform's TP groups straddl
 link, which flashflex never does). The best few candidates by the fast score are refined
 (`refine.refine`: whole-group and device-level moves), and the finalists are ranked by `cost.estimate.estimate` alone.
 
+With `max_micro_batch`, every finalist also gets a variant whose pipelines each take their own micro-batch
+size and count (`microbatch.MicroBatchSearch`), and `estimate` ranks both.
+
+Independent units (each k of a phase, each candidate to refine) run in a process pool (`pool.SearchPool`,
+`jobs` workers), merged in their fixed order.
 Determinism: candidates are generated in a fixed order, every collection is sorted, pymetis is seeded,
-and ties break on the layout's canonical signature: the same inputs and seed give a byte-identical plan.
+and ties break on the layout's canonical signature: the same inputs and seed give a byte-identical plan,
+with any number of workers.
 The time budget is only checked between whole units of work (a k, a partition, a move); when it cuts the
 search short, the result depends on the machine's speed (the CLI says so). The bundled plans and the tests
 finish far inside their budgets.
@@ -34,7 +40,9 @@ from .candidates import Candidate, build_plan, score
 from .fastcost import CostCache
 from .feasibility import check_feasible, human_bytes, model_state_bytes
 from .graph import DeviceGraph
+from .microbatch import MicroBatchSearch
 from .partition import device_subsets, generators
+from .pool import SearchPool
 from .refine import refine
 from .stages import best_pipeline
 
@@ -69,36 +77,70 @@ def pipeline_counts(cache: CostCache, total_micro: int, devices: int | None = No
     return ks
 
 
-def _collect(cache: CostCache, total_micro: int, seed: int, deadline: float, stats: SearchStats) -> list[Candidate]:
+def _collect(pool: SearchPool, total_micro: int, seed: int, deadline: float, stats: SearchStats) -> list[Candidate]:
     """Phase 1: every k on the whole cluster. Phase 2: the subsets without the slowest kinds of device,
-    for the k values near the best phase-1 candidates (scaled to the subset's size)."""
+    for the k values near the best phase-1 candidates (scaled to the subset's size). Every (k, devices)
+    is one unit of `pool`; results are merged in the units' order."""
+    cache = pool.cache
     g = cache.graph
     found: list[Candidate] = []
     subsets = device_subsets(g)
-    full = subsets[0]
-    for k in pipeline_counts(cache, total_micro, len(full)):
-        if found and time.monotonic() >= deadline:
-            stats.budget_hit = True
-            return found
-        found.extend(_candidates_for(cache, total_micro, seed, k, full, stats))
+    full = tuple(subsets[0])
+    ks = pipeline_counts(cache, total_micro, len(full))
+    units = [(total_micro, seed, k, full, deadline, n > 0) for n, k in enumerate(ks)]
+    if _merge(cache, units, pool.map(_unit, units), found, stats):
+        return found
     best_ks = []
     for cand in sorted(found, key=lambda c: (c.score_s, c.signature())):
         if len(cand.pipes) not in best_ks:
             best_ks.append(len(cand.pipes))
         if len(best_ks) == PHASE2_KS:
             break
+    units = []
     for active in subsets[1:]:
         allowed = pipeline_counts(cache, total_micro, len(active))
         near = set()
         for k in best_ks:
             scaled = max(1, round(k * len(active) / len(full)))
             near.update(x for x in (scaled - 1, scaled, scaled + 1, k) if x in allowed)
-        for k in sorted(near):
-            if time.monotonic() >= deadline:
-                stats.budget_hit = True
-                return found
-            found.extend(_candidates_for(cache, total_micro, seed, k, active, stats))
+        units.extend((total_micro, seed, k, tuple(active), deadline, True) for k in sorted(near))
+    _merge(cache, units, pool.map(_unit, units), found, stats)
     return found
+
+
+def _unit(cache: CostCache, item: tuple[int, int, int, tuple[int, ...], float, bool]
+          ) -> tuple[list[Candidate], int, bool]:
+    """One unit of `_collect`: (candidates, how many were scored, whether the deadline had passed)."""
+    total_micro, seed, k, active, deadline, check = item
+    if check and time.monotonic() >= deadline:
+        return [], 0, True
+    stats = SearchStats()
+    out = _candidates_for(cache, total_micro, seed, k, list(active), stats)
+    return out, stats.candidates, False
+
+
+def _merge(cache: CostCache, units: list, results: list[tuple[list[Candidate], int, bool]],
+           found: list[Candidate], stats: SearchStats) -> bool:
+    """Append units' candidates in order up to the first one the deadline stopped once something was found
+    (a stopped unit before that runs here after all); True if the deadline stopped one."""
+    for unit, (cands, count, hit) in zip(units, results, strict=True):
+        if hit and found:
+            stats.budget_hit = True
+            return True
+        if hit:
+            cands, count, _ = _unit(cache, (*unit[:-1], False))
+        found.extend(cands)
+        stats.candidates += count
+    return False
+
+
+def _refine_unit(cache: CostCache, item: tuple[Candidate, int, int, float, bool]
+                 ) -> tuple[Candidate, dict[int, str]] | None:
+    """`refine` of one candidate; None when the deadline had passed before it started."""
+    cand, total_micro, seed, deadline, device_moves = item
+    if time.monotonic() >= deadline:
+        return None
+    return refine(cache, cand, total_micro, seed, deadline, device_moves=device_moves)
 
 
 def _candidates_for(cache: CostCache, total_micro: int, seed: int, k: int, active: list[int],
@@ -234,12 +276,18 @@ def _nothing_fits(cache: CostCache) -> InfeasibleError:
 
 def plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy: str = "flashflex",
                 time_budget_s: float = 30.0, seed: int = 0, params: CostParams | None = None,
-                stats: SearchStats | None = None, device_moves: bool = True) -> Plan:
+                stats: SearchStats | None = None, device_moves: bool = True,
+                max_micro_batch: int | None = None, jobs: int = 1) -> Plan:
     """Plan an asymmetric layout of `model` on `cluster` for `train` (module docstring); InfeasibleError
     when none exists; InputError for an unknown strategy. `device_moves=False` limits refinement to
-    whole-group moves (to measure what the device-level moves add)."""
+    whole-group moves (to measure what the device-level moves add). `max_micro_batch`: None pins every
+    pipeline's micro-batch size to train.micro_batch_size; a number lets the flashflex strategy choose each
+    pipeline's size among train.micro_batch_size x 2^j up to it (`microbatch.MicroBatchSearch`). `jobs`:
+    worker processes for the search's independent units (`pool.SearchPool`; the plan does not depend on it)."""
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if max_micro_batch is not None and max_micro_batch < 1:
+        raise InputError(f"--max-micro-batch must be at least 1, got {max_micro_batch}")
     started = time.monotonic()
     stats = stats if stats is not None else SearchStats()
     params = params or CostParams()
@@ -262,16 +310,26 @@ def plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy
         plan = finalise(cache, cands, strategy, seed, stats=stats, limit=2 * FINALISTS)
     else:
         resplit, exact = _uniform_seeds(cache, total)
-        cands = _ranked(_collect(cache, total, seed, deadline, stats) + resplit)
         reasons: dict[int, dict[int, str]] = {}
         refined = []
-        for cand in cands[:REFINED]:
-            if time.monotonic() >= deadline:
-                stats.budget_hit = True
-                break
-            better, why = refine(cache, cand, total, seed, deadline, device_moves=device_moves)
-            reasons[id(better)] = why
-            refined.append(better)
-        plan = finalise(cache, refined + cands, strategy, seed, reasons, stats=stats, always=exact)
+        with SearchPool(cache, jobs) as pool:
+            cands = _ranked(_collect(pool, total, seed, deadline, stats) + resplit)
+            units = [(cand, total, seed, deadline, device_moves) for cand in cands[:REFINED]]
+            for result in pool.map(_refine_unit, units):
+                if result is None:
+                    stats.budget_hit = True
+                    break
+                better, why = result
+                reasons[id(better)] = why
+                refined.append(better)
+        tuned: list[Candidate] = []
+        if max_micro_batch is not None:
+            tuner = MicroBatchSearch(cache, max_micro_batch)
+            for cand in refined + cands[:FINALISTS]:
+                found = tuner.tune(cand)
+                if found is not None:
+                    reasons[id(found)] = reasons.get(id(cand), {})
+                    tuned.append(found)
+        plan = finalise(cache, refined + cands, strategy, seed, reasons, stats=stats, always=exact + tuned)
     stats.seconds = time.monotonic() - started
     return plan

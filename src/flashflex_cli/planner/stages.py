@@ -19,6 +19,7 @@ batch. A pipeline with more stages than layers drops its slowest stages (their d
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Sequence
@@ -99,17 +100,29 @@ def _partitions(n: int, degrees: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 def assemble(cache: CostCache, blocks: list[tuple[int, list[int]]], sizes: dict[int, tuple[int, ...]],
-             order: Sequence[int]) -> tuple[Devs, ...]:
+             order: Sequence[int],
+             cuts: dict[tuple[int, tuple[int, ...]], tuple[list[Devs], list[float]]] | None = None
+             ) -> tuple[Devs, ...]:
     """Stages of a pipeline: block b cut into groups of `sizes[b]`, blocks in `order` (block positions).
 
-    A pipeline with more stages than layers drops its slowest stages."""
+    A pipeline with more stages than layers drops its slowest stages. `cuts`: a memo of the blocks' cuts
+    and their stages' per-layer seconds (by block position and sizes) for repeated calls on the same blocks."""
     stages: list[Devs] = []
+    speed: list[float] = []
+    stage = cache.stage
     for b in order:
-        stages.extend(cut(blocks[b][1], sizes[b]))
+        key = (b, sizes[b])
+        found = None if cuts is None else cuts.get(key)
+        if found is None:
+            part = cut(blocks[b][1], sizes[b])
+            found = (part, [stage(st).layer_s for st in part])
+            if cuts is not None:
+                cuts[key] = found
+        stages.extend(found[0])
+        speed.extend(found[1])
     layers = cache.model.num_layers
     if len(stages) > layers:
-        speed = {st: cache.stage(st).layer_s for st in stages}
-        keep = sorted(sorted(range(len(stages)), key=lambda s: (speed[stages[s]], s))[:layers])
+        keep = sorted(heapq.nsmallest(layers, range(len(stages)), key=lambda s: (speed[s], s)))
         stages = [stages[s] for s in keep]
     return tuple(stages)
 
@@ -182,11 +195,12 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
     orders = block_orders(cache, blocks, every=len(blocks) <= 3)
     all_orders = block_orders(cache, blocks, every=True)
     seen: dict[tuple, tuple[float, PipeEval]] = {}
+    cuts: dict[tuple[int, tuple[int, ...]], tuple[list[Devs], list[float]]] = {}
 
     def cost_of(sizes: Sizes, order: tuple[int, ...]) -> tuple[float, PipeEval]:
         key = (tuple(sorted(sizes.items())), order)
         if key not in seen:
-            pipe = evaluate_pipeline(cache, assemble(cache, blocks, sizes, order))
+            pipe = evaluate_pipeline(cache, assemble(cache, blocks, sizes, order, cuts))
             seen[key] = (_amortised(pipe, micro_estimate, max_stages), pipe)
         return seen[key]
 

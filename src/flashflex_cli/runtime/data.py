@@ -45,6 +45,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return _DTYPES[2] if vocab_size <= 2**16 else _DTYPES[4]
 
 
+def header_bytes(itemsize: int, vocab_size: int, num_tokens: int) -> bytes:
+    """The 64-byte header of a token file of `num_tokens` tokens of `itemsize` bytes (streaming writers)."""
+    return _HEADER.pack(MAGIC, VERSION, itemsize, vocab_size, num_tokens).ljust(HEADER_BYTES, b"\0")
+
+
 def write_token_file(path: str | os.PathLike[str], tokens: np.ndarray, vocab_size: int) -> Path:
     """Write `tokens` (1-D ids < vocab_size) as a token file, atomically (temp file, then rename)."""
     target = Path(path)

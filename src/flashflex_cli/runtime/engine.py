@@ -90,13 +90,13 @@ def plan_shard_specs(plan: Plan, rank: int) -> list[ShardSpec]:
 
 
 class RankEngine:
-    """Builds this rank's stage (initialised from `seed`, plan-independent), its optimizer and its schedule."""
+    """Builds this rank's stage (initialised from `seed`, plan-independent, or by `initial(info, tp, tp_rank)`
+    returning the local shard, e.g. from a Hugging Face checkpoint), its optimizer and its schedule."""
 
     def __init__(self, plan: Plan, rank: int, groups: PlanGroups, device: torch.device, optim: OptimConfig,
-                 seed: int = 0, slowdown: float = 1.0, attention: str | None = None) -> None:
+                 seed: int = 0, slowdown: float = 1.0, attention: str | None = None,
+                 initial: Callable[[ParamInfo, int, int], torch.Tensor] | None = None) -> None:
         spec, train = plan.inputs.model, plan.inputs.train
-        if spec.tie_embeddings:
-            raise InputError(f"model {spec.name}: tied embeddings are not supported by the runtime")
         if not 0 <= rank < plan.world_size or groups.rank != rank:
             raise InputError(f"rank {rank} does not match the plan (world size {plan.world_size}) or its groups")
         self.plan, self.rank, self.groups, self.device, self.optim = plan, rank, groups, device, optim
@@ -123,7 +123,8 @@ class RankEngine:
             info.name: (info, param) for info, param in self.module.global_parameters()}
         with torch.no_grad():
             for info, param in self.params.values():
-                param.copy_(info.take(full_init(spec, info.name, info.shape, seed), self.tp.size, self.tp.rank))
+                param.copy_(initial(info, self.tp.size, self.tp.rank) if initial is not None  # e.g. hf/load.py
+                            else info.take(full_init(spec, info.name, info.shape, seed), self.tp.size, self.tp.rank))
         self.module.to(device)
         self.optimizer = make_optimizer(((n, p) for n, (_, p) in self.params.items()), optim)
         self.sync = GradSync(self.params, groups)

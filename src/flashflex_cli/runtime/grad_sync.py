@@ -2,9 +2,10 @@
 
 After backward, every rank holds the gradient of its local shards (replicated parameters such as norm weights
 carry the same, full gradient on every rank of a TP group). For each finest common slice held by two or more
-pipelines (`groups.SliceHolders`), the holders all-reduce (sum) that slice, where one rank per pipeline
-contributes its gradient and the other ranks of the same pipeline contribute zeros, so each pipeline is counted
-exactly once whatever its TP degree. Slices with the same holder set are packed into one flat buffer per
+stages (`groups.SliceHolders`: one per pipeline, plus the last stage's copy of a tied embedding), the holders
+all-reduce (sum) that slice, where one rank per holding stage contributes its gradient and the other ranks of
+the same stage contribute zeros, so each stage is counted exactly once whatever its TP degree; the two ends of a
+tied embedding thus add their partial gradients. Slices with the same holder set are packed into one flat buffer per
 all-reduce (a bucket); buckets are reduced in one global order (sorted holder tuples) on every rank, so the
 blocking collectives cannot deadlock.
 

@@ -3,12 +3,15 @@
 Order of creation (every rank calls `torch.distributed.new_group` for every group, member or not):
 1. one TP group per stage with tp > 1 (pipelines in order, stages in order);
 2. one data-parallel group per distinct set of ranks that hold a matching slice of some parameter in two or
-   more pipelines (sorted by rank tuple).
+   more stages (sorted by rank tuple).
 
 Data parallelism across unlike pipelines: for every global parameter, each pipeline's stage holding it splits
 it into `tp` slices along its shard dimension. Taking every slice boundary of every holding stage partitions the
 full tensor into the finest common slices; each such slice is summed over exactly the ranks holding it, one
-contribution per pipeline (`SliceHolders.contributors`), never by gathering whole replicas.
+contribution per holding stage (`SliceHolders.contributors`), never by gathering whole replicas.
+Tied embeddings: in a pipeline of two or more stages, the first stage (lookup) and the last stage (output
+projection) both hold "embed" and each has a partial gradient; both are holding stages, so the same sums add
+them (within the pipeline and across pipelines) and every copy steps with the full gradient.
 
 Stage boundaries where the TP degree changes (sender stage of tp_s ranks, receiver stage of tp_r ranks; the
 activation [mbs, seq, hidden] is replicated within each group): receiver j takes the activation from sender
@@ -31,8 +34,9 @@ from .tensor_parallel import TPContext, shard_bounds
 @dataclass(frozen=True)
 class SliceHolders:
     """The finest common slice [start, stop) along `dim` of global parameter `name` (dim None: whole tensor),
-    the ranks that hold it (sorted), one contributing rank per pipeline, and the rank that counts it once in the
-    gradient norm (`owner`)."""
+    the ranks that hold it (sorted), one contributing rank per holding stage, and the rank that counts it once
+    in the gradient norm (`owner`). `stages`: how many stages hold it (one per pipeline; two in a pipeline
+    whose first and last stages both hold a tied embedding)."""
 
     name: str
     dim: int | None
@@ -40,7 +44,7 @@ class SliceHolders:
     stop: int
     ranks: tuple[int, ...]
     contributors: tuple[int, ...]
-    pipelines: int
+    stages: int
 
     @property
     def owner(self) -> int:
@@ -49,18 +53,20 @@ class SliceHolders:
 
     @property
     def needs_reduce(self) -> bool:
-        """True when two or more pipelines hold this slice."""
-        return self.pipelines > 1
+        """True when two or more stages hold this slice (pipelines, or the two ends of a tied embedding)."""
+        return self.stages > 1
 
 
-def _stage_of(plan: Plan, pipeline: int, info: ParamInfo) -> int:
+def _stages_of(plan: Plan, pipeline: int, info: ParamInfo) -> list[int]:
+    """The stages of `pipeline` holding `info`: one, or the first and the last for a tied embedding."""
     stages = plan.pipelines[pipeline].stages
+    last = len(stages) - 1
     if info.name == "embed":
-        return 0
+        return [0, last] if plan.inputs.model.tie_embeddings and last > 0 else [0]
     if info.name in ("norm", "head"):
-        return len(stages) - 1
+        return [last]
     layer = int(info.name.split(".")[1])
-    return next(s for s, st in enumerate(stages) if st.layers[0] <= layer < st.layers[1])
+    return [next(s for s, st in enumerate(stages) if st.layers[0] <= layer < st.layers[1])]
 
 
 def stage_ranks(plan: Plan) -> list[list[list[int]]]:
@@ -82,8 +88,8 @@ def slice_holders(plan: Plan) -> list[SliceHolders]:
     for info in model_params(plan.inputs.model):
         holding: list[tuple[StagePlan, list[int]]] = []
         for p in range(len(plan.pipelines)):
-            s = _stage_of(plan, p, info)
-            holding.append((plan.pipelines[p].stages[s], ranks[p][s]))
+            for s in _stages_of(plan, p, info):
+                holding.append((plan.pipelines[p].stages[s], ranks[p][s]))
         if info.shard_dim is None:
             members = tuple(sorted(r for _, rs in holding for r in rs))
             contributors = tuple(rs[0] for _, rs in holding)

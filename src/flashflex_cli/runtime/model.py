@@ -1,17 +1,23 @@
-"""The Llama-family decoder built for one pipeline stage (RMSNorm, rotary embeddings, grouped-query attention,
-SwiGLU MLP), with tensor parallelism over an explicitly passed `TPContext`.
+"""The Llama-family decoder (Llama, Mistral, Qwen2) built for one pipeline stage (RMSNorm, rotary embeddings
+with optional Llama 3.1 scaling, grouped-query attention with optional q/k/v biases and sliding window, SwiGLU
+MLP), with tensor parallelism over an explicitly passed `TPContext`.
 
 Global parameter names (plan-independent; weights [out, in] like torch.nn.Linear):
   "embed" [vocab, hidden] (first stage; vocabulary-parallel, dim 0)
   "layers.{i}.attn_norm" [hidden], "layers.{i}.mlp_norm" [hidden] (replicated)
   "layers.{i}.attn.wq" [heads*hd, hidden], ".wk"/".wv" [kv_heads*hd, hidden] (column-parallel, dim 0, by heads)
+  "layers.{i}.attn.bq" [heads*hd], ".bk"/".bv" [kv_heads*hd] (attention_bias only; split like wq/wk/wv rows)
   "layers.{i}.attn.wo" [hidden, heads*hd] (row-parallel, dim 1)
   "layers.{i}.mlp.w_gate"/".w_up" [ffn, hidden] (column-parallel, dim 0, matching halves), ".w_down" [hidden, ffn]
   "norm" [hidden] (replicated), "head" [vocab, hidden] (last stage; vocabulary-parallel, dim 0)
+Tied embeddings: there is no "head"; the last stage holds its own shard of "embed" and projects with it. When
+the first and last stages differ, both hold "embed" (same init), their gradients are summed before the
+optimizer step (runtime/groups.py lists both stages as holders), so the copies stay bit-identical.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..model.spec import ModelSpec
+from ..model.spec import ModelSpec, RopeScaling
 from .attention import SDPA, attention_fn
 from .tensor_parallel import (
     TPContext,
@@ -66,12 +72,18 @@ def layer_params(spec: ModelSpec, i: int) -> list[ParamInfo]:
     """The parameters of transformer layer `i`, in module order."""
     h, hd, ffn = spec.hidden_size, spec.head_dim, spec.intermediate_size
     p = f"layers.{i}."
-    return [
+    q_rows, kv_rows = spec.num_heads * hd, spec.num_kv_heads * hd
+    out = [
         ParamInfo(p + "attn_norm", (h,), None),
-        ParamInfo(p + "attn.wq", (spec.num_heads * hd, h), 0),
-        ParamInfo(p + "attn.wk", (spec.num_kv_heads * hd, h), 0),
-        ParamInfo(p + "attn.wv", (spec.num_kv_heads * hd, h), 0),
-        ParamInfo(p + "attn.wo", (h, spec.num_heads * hd), 1),
+        ParamInfo(p + "attn.wq", (q_rows, h), 0),
+        ParamInfo(p + "attn.wk", (kv_rows, h), 0),
+        ParamInfo(p + "attn.wv", (kv_rows, h), 0),
+    ]
+    if spec.attention_bias:
+        out += [ParamInfo(p + "attn.bq", (q_rows,), 0), ParamInfo(p + "attn.bk", (kv_rows,), 0),
+                ParamInfo(p + "attn.bv", (kv_rows,), 0)]
+    return out + [
+        ParamInfo(p + "attn.wo", (h, q_rows), 1),
         ParamInfo(p + "mlp_norm", (h,), None),
         ParamInfo(p + "mlp.w_gate", (ffn, h), 0),
         ParamInfo(p + "mlp.w_up", (ffn, h), 0),
@@ -80,20 +92,24 @@ def layer_params(spec: ModelSpec, i: int) -> list[ParamInfo]:
 
 
 def stage_params(spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool) -> list[ParamInfo]:
-    """Global parameters held by a stage running `layers` [start, stop), in a fixed order."""
-    out: list[ParamInfo] = []
-    if first:
-        out.append(ParamInfo("embed", (spec.vocab_size, spec.hidden_size), 0))
+    """Global parameters held by a stage running `layers` [start, stop), in a fixed order. With tied
+    embeddings the last stage holds "embed" (its output projection) instead of "head"; once when it is also
+    the first stage."""
+    embed = ParamInfo("embed", (spec.vocab_size, spec.hidden_size), 0)
+    out: list[ParamInfo] = [embed] if first else []
     for i in range(*layers):
         out.extend(layer_params(spec, i))
     if last:
         out.append(ParamInfo("norm", (spec.hidden_size,), None))
-        out.append(ParamInfo("head", (spec.vocab_size, spec.hidden_size), 0))
+        if not spec.tie_embeddings:
+            out.append(ParamInfo("head", (spec.vocab_size, spec.hidden_size), 0))
+        elif not first:
+            out.append(embed)
     return out
 
 
 def model_params(spec: ModelSpec) -> list[ParamInfo]:
-    """Every global parameter of the model, in a fixed order."""
+    """Every global parameter of the model, in a fixed order (a tied model has no "head")."""
     return stage_params(spec, (0, spec.num_layers), True, True)
 
 
@@ -110,9 +126,25 @@ class RMSNorm(nn.Module):
         return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """cos, sin tables [seq_len, 1, head_dim] (fp32) for positions 0..seq_len-1 (Su et al. 2021, half split)."""
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1 remapping of rotary inverse frequencies f (radians per token; Meta's Llama 3.1 release).
+
+    With wavelength L = 2 pi / f and the pre-training context C = original_max_position_embeddings, the
+    new frequency is f * ((1 - a) / factor + a), a = clamp((C / L - low_freq_factor) / (high_freq_factor -
+    low_freq_factor), 0, 1): waves shorter than C / high_freq_factor keep f (a = 1), waves longer than
+    C / low_freq_factor get f / factor (a = 0), the band between is blended linearly in C / L."""
+    ratio = scaling.original_max_position_embeddings * inv_freq / (2 * math.pi)  # C / L
+    a = ((ratio - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
+    return inv_freq * ((1.0 - a) / scaling.factor + a)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
+                  scaling: RopeScaling | None = None) -> tuple[torch.Tensor, ...]:
+    """cos, sin tables [seq_len, 1, head_dim] (fp32) for positions 0..seq_len-1 (Su et al. 2021, half split),
+    frequencies remapped by `scaling` (Llama 3.1) when given."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
+    if scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, scaling)
     freqs = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=device), inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().float().unsqueeze(1), emb.sin().float().unsqueeze(1)
@@ -126,7 +158,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention over this rank's heads: q heads and kv heads split by TP."""
+    """Grouped-query causal self-attention over this rank's heads: q heads and kv heads split by TP; q/k/v
+    biases (Qwen2) split with their rows; a sliding window (Mistral) when the spec has one."""
 
     def __init__(self, spec: ModelSpec, tp: TPContext, backend: str) -> None:
         super().__init__()
@@ -136,15 +169,17 @@ class Attention(nn.Module):
         self.wq = nn.Parameter(torch.empty(self.hq * self.hd, h))
         self.wk = nn.Parameter(torch.empty(self.hkv * self.hd, h))
         self.wv = nn.Parameter(torch.empty(self.hkv * self.hd, h))
+        for name, rows in (("bq", self.hq * self.hd), ("bk", self.hkv * self.hd), ("bv", self.hkv * self.hd)):
+            self.register_parameter(name, nn.Parameter(torch.empty(rows)) if spec.attention_bias else None)
         self.wo = nn.Parameter(torch.empty(h, self.hq * self.hd))
-        self.attend = attention_fn(backend)
+        self.attend = attention_fn(backend, spec.sliding_window)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         x = copy_to_tp(x, self.tp)
-        q = apply_rotary(F.linear(x, self.wq).view(b, s, self.hq, self.hd), cos, sin)
-        k = apply_rotary(F.linear(x, self.wk).view(b, s, self.hkv, self.hd), cos, sin)
-        v = F.linear(x, self.wv).view(b, s, self.hkv, self.hd)
+        q = apply_rotary(F.linear(x, self.wq, self.bq).view(b, s, self.hq, self.hd), cos, sin)
+        k = apply_rotary(F.linear(x, self.wk, self.bk).view(b, s, self.hkv, self.hd), cos, sin)
+        v = F.linear(x, self.wv, self.bv).view(b, s, self.hkv, self.hd)
         out = self.attend(q, k, v).reshape(b, s, self.hq * self.hd)
         return row_linear(out, self.wo, self.tp)
 
@@ -182,11 +217,15 @@ class DecoderLayer(nn.Module):
 
 class StageModule(nn.Module):
     """Layers [start, stop) of the model on one TP rank; the first stage embeds, the last one norms, projects to
-    the vocabulary and returns the summed token loss.
+    the vocabulary (with "head", or with its "embed" shard when embeddings are tied) and returns the summed
+    token loss.
 
     forward(x, targets): x = tokens int64 [b, s] (first stage) or hidden fp32 [b, s, hidden]; returns hidden
     [b, s, hidden] (replicated over the TP group), or on the last stage the fp32 scalar SUM of per-token
     cross-entropy over the b*s targets (int64 [b, s]).
+
+    `capture_logits`: None, or a list to which the last stage appends each forward's detached logits shard
+    [b, s, vocab / tp] (vocabulary rows [vocab_start, +vocab / tp)); for equivalence tests.
     """
 
     def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, tp: TPContext,
@@ -197,13 +236,15 @@ class StageModule(nn.Module):
         self.infos = stage_params(spec, layers, first, last)
         vocab_start, vocab_stop = shard_bounds(spec.vocab_size, tp.size, tp.rank)
         self.vocab_start = vocab_start
-        if first:
+        if first or (last and spec.tie_embeddings):
             self.embed = nn.Parameter(torch.empty(vocab_stop - vocab_start, spec.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(spec, tp, backend) for _ in range(*layers))
         if last:
             self.norm = RMSNorm(spec.hidden_size, spec.norm_eps)
-            self.head = nn.Parameter(torch.empty(vocab_stop - vocab_start, spec.hidden_size))
+            if not spec.tie_embeddings:
+                self.head = nn.Parameter(torch.empty(vocab_stop - vocab_start, spec.hidden_size))
         self._rope: dict[tuple[int, str], tuple[torch.Tensor, ...]] = {}
+        self.capture_logits: list[torch.Tensor] | None = None
 
     def global_parameters(self) -> list[tuple[ParamInfo, nn.Parameter]]:
         """(global info, local shard parameter) pairs in the order of `stage_params`."""
@@ -223,7 +264,8 @@ class StageModule(nn.Module):
     def _tables(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         key = (seq_len, str(device))
         if key not in self._rope:
-            self._rope[key] = rotary_tables(seq_len, self.spec.head_dim, self.spec.rope_theta, device)
+            self._rope[key] = rotary_tables(seq_len, self.spec.head_dim, self.spec.rope_theta, device,
+                                            self.spec.rope_scaling)
         return self._rope[key]
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,7 +281,9 @@ class StageModule(nn.Module):
             return x
         assert targets is not None, "the last stage needs targets"
         h = copy_to_tp(self.norm(x), self.tp)
-        logits = F.linear(h, self.head)
+        logits = F.linear(h, self.embed if self.spec.tie_embeddings else self.head)
+        if self.capture_logits is not None:
+            self.capture_logits.append(logits.detach().clone())
         losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                               self.vocab_start, self.tp)
         return losses.sum()

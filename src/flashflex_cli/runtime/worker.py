@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--init-from", help="local Hugging Face checkpoint folder of the initial weights")
     parser.add_argument("--plan-node", dest="node", help="plan node run by this host (default: all)")
     return parser.parse_args(argv)
 
@@ -211,13 +212,19 @@ def run(args: argparse.Namespace) -> int:
     schedule = max(1, args.schedule_steps or args.steps)
     optim = OptimConfig(lr=args.lr, min_lr=args.lr / 10, warmup_steps=min(10, max(1, schedule // 10)),
                         total_steps=schedule)
-    engine = RankEngine(plan, rank, groups, device, optim, seed=args.seed, slowdown=device_info.slowdown)
+    initial = None
+    if args.init_from:
+        from ..hf.load import SlicedLoader
+
+        initial = SlicedLoader(args.init_from, model)
+    engine = RankEngine(plan, rank, groups, device, optim, seed=args.seed, slowdown=device_info.slowdown,
+                        initial=initial)
     source = open_source(args.data, model.vocab_size, train.global_batch, train.seq_len, seed=args.seed)
     shards = ckpt.shards_for(engine.state_for_checkpoint(), engine.shard_specs(), rank)
     manifest = {"model": model.model_dump(mode="json"), "train": train.model_dump(mode="json"),
                 "plan_sha256": hashlib.sha256(plan.to_json().encode()).hexdigest(),
                 "data": args.data, "seed": args.seed, "steps": args.schedule_steps or args.steps,
-                "lr": args.lr}
+                "lr": args.lr, **({"init_from": os.path.abspath(args.init_from)} if args.init_from else {})}
 
     start = 0
     if args.resume and args.checkpoint_dir:

@@ -1,0 +1,41 @@
+"""CLI command: `flashflex export CHECKPOINT_DIR --hf OUT_DIR` (a flashflex checkpoint -> Hugging Face folder)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+
+def export_command(
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT_DIR",
+                                      help="A --checkpoint-dir of a run (its newest checkpoint) or one step-N folder."),
+    hf: Path = typer.Option(..., "--hf", help="Hugging Face folder to write (config.json, *.safetensors)."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size",
+                                       help="Largest weight file (e.g. 5GB, 500MB, 2GiB); above it the weights "
+                                       "are sharded with model.safetensors.index.json."),
+    dtype: str = typer.Option("fp32", "--dtype", help="Weight dtype: fp32 (exact master weights), bf16, fp16."),
+    tokenizer: Path | None = typer.Option(None, "--tokenizer", help="tokenizer.json to include (default: the "
+                                          "tokenizer files of the run's --init-from folder, if any)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing, non-empty --hf folder."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+) -> None:
+    """Export a checkpoint written under any plan as a Hugging Face model folder that transformers loads."""
+    from ..hf.export import export_hf, parse_size
+
+    summary = export_hf(checkpoint, hf, parse_size(max_shard_size), dtype, tokenizer, overwrite)
+    if as_json:
+        typer.echo(json.dumps({"out": str(summary.out), "files": list(summary.files), "tensors": summary.tensors,
+                               "bytes": summary.total_bytes, "copied": list(summary.copied)}))
+        return
+    tok = f", copied {', '.join(summary.copied)}" if summary.copied else ", no tokenizer"
+    Console(stderr=True, highlight=False).print(
+        f"wrote {summary.out}: {summary.tensors} tensors, {summary.total_bytes / 2**20:.1f} MiB in "
+        f"{len(summary.files)} file(s){tok}", markup=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add this module's command to the root app."""
+    app.command("export")(export_command)

@@ -1,0 +1,1 @@
+"""Training data preparation: document readers (.txt, .jsonl, .parquet, globs) and streaming tokenization."""

@@ -1,0 +1,345 @@
+"""Elastic local runs (`flashflex launch PLAN --elastic`): lost devices -> reduced cluster -> new plan -> relaunch.
+
+The supervised local launcher (local.py) runs the plan. When the job ends with lost devices (a rank killed by
+a signal nobody in the job sends, such as SIGKILL or SIGSEGV, or a rank found frozen: no heartbeat), this loop
+writes the cluster without them (`RUN/elastic/cluster-N.json`), plans the same model and training
+configuration on it with the planner (`RUN/elastic/plan-N.json`: same strategy, seed and layer profiles as the
+plan in force, whose `inputs` record them) and relaunches from the newest checkpoint with `--resume`. The global
+batch is kept and the data order depends only on (seed, step), so step k trains on the same tokens under any
+plan (runtime/data.py); the learning-rate schedule is kept too (--steps / --schedule-steps).
+
+With `--cluster-watch FILE`, a change of FILE (cluster_watch.py) is planned at once; when the new plan's
+predicted tokens/s beats the plan in force on that cluster by at least --replan-gain percent, every rank is
+asked to stop at its next step boundary with a checkpoint (local.LocalJob.request_stop; only once training
+began, so the stop is agreed by all ranks), and the job resumes under the new plan.
+
+Every change is one console line and one JSON line in `RUN/events.jsonl`. A rank that fails with an error of its
+own (an exception, a checkpoint write error, a changed token file) is no lost device: re-planning would not
+help, and the job ends as without --elastic. So it does past --max-restarts, below --min-devices, or when no
+plan fits the remaining devices: one line, exit 1, the newest checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from ..cost.params import CostParams
+from ..errors import FlashflexError, InputError, RuntimeFailure
+from ..fileio import atomic_write_text
+from ..hardware.cluster import Cluster
+from ..plan.schema import Plan
+from .cluster_watch import ClusterWatch
+from .elastic_options import ElasticSettings
+from .failures import checkpoint_stamp, describe_failure
+from .local import JobOutcome, LocalJob, RankExit, interrupted, run_job
+from .options import RunOptions
+
+EVENTS_FILE = "events.jsonl"
+ELASTIC_DIR = "elastic"
+_STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)}
+
+
+@dataclass
+class Layout:
+    """A plan in force, the cluster it was made for, and their files."""
+
+    plan: Plan
+    plan_path: str
+    cluster: Cluster
+    cluster_path: str
+
+
+@dataclass
+class Replan:
+    """A decided change: the new layout, why, the devices lost, and the predictions compared (tokens/s)."""
+
+    new: Layout
+    reason: str
+    lost: list[str] = field(default_factory=list)
+    before_tps: float | None = None
+    after_tps: float | None = None
+
+
+# ---- pure pieces ---------------------------------------------------------------------------------------------
+
+def lost_devices(plan: Plan, failures: Mapping[int, RankExit]) -> list[str]:
+    """Devices (plan order) of ranks that were lost: frozen, or killed by a signal the job does not send itself.
+    Ranks that lost a peer, were stopped by the launcher or failed with an error of their own are not lost."""
+    ranks = plan.ranks()
+    lost = []
+    for rank, failure in sorted(failures.items()):
+        code = int(failure.exitcode)
+        killed = code < 0 and -code not in _STOP_SIGNALS and not failure.stopped
+        if (failure.silent or killed) and rank < len(ranks):
+            lost.append(ranks[rank].device)
+    return lost
+
+
+def reduced_cluster(cluster: Cluster, lost: list[str]) -> Cluster:
+    """`cluster` without the devices `lost` ("NODE/INDEX"): a node's remaining devices are renumbered from 0
+    (its measured intra-node pairs follow them), a node left empty is dropped with its inter-node pairs."""
+    gone = set(lost)
+    data = cluster.model_dump(mode="json", by_alias=True, exclude_none=True)
+    nodes = []
+    for node in data["nodes"]:
+        keep = [i for i in range(len(node["devices"])) if f"{node['name']}/{i}" not in gone]
+        if not keep:
+            continue
+        new_index = {old: new for new, old in enumerate(keep)}
+        node["devices"] = [node["devices"][i] for i in keep]
+        node["intra_pairs"] = [{**pair, "a": new_index[pair["a"]], "b": new_index[pair["b"]]}
+                               for pair in node.get("intra_pairs", [])
+                               if pair["a"] in new_index and pair["b"] in new_index]
+        nodes.append(node)
+    if not nodes:
+        raise RuntimeFailure(f"every device of cluster {cluster.name!r} was lost")
+    names = {node["name"] for node in nodes}
+    inter = data.get("inter_node", {})
+    inter["pairs"] = [p for p in inter.get("pairs", []) if p["a"] in names and p["b"] in names]
+    data.update(nodes=nodes, inter_node=inter, description=f"{cluster.name} without {', '.join(lost)}")
+    return Cluster.model_validate(data)
+
+
+def cost_params(plan: Plan, layers: tuple[str, ...]) -> CostParams:
+    """The cost parameters to re-plan `plan` with: the layer profiles its `inputs.layer_profiles` name, found
+    among `layers` by sha256 (InputError naming the missing ones). Other cost overrides are not recorded in a
+    plan: re-planning uses the defaults."""
+    params = CostParams()
+    wanted = set(plan.inputs.layer_profiles or ())
+    if not wanted:
+        return params
+    from ..layers.load import load_layer_profiles
+
+    profiles = load_layer_profiles(list(layers)) if layers else ()
+    chosen = tuple(p for p in profiles if p.sha256() in wanted)
+    missing = wanted - {p.sha256() for p in chosen}
+    if missing:
+        raise InputError(f"the plan was costed with layer profile(s) {', '.join(sorted(m[:12] for m in missing))}, "
+                         "not among --layers: pass the same files so that re-planning is costed as the plan was")
+    return params.with_layer_profiles(chosen)
+
+
+def predicted_tokens_per_s(plan: Plan, cluster: Cluster, params: CostParams) -> float | None:
+    """The cost model's tokens/s for `plan` on `cluster` (None: it cannot run there)."""
+    from ..cost.reestimate import validate_plan
+
+    checked = validate_plan(plan, cluster, params)
+    if not checked.ok or checked.estimate is None:
+        return None
+    return float(checked.estimate.tokens_per_s)
+
+
+def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, time_budget_s: float) -> Plan:
+    """A plan of `old`'s model and training configuration for `cluster`, with `old`'s strategy ("flashflex" for a
+    hand-made plan) and seed; InfeasibleError when none fits."""
+    from ..cost.estimate import estimate
+    from ..cost.reestimate import reestimated
+    from ..planner.search import STRATEGIES, plan_layout
+
+    inputs = old.inputs
+    strategy = inputs.strategy if inputs.strategy in STRATEGIES else "flashflex"
+    plan = plan_layout(cluster, inputs.model, inputs.train, strategy=strategy, time_budget_s=time_budget_s,
+                       seed=inputs.seed, params=params)
+    plan = reestimated(plan, estimate(plan, cluster, params))
+    return plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"cluster_path": cluster_path})})
+
+
+def latest_step(checkpoint_dir: str | None) -> int:
+    """The step of the newest complete checkpoint (0: none)."""
+    if checkpoint_dir is None:
+        return 0
+    from ..runtime.checkpoint import latest_checkpoint, read_manifest
+
+    found = latest_checkpoint(checkpoint_dir)
+    if found is None:
+        return 0
+    try:
+        return int(read_manifest(found)["step"])
+    except (FlashflexError, KeyError, TypeError, ValueError):
+        return 0
+
+
+def append_event(run_dir: str, event: dict[str, Any]) -> Path:
+    """Add one JSON line to RUN/events.jsonl (the whole file rewritten atomically: never half a line)."""
+    path = Path(run_dir) / EVENTS_FILE
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    return atomic_write_text(path, old + json.dumps(event) + "\n")
+
+
+def _tps_text(value: float | None) -> str:
+    return "?" if value is None else f"{value:,.0f}"
+
+
+def _checkpoint_text(checkpoint_dir: str | None) -> str:
+    step = latest_step(checkpoint_dir)
+    if not step:
+        return "no checkpoint was written yet"
+    return f"the checkpoint of step {step} in {checkpoint_dir} is intact (continue with --resume)"
+
+
+# ---- the watch hook --------------------------------------------------------------------------------------------
+
+class WatchHook:
+    """Polled by the local launcher (local.run_job): plans each change of the watched cluster file and, when it
+    pays, asks the job to stop at its next step boundary once training has begun."""
+
+    def __init__(self, watch: ClusterWatch, current: Layout, params: CostParams, settings: ElasticSettings,
+                 run_dir: str, start_step: int, say: Callable[[str], None]) -> None:
+        self.watch, self.current, self.params, self.settings = watch, current, params, settings
+        self.metrics = Path(run_dir) / "metrics.jsonl"
+        self.start_step, self.say = start_step, say
+        self.pending: Replan | None = None
+
+    def __call__(self, job: LocalJob) -> None:
+        if self.pending is None:
+            cluster = self.watch.poll()
+            if cluster is None:
+                return
+            self.pending = self.decide(cluster)
+        if self.pending is not None and not job.stop_requested and self._training():
+            job.request_stop()
+
+    def decide(self, cluster: Cluster) -> Replan | None:
+        """The re-plan for the watched `cluster` when its predicted gain reaches --replan-gain, else None."""
+        path = str(self.watch.path)
+        try:
+            plan = replan(self.current.plan, cluster, path, self.params, self.settings.time_budget_s)
+        except FlashflexError as exc:
+            self.say(f"cluster-watch: {path} changed, no plan fits it ({exc}); continuing under the current plan")
+            return None
+        before = predicted_tokens_per_s(self.current.plan, cluster, self.params)
+        after = float((plan.predicted or {}).get("tokens_per_s", 0.0))
+        gain = None if not before else 100.0 * (after / before - 1.0)
+        if gain is not None and gain < self.settings.replan_gain_pct:
+            self.say(f"cluster-watch: {path} changed: a new plan predicts {_tps_text(after)} tokens/s against "
+                     f"{_tps_text(before)} now ({gain:+.1f}%, below --replan-gain {self.settings.replan_gain_pct:g}%)"
+                     "; continuing under the current plan")
+            return None
+        return Replan(Layout(plan, "", cluster, path), "cluster changed", [], before, after)
+
+    def _training(self) -> bool:
+        """True once this attempt recorded a step (every rank has joined training: a stop is then collective)."""
+        try:
+            lines = self.metrics.read_text(encoding="utf-8").splitlines()
+        except OSError:
+            return False
+        for line in reversed(lines):
+            try:
+                if int(json.loads(line)["step"]) >= self.start_step:
+                    return True
+            except (ValueError, KeyError, TypeError):
+                continue
+        return False
+
+
+# ---- the loop ----------------------------------------------------------------------------------------------------
+
+class ElasticRun:
+    """One elastic launch: the layout in force, the restarts used, the files written."""
+
+    def __init__(self, layout: Layout, options: RunOptions, settings: ElasticSettings,
+                 inherit_fds: tuple[int, ...], say: Callable[[str], None]) -> None:
+        if options.checkpoint_dir is None:
+            raise InputError("--elastic needs --checkpoint-dir (a lost device is survived from the last checkpoint)")
+        self.layout, self.options, self.settings = layout, options, settings
+        self.inherit_fds, self.say = inherit_fds, say
+        self.params = cost_params(layout.plan, settings.layers)
+        self.restarts = 0
+        self.changes = 0
+        self.watch = ClusterWatch(settings.cluster_watch, say) if settings.cluster_watch else None
+
+    def run(self) -> None:
+        """Run, re-plan and relaunch until the steps are done; raises RuntimeFailure (exit 1) or Interrupted."""
+        before = checkpoint_stamp(self.options.checkpoint_dir)
+        options = self.options
+        while True:
+            start = latest_step(options.checkpoint_dir) if options.resume else 0
+            hook = None
+            if self.watch is not None:
+                hook = WatchHook(self.watch, self.layout, self.params, self.settings, options.out, start, self.say)
+            outcome = run_job(self.layout.plan, options, inherit_fds=self.inherit_fds, hook=hook)
+            if outcome.signals:
+                raise interrupted(outcome, options, before)
+            wrote = checkpoint_stamp(options.checkpoint_dir) != before  # this launch saved one
+            resume = self.options.resume or wrote
+            step = latest_step(options.checkpoint_dir) if resume else 0
+            if outcome.failures:
+                change = self._after_failure(outcome)
+            elif outcome.stopped and hook is not None and hook.pending is not None and step < options.steps:
+                change = hook.pending
+            else:
+                return
+            self._apply(change, step)
+            options = dataclasses.replace(self.options, plan=self.layout.plan_path,
+                                          cluster=self.layout.cluster_path, resume=resume)
+
+    def _after_failure(self, outcome: JobOutcome) -> Replan:
+        """The re-plan after a failed job, or the RuntimeFailure that ends the run."""
+        plan, ckpt = self.layout.plan, self.options.checkpoint_dir
+        cause = describe_failure(plan, None, outcome.failures)
+        lost = lost_devices(plan, outcome.failures)
+        if not lost:
+            raise cause
+        if self.restarts >= self.settings.max_restarts:
+            raise RuntimeFailure(f"{cause}; --max-restarts {self.settings.max_restarts} used up, stopping: "
+                                 f"{_checkpoint_text(ckpt)}")
+        cluster = reduced_cluster(self.layout.cluster, lost)
+        left = len(cluster.device_ids)
+        if left < self.settings.min_devices:
+            raise RuntimeFailure(f"lost {', '.join(lost)}: {left} device(s) left, below --min-devices "
+                                 f"{self.settings.min_devices}; stopping: {_checkpoint_text(ckpt)}")
+        try:
+            new = replan(plan, cluster, "", self.params, self.settings.time_budget_s)
+        except FlashflexError as exc:
+            raise RuntimeFailure(f"lost {', '.join(lost)}: no plan of {plan.inputs.model.name} fits the {left} "
+                                 f"remaining device(s) ({exc}); stopping: {_checkpoint_text(ckpt)}") from None
+        self.restarts += 1
+        before = predicted_tokens_per_s(plan, self.layout.cluster, self.params)
+        after = float((new.predicted or {}).get("tokens_per_s", 0.0))
+        return Replan(Layout(new, "", cluster, ""), "lost devices", lost, before, after)
+
+    def _file(self, kind: str, index: int) -> str:
+        return os.path.join(self.options.out, ELASTIC_DIR, f"{kind}-{index}.json")
+
+    def _apply(self, change: Replan, step: int) -> None:
+        """Write the new cluster and plan files (a watched cluster is copied: the run does not depend on the
+        watched file staying as it was), the event and the console line; switch to the new layout."""
+        self.changes += 1
+        old, new = self.layout, change.new
+        new.cluster_path = self._file("cluster", self.changes)
+        new.plan_path = self._file("plan", self.changes)
+        new.plan = new.plan.model_copy(update={"inputs": new.plan.inputs.model_copy(
+            update={"cluster_path": new.cluster_path})})
+        atomic_write_text(new.cluster_path, new.cluster.to_json())
+        atomic_write_text(new.plan_path, new.plan.to_json())
+        event = {"time": datetime.now(UTC).isoformat(timespec="milliseconds"), "step": step,
+                 "reason": change.reason, "lost_devices": change.lost,
+                 "devices_before": old.plan.world_size, "devices_after": new.plan.world_size,
+                 "old_plan": old.plan_path, "new_plan": new.plan_path,
+                 "old_cluster": old.cluster_path, "new_cluster": new.cluster_path,
+                 "watched": self.settings.cluster_watch if change.reason == "cluster changed" else None,
+                 "predicted_tokens_per_s_before": change.before_tps,
+                 "predicted_tokens_per_s_after": change.after_tps}
+        append_event(self.options.out, event)
+        what = f"lost {', '.join(change.lost)}" if change.lost else f"{self.settings.cluster_watch} changed"
+        self.say(f"elastic: {what}; re-planned {old.plan.world_size} -> {new.plan.world_size} devices, predicted "
+                 f"{_tps_text(change.before_tps)} -> {_tps_text(change.after_tps)} tokens/s ({new.plan_path}); "
+                 f"resuming from step {step}")
+        self.layout = new
+
+
+def run_elastic(plan: Plan, options: RunOptions, settings: ElasticSettings, inherit_fds: tuple[int, ...],
+                say: Callable[[str], None]) -> None:
+    """Run `plan` (its cluster file: options.cluster) elastically; returns when every step is trained."""
+    from ..hardware.cluster import load_cluster
+
+    layout = Layout(plan, options.plan, load_cluster(options.cluster), options.cluster)
+    ElasticRun(layout, options, settings, inherit_fds, say).run()

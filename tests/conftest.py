@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.infra.netns import NetnsHosts, netns_available
 
 REPO = Path(__file__).resolve().parents[1]
 FLASHFLEX = str(Path(sys.executable).with_name("flashflex"))
@@ -22,3 +25,13 @@ def _one_thread_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def repo() -> Path:
     """The repository root."""
     return REPO
+
+
+@pytest.fixture
+def net() -> Iterator[NetnsHosts]:
+    """Two network-namespace hosts on one bridge (tests/infra/netns.py); skips where namespaces cannot be made."""
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(f"network namespaces unavailable: {why}")
+    with NetnsHosts(2) as hosts:
+        yield hosts

@@ -17,7 +17,7 @@ import pytest
 
 from flashflex_cli.plan.schema import load_plan
 from tests.conftest import FLASHFLEX
-from tests.infra.netns import NetnsHosts, netns_available
+from tests.infra.netns import NetnsHosts
 
 GOLDEN = Path(__file__).parent / "golden"
 CLUSTER = str(GOLDEN / "cluster-2node.json")
@@ -32,15 +32,6 @@ def _rows(run: Path) -> list[dict]:
         return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
         return []
-
-
-@pytest.fixture
-def net() -> NetnsHosts:
-    ok, why = netns_available()
-    if not ok:
-        pytest.skip(f"network namespaces unavailable: {why}")
-    with NetnsHosts(2) as hosts:
-        yield hosts
 
 
 def _kill_host(net: NetnsHosts, i: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FLASHFLEX
-from tests.infra.netns import NetnsHosts, netns_available
+from tests.infra.netns import NetnsHosts
 
 GOLDEN = Path(__file__).parent / "golden"
 CLUSTER = str(GOLDEN / "cluster-2node.json")
@@ -57,15 +57,6 @@ def _run_hosts(net: NetnsHosts, out: Path, run_id: str, env: dict[str, str] | No
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
     return [(proc.returncode, text) for proc, text in zip(procs, outputs, strict=True)]
-
-
-@pytest.fixture
-def net() -> NetnsHosts:
-    ok, why = netns_available()
-    if not ok:
-        pytest.skip(f"network namespaces unavailable: {why}")
-    with NetnsHosts(2) as hosts:
-        yield hosts
 
 
 def test_two_hosts_with_unlike_process_counts_match_one_process(net: NetnsHosts, tmp_path: Path) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 from flashflex_cli.cost.params import CostParams
 from flashflex_cli.hardware.synthetic import build_cluster
@@ -12,6 +15,7 @@ from flashflex_cli.planner.fastcost import CostCache
 from flashflex_cli.planner.graph import DeviceGraph
 from flashflex_cli.planner.pool import SearchPool, usable_cores
 from flashflex_cli.planner.search import SearchStats, plan_layout
+from tests.conftest import REPO
 
 MIXED = ("1x8xA100-80G-SXM:nic=ib:link=nvlink,1x8xRTX-4090:nic=eth,1x8xRTX-3090:nic=eth,"
          "1x8xA100-40G-SXM:nic=roce")
@@ -32,10 +36,18 @@ def test_map_keeps_the_order_and_runs_in_workers() -> None:
     with SearchPool(cache, jobs=1) as pool:
         alone = pool.map(_where, range(20))
     assert {pid for _, _, pid in alone} == {os.getpid()}  # one job: in this process
-    with SearchPool(cache, jobs=2) as pool:
-        spread = pool.map(_where, range(20))
+    # Workers are forked only from a single-threaded process (planner/pool.py); earlier tests of a suite leave
+    # threads in this one, so the two-job map runs in a fresh interpreter.
+    code = ("import json, os; from tests.test_planner_pool import _cache, _where; "
+            "from flashflex_cli.planner.pool import SearchPool\n"
+            "with SearchPool(_cache(), jobs=2) as pool: spread = pool.map(_where, range(20))\n"
+            "print(json.dumps({'spread': spread, 'pid': os.getpid()}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    spread = [tuple(r) for r in found["spread"]]
     assert [r[:2] for r in spread] == [r[:2] for r in alone] == [(i, i * i + 2) for i in range(20)]
-    assert os.getpid() not in {pid for _, _, pid in spread}  # two jobs: in forked workers
+    assert found["pid"] not in {pid for _, _, pid in spread}  # two jobs: in forked workers
     assert usable_cores() >= 1
 
 

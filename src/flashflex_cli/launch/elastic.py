@@ -72,15 +72,20 @@ class Replan:
 
 def lost_devices(plan: Plan, failures: Mapping[int, RankExit]) -> list[str]:
     """Devices (plan order) of ranks that were lost: frozen, or killed by a signal the job does not send itself.
-    Ranks that lost a peer, were stopped by the launcher or failed with an error of their own are not lost."""
+    Ranks that lost a peer, were stopped by the launcher or failed with an error of their own are not lost.
+    Where a rank was killed, ranks that fell silent are waiting for it (blocked in a collective on a loaded
+    host), not frozen: only the killed ones are lost then."""
     ranks = plan.ranks()
-    lost = []
+    killed, silent = [], []
     for rank, failure in sorted(failures.items()):
         code = int(failure.exitcode)
-        killed = code < 0 and -code not in _STOP_SIGNALS and not failure.stopped
-        if (failure.silent or killed) and rank < len(ranks):
-            lost.append(ranks[rank].device)
-    return lost
+        if rank >= len(ranks):
+            continue
+        if code < 0 and -code not in _STOP_SIGNALS and not failure.stopped:
+            killed.append(ranks[rank].device)
+        elif failure.silent:
+            silent.append(ranks[rank].device)
+    return killed or silent
 
 
 def reduced_cluster(cluster: Cluster, lost: list[str]) -> Cluster:

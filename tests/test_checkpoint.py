@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flashflex_cli.errors import InputError
 from flashflex_cli.runtime import checkpoint as ckpt
 from flashflex_cli.runtime.shards import ShardSpec
 from tests.conftest import FLASHFLEX
@@ -54,6 +55,38 @@ def test_save_shards_load_full_tensors(tmp_path: Path, world_of_one: None) -> No
     full = ckpt.load_full(path, ["w", "b", "step", "missing"])
     assert torch.equal(full["w"], w) and torch.equal(full["b"], torch.ones(3)) and int(full["step"]) == 7
     assert "missing" not in full
+
+
+def test_load_into_reads_each_slice_from_whatever_shards_were_saved(tmp_path: Path, world_of_one: None) -> None:
+    """Targets at other cuts than the saved ones (and the whole tensor) get exactly the full tensor's slice;
+    a tensor saved under two layouts (like the embedding at two TP degrees) is read once per piece."""
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors, shards = _shards(w, [2, 5])
+    extra, extra_shards = _shards(w, [3])  # the same tensor saved again under another cut
+    tensors.update({f"again{k}": v for k, v in extra.items()})
+    shards.update({f"again{k}": v for k, v in extra_shards.items()})
+    tensors["b"], shards["b"] = torch.arange(3.0), ShardSpec("b", (3,), None, 0, 3, True)
+    tensors["step"], shards["step"] = torch.tensor(7), ShardSpec("step", (), None, 0, 1, True)
+    path = ckpt.save(tmp_path, 7, tensors, shards, {})
+    cuts = [(0, 6), (0, 1), (1, 4), (4, 6), (2, 3), (5, 6)]
+    targets = {f"w{a}:{b}": (ShardSpec("w", (4, 6), 1, a, b, False), torch.full((4, b - a), -1.0)) for a, b in cuts}
+    targets["whole"] = (ShardSpec("w", (4, 6), None, 0, 4, False), torch.zeros(4, 6))
+    targets["b1"] = (ShardSpec("b", (3,), 0, 1, 3, False), torch.zeros(2))
+    targets["step"] = (ShardSpec("step", (), None, 0, 1, False), torch.tensor(0))
+    targets["b64"] = (ShardSpec("b", (3,), None, 0, 3, False), torch.zeros(3, dtype=torch.float64))  # DCP's read
+    ckpt.load_into(path, targets)
+    assert torch.equal(targets["b64"][1], torch.arange(3.0, dtype=torch.float64))
+    for a, b in cuts:
+        assert torch.equal(targets[f"w{a}:{b}"][1], w[:, a:b])
+    assert torch.equal(targets["whole"][1], w) and torch.equal(targets["b1"][1], torch.tensor([1.0, 2.0]))
+    assert int(targets["step"][1]) == 7
+    table = ckpt.read_manifest(path)["tensors"]
+    pieces = ckpt.plan_reads(table, {"x": targets["w1:4"]}, "here")
+    assert [p[3:5] for p in pieces] == [(0, 2), (2, 3)]  # [1, 3) from the 0:3 shard, [3, 4) from 3:6: no re-read
+    with pytest.raises(InputError, match="no tensor missing"):
+        ckpt.load_into(path, {"m": (ShardSpec("missing", (2,), None, 0, 2, False), torch.zeros(2))})
+    with pytest.raises(InputError, match="checkpoint shape"):
+        ckpt.load_into(path, {"w": (ShardSpec("w", (4, 7), 1, 0, 7, False), torch.zeros(4, 7))})
 
 
 def test_crash_during_save_keeps_previous_checkpoint(tmp_path: Path, world_of_one: None,

@@ -98,3 +98,11 @@ def test_uncatalogued_device_type_with_its_peaks_is_accepted(tmp_path, source):
     path.write_text(json.dumps(data))
     assert load_cluster(path).device("node0/0").type == "Some-Future-GPU"
     assert not is_catalogued("Some-Future-GPU") and is_catalogued("4090")
+
+
+def test_an_rdma_node_reaches_a_slow_ethernet_node_at_that_nodes_speed() -> None:
+    """InfiniBand to Ethernet falls back to Ethernet: the Ethernet class, or the Ethernet end's own slower NIC."""
+    slow = build_cluster("1x8xA100-80G-SXM:nic=ib,1x8xRTX-3090:nic=eth:bw=1")
+    assert slow.node_link("node0", "node1").bandwidth == pytest.approx(1e9 / 8)
+    plain = build_cluster("1x8xA100-80G-SXM:nic=ib:bw=400,1x8xRTX-3090:nic=eth")
+    assert plain.node_link("node0", "node1").bandwidth == NIC_LINKS["eth"].bandwidth

@@ -20,6 +20,7 @@ from flashflex_cli.runtime.data import (
     open_source,
     pipeline_rows,
     prepare,
+    stage_tokens,
     write_token_file,
 )
 from tests.conftest import FLASHFLEX
@@ -93,6 +94,29 @@ def test_pipelines_share_the_same_global_batch_under_any_plan() -> None:
         parts = [batch[pipeline_rows(sequences, p)] for p in range(len(plan.pipelines))]
         assert torch.equal(torch.cat(parts), batch)
     assert pipeline_rows([4, 4], 1) == slice(4, 8)
+
+
+def test_rows_equal_the_global_batch_slice_and_read_only_those_rows(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first or last stage builds only its pipeline's rows: the same values as global_batch(step)[rows], with
+    one file read per row taken (a middle stage calls nothing)."""
+    path = write_token_file(tmp_path / "t.bin", np.arange(4097) % 256, vocab_size=256)
+    sources = [TokenFileSource(path, global_batch=8, seq_len=16, seed=3), SyntheticSource(256, 8, 16, seed=1)]
+    for source in sources:
+        for step in (0, 5, 40):  # step 40 lies in the second epoch of the token file (32 steps an epoch)
+            batch = source.global_batch(step)
+            for rows in (slice(0, 8), slice(0, 3), slice(3, 8), slice(5, 6)):
+                got = source.rows(step, rows)
+                assert got.dtype == torch.int64 and torch.equal(got, batch[rows])
+    reads: list[int] = []
+    real_read = TokenFile.read
+    monkeypatch.setattr(TokenFile, "read", lambda self, start, count: reads.append(start) or real_read(self, start, count))
+    sources[0].rows(7, slice(2, 5))
+    assert len(reads) == 3
+    assert torch.equal(stage_tokens(sources[0], 7, slice(2, 5), reads=True), sources[0].global_batch(7)[2:5])
+    reads.clear()
+    middle = stage_tokens(sources[0], 7, slice(2, 5), reads=False)  # a middle stage: no read, same shape
+    assert not reads and middle.dtype == torch.int64 and tuple(middle.shape) == (3, 17) and not middle.any()
 
 
 def test_prepare_byte_level_and_hf_tokenizer(tmp_path: Path) -> None:

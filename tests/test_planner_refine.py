@@ -92,10 +92,11 @@ def test_shedding_keeps_a_supported_degree() -> None:
 
 
 def test_a_device_level_move_beats_whole_group_moves() -> None:
-    # Two TP-4 pipelines on one PCIe node: no whole-group move changes anything (the groups are equal);
+    # Two TP-4 pipelines on one PCIe node: no whole-group move changes anything (the groups are equal; at this
+    # batch the gradient reduction is too small a share for chaining them into one pipeline to pay);
     # shedding devices of a TP-4 group into smaller groups is what helps.
     cluster = build_cluster("1x8xRTX-4090")
-    train = TrainConfig(global_batch=32, seq_len=2048)
+    train = TrainConfig(global_batch=64, seq_len=2048)
     cache = _cache(cluster, "llama-1b", train)
     total = micro_batches(train.global_batch, train.micro_batch_size)
     start = _start(cache, [((0, 1, 2, 3),), ((4, 5, 6, 7),)], total)

@@ -30,7 +30,7 @@ def skewed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A cluster where the plan leaves the 12 GiB cards behind 10 Gbit/s Ethernet idle (llama2-13b)."""
     root = tmp_path_factory.mktemp("truth")
     cluster = root / "cluster.json"
-    save_cluster(cluster, build_cluster("1x8xA100-80G-SXM:nic=ib,1x8xRTX-3080Ti:nic=eth", name="skewed"))
+    save_cluster(cluster, build_cluster("1x8xA100-80G-SXM:nic=ib,1x8xRTX-3080Ti:nic=eth:bw=1", name="skewed"))
     prices = root / "prices.json"  # the example's A100 price; the 3080 Ti is rarely rented: a made-up default
     prices.write_text(json.dumps({"schema": "flashflex.prices/1", "default_per_device_hour": 0.3,
                                   "prices": [{"type": "A100-80G-SXM", "per_device_hour": 5.12}]}))

@@ -118,6 +118,12 @@ def launch_command(
                                       "tokens/s gain in percent that a re-plan needs."),
     layers: list[Path] | None = typer.Option(None, "--layers", help="With --elastic: the layer profiles the plan "
                                              "was costed with, for re-planning."),
+    no_lean_p2p: bool = typer.Option(False, "--no-lean-p2p", help="For comparison only: stage-boundary sends in "
+                                     "fp32 and in full from every TP rank."),
+    no_overlap_dp: bool = typer.Option(False, "--no-overlap-dp", help="For comparison only: one blocking "
+                                       "gradient reduction after the whole backward."),
+    no_hierarchical_dp: bool = typer.Option(False, "--no-hierarchical-dp", help="For comparison only: one flat "
+                                            "reduction ring over all holders of a slice."),
 ) -> None:
     """Check PLAN against the cluster, the machine and the data, then run it or render its launch commands."""
     from ..hardware.cluster import load_cluster
@@ -141,7 +147,9 @@ def launch_command(
     options = RunOptions(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
                          seed=seed, lr=lr, checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                          checkpoint_every=checkpoint_every, resume=resume, timeout_s=timeout,
-                         schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None)
+                         schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None,
+                         lean_p2p=not no_lean_p2p, overlap_dp=not no_overlap_dp,
+                         hierarchical_dp=not no_hierarchical_dp)
     if launcher != "local":
         port_number(port)
     _check_outputs(launcher, script, options, _script_inputs(plan_path, cluster_path, data, template))

@@ -2,14 +2,20 @@
 
 Alpha-beta model (Hockney): a message of n bytes over a link of bandwidth B (bytes/s) and latency a (s)
 takes a + n / B. A ring all-reduce of n bytes among p devices moves 2 (p - 1) / p * n bytes over every
-ring hop in 2 (p - 1) steps (Patarasuk & Yuan 2009), so the slowest hop sets the pace.
+ring hop in 2 (p - 1) steps (Patarasuk & Yuan 2009), so the slowest hop sets the pace; a ring all-gather
+moves (p - 1) / p * n bytes per hop in p - 1 steps.
+
+Stage-to-stage transfers are charged as the runtime makes them (runtime/pipeline.py): by default the lean
+scatter-gather of runtime/boundary.py in the compute dtype, else full fp32 copies to every receiving rank.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from ..hardware.cluster import Cluster
+from ..model.flops import dtype_bytes
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
 from .params import CostParams
@@ -76,14 +82,72 @@ def transfer_time(cluster: Cluster, src: Sequence[str], dst: Sequence[str], nbyt
     return found
 
 
-def p2p_time(cluster: Cluster, src: Sequence[str], dst: Sequence[str], model: ModelSpec, train: TrainConfig,
-             params: CostParams, micro_batch_size: int | None = None) -> float:
-    """Seconds to pass one micro-batch's activation [mbs, seq, hidden] from stage `src` to stage `dst`,
-    `params.activation_transfer_bytes` per element.
+def ring_allgather_seconds(participants: int, nbytes: float, bandwidth: float, latency_s: float) -> float:
+    """Seconds for a ring all-gather that leaves `nbytes` on each of `participants` devices (each starts with
+    1/participants of it) over hops of `bandwidth` bytes/s."""
+    if participants <= 1 or nbytes <= 0:
+        return 0.0
+    steps = participants - 1
+    return steps * latency_s + steps / participants * nbytes / bandwidth
 
-    The same time applies to the gradient sent back in the backward pass.
+
+def transfer_element_bytes(cluster: Cluster, devices: Sequence[str], train: TrainConfig) -> int:
+    """Bytes per element of a lean stage-boundary transfer among `devices`: the compute dtype (2 for bf16 and
+    fp16, which GPUs compute in under autocast), 4 for fp32 / tf32 and wherever a device is an emulated CPU
+    (the runtime computes and sends fp32 there)."""
+    cv = view(cluster)
+    if any(cv.info(d).is_cpu for d in devices):
+        return 4
+    return dtype_bytes(train.dtype)
+
+
+def lean_transfer_time(cluster: Cluster, src: Sequence[str], dst: Sequence[str], nbytes: float,
+                       efficiency: float = 1.0, gather_efficiency: float = 1.0) -> float:
+    """Seconds to deliver a tensor of `nbytes`, replicated on every `src` device, to every `dst` device by
+    scatter-gather (runtime/boundary.py): cut into n = lcm(t, t') chunks, chunk k goes from src[k % t] to
+    dst[k % t'], then the `dst` group all-gathers the chunks (a ring over its slowest hop).
+
+    Sends that share a channel (a source device's own link inside a node, or the NIC pair between two nodes)
+    run one after another, distinct channels in parallel, as in `transfer_time`; the all-gather follows.
+    """
+    if nbytes <= 0 or not src or not dst:
+        return 0.0
+    cv = view(cluster)
+    key = ("lean", tuple(src), tuple(dst), nbytes, efficiency, gather_efficiency)
+    found = cv.transfers.get(key)
+    if found is not None:
+        return found
+    n = math.lcm(len(src), len(dst))
+    chunk = nbytes / n
+    channels: dict[tuple[str, str], float] = {}
+    for k in range(n):
+        source, target = src[k % len(src)], dst[k % len(dst)]
+        link = cv.link(source, target)
+        a, b = cv.info(source).node, cv.info(target).node
+        channel = (source, "") if a == b else (a, b)
+        channels[channel] = channels.get(channel, 0.0) + link.latency_s + chunk / (link.bandwidth * efficiency)
+    found = max(channels.values())
+    if len(dst) > 1:
+        bandwidth, latency = ring_link(cluster, dst)
+        found += ring_allgather_seconds(len(dst), nbytes, bandwidth * gather_efficiency, latency)
+    cv.transfers[key] = found
+    return found
+
+
+def p2p_time(cluster: Cluster, src: Sequence[str], dst: Sequence[str], model: ModelSpec, train: TrainConfig,
+             params: CostParams, micro_batch_size: int | None = None, lean: bool = True) -> float:
+    """Seconds to pass one micro-batch's activation [mbs, seq, hidden] from stage `src` to stage `dst`.
+
+    `lean` (the runtime's default, RuntimeOptions.lean_p2p): scatter-gather in the compute dtype
+    (`transfer_element_bytes`, `lean_transfer_time`; the receivers' all-gather at `params.tp_comm_efficiency`).
+    Otherwise every destination receives the whole tensor at `params.activation_transfer_bytes` per element
+    (4: fp32, what the runtime sends with lean transfers off).
+    The same time applies to the gradient sent back in the backward pass (call with the stages swapped).
     `micro_batch_size`: the pipeline's own (default train.micro_batch_size).
     """
     mbs = micro_batch_size or train.micro_batch_size
-    nbytes = mbs * train.seq_len * model.hidden_size * params.activation_transfer_bytes
-    return transfer_time(cluster, src, dst, nbytes, params.p2p_efficiency)
+    numel = mbs * train.seq_len * model.hidden_size
+    if lean:
+        nbytes = numel * transfer_element_bytes(cluster, [*src, *dst], train)
+        return lean_transfer_time(cluster, src, dst, nbytes, params.p2p_efficiency, params.tp_comm_efficiency)
+    return transfer_time(cluster, src, dst, numel * params.activation_transfer_bytes, params.p2p_efficiency)

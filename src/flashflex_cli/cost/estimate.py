@@ -1,7 +1,8 @@
 """estimate(plan, cluster): iteration time, throughput, MFU, memory per device, for any asymmetric plan.
 
 Iteration = for every stage, the end of its last backward (1F1B simulation of its pipeline), then the
-part of its DP gradient reduction that is not hidden, then its optimizer step; the latest stage sets the
+part of its DP gradient reduction that is not hidden behind the backward (cost/dp.py: per-layer buckets
+against the last backward, flat or hierarchical), then its optimizer step; the latest stage sets the
 iteration time. docs/cost-model.md writes the formulas out.
 """
 
@@ -16,7 +17,7 @@ from ..model import flops as F
 from ..plan.schema import Plan
 from .comm import p2p_time
 from .compute import layer_times
-from .dp import dp_reduction
+from .dp import StageBackward, dp_buckets, dp_partners, dp_timeline
 from .memory import (
     MemoryBreakdown,
     device_capacity,
@@ -33,7 +34,8 @@ from .view import view
 @dataclass(frozen=True)
 class StageEstimate:
     """One stage: per-micro-batch fwd_s/bwd_s (s), p2p_s to the next stage (s, 0 for the last), time_s =
-    busy compute time per iteration (s), dp_s = its DP reduction time (s), memory per device (bytes),
+    busy compute time per iteration (s), dp_s = seconds of the DP reductions it takes part in, hidden or not,
+    dp_exposed_s = how long its reduction runs on after its last backward (s), memory per device (bytes),
     memory_capacity = the smallest usable capacity among its devices (bytes), headroom = capacity - need."""
 
     pipeline: int
@@ -146,7 +148,9 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
     pipelines: list[PipelineEstimate] = []
     problems: list[str] = []
     last_backward: dict[tuple[int, int], float] = {}
-    dp = dp_reduction(plan, cluster, params)
+    dp_plan = dp_buckets(plan, cluster, params)
+    partners = dp_partners(dp_plan)
+    backward: dict[tuple[int, int], StageBackward] = {}
     for p, pipe in enumerate(plan.pipelines):
         mbs, m, count = pipe.micro_batch_size, pipe.num_micro_batches, len(pipe.stages)
         fwd, bwd, p2p, back, times = [], [], [], [], []
@@ -168,7 +172,7 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
             mem = stage_memory(model, train, stage.tp, stage.num_layers, s == 0, s == count - 1,
                                min(count - s, m), params, micro_batch_size=mbs, reserve_bytes=reserve,
                                measured=lt.measured)
-            if dp.partners.get((p, s)):
+            if partners.get((p, s)):
                 mem = with_dp_buffers(mem, params.dp_buffer_factor)
             capacity, tightest = min((device_capacity(cluster, d, params), d) for d in stage.devices)
             headroom = capacity - mem.total
@@ -176,6 +180,9 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
                 problems.append(f"pipelines.{p}.stages.{s}: needs {mem.total / GIB:.1f} GiB, "
                                 f"{tightest} has {capacity / GIB:.1f} GiB")
             last_backward[(p, s)] = sched.last_backward_end_s[s]
+            backward[(p, s)] = StageBackward(sched.last_backward_end_s[s] - bwd[s], sched.last_backward_end_s[s],
+                                             lt.head_bwd_s if s == count - 1 else 0.0, lt.bwd_s,
+                                             (stage.layers[0], stage.layers[1]), s == 0)
             stages.append(StageEstimate(
                 p, s, tuple(stage.devices), stage.tp, tuple(stage.layers), fwd[s], bwd[s],
                 p2p[s] if s < len(p2p) else 0.0, sched.busy_s[s], mem, capacity, headroom,
@@ -185,12 +192,11 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
 
     final: list[StageEstimate] = []
     iteration = 0.0
+    dp = dp_timeline(dp_plan, backward, params.dp_overlap, partners)
     for st in stages:
         key = (st.pipeline, st.stage)
         comm = dp.stage_seconds.get(key, 0.0)
-        start = max([last_backward[key]] + [last_backward[k] for k in dp.partners.get(key, ())])
-        hidden = min(params.dp_overlap_fraction * comm, st.bwd_s)
-        comm_end = max(last_backward[key], start + comm - hidden) if comm > 0 else last_backward[key]
+        comm_end = dp.end_s[key]
         last = st.stage == len(plan.pipelines[st.pipeline].stages) - 1
         n_params = sum(stage_params_per_device(model, st.tp, st.layers[1] - st.layers[0], st.stage == 0, last))
         membw = min(cv.info(d).memory_bandwidth for d in st.devices) * params.memory_bandwidth_efficiency

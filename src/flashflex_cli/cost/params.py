@@ -64,8 +64,14 @@ class CostParams:
     tp_comm_efficiency, p2p_efficiency, dp_comm_efficiency: achieved fraction of a link's bandwidth for
         TP all-reduces, pipeline sends and DP gradient all-reduces. 1.0: link classes already hold
         achieved rates (hardware/links.py).
-    dp_overlap_fraction: fraction of a stage's DP reduction that may overlap its last backward pass.
-        0.0: the runtime reduces gradients after the whole backward has finished.
+    dp_overlap: the runtime's overlapped DP reduction (RuntimeOptions.overlap_dp, its default): each layer's
+        bucket starts reducing when the stage's last backward has finished that layer (cost/dp.py simulates
+        it layer by layer). False: every bucket waits for the end of the backward (`--no-overlap-dp`).
+    dp_hierarchical: the runtime's hierarchical DP reduction (RuntimeOptions.hierarchical_dp, its default):
+        holders on several nodes reduce inside each node, then across nodes by one leader each (cost/dp.py).
+        False: one flat ring over all holders (`--no-hierarchical-dp`).
+    dp_overlap_fraction: IGNORED since the overlap is simulated per layer (`dp_overlap`); still accepted,
+        in [0, 1), so older cost-parameter files load.
     grad_reduce_bytes: bytes per gradient element in the DP all-reduce. 4: the runtime keeps fp32
         parameters and gradients and computes under autocast (runtime/engine.py), as Megatron reduces
         fp32 main gradients.
@@ -110,6 +116,8 @@ class CostParams:
     tp_comm_efficiency: float = 1.0
     p2p_efficiency: float = 1.0
     dp_comm_efficiency: float = 1.0
+    dp_overlap: bool = True
+    dp_hierarchical: bool = True
     dp_overlap_fraction: float = 0.0
     grad_reduce_bytes: float = 4.0
     activation_transfer_bytes: float = 4.0
@@ -182,7 +190,7 @@ class CostParams:
                 values[name] = {**base.compute_efficiency, **_efficiency_overrides(value)}
             elif name == "compute_intercept":
                 values[name] = {**base.compute_intercept, **_efficiency_overrides(value, name, upper=None)}
-            elif name == "master_weights":
+            elif name in ("master_weights", "dp_overlap", "dp_hierarchical"):
                 if not isinstance(value, bool):
                     raise InputError(f"cost parameters: {name} must be true or false, got {value!r}")
                 values[name] = value

@@ -186,8 +186,10 @@ class Cluster(_Strict):
                 return Link(pair.bandwidth, pair.latency_s or latency, "measured")
         if self.inter_node.default_bandwidth is not None:
             return Link(self.inter_node.default_bandwidth, latency, kind)
-        if kind == "eth" and node_a.nic != node_b.nic:
-            bandwidth = klass.bandwidth
+        if kind == "eth" and node_a.nic != node_b.nic:  # the Ethernet class, or slower where an end's own
+            # Ethernet NIC is slower (an RDMA end's nic_bandwidth is its fabric's figure, not its Ethernet's)
+            bandwidth = min([klass.bandwidth] + [node.nic_bandwidth for node in (node_a, node_b)
+                                                 if node.nic == "eth" and node.nic_bandwidth])
         else:
             ends = [node.nic_bandwidth or NIC_LINKS[node.nic].bandwidth for node in (node_a, node_b)]
             bandwidth = min(ends)

@@ -137,4 +137,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..runtime.worker import exit_now
+
+    exit_now(main())

@@ -88,6 +88,7 @@ class Worker:
     since: float
     killed: bool = False
     silent: str | None = None
+    lingered: bool = False  # finished its training, then did not exit in time: killed, its work is complete
 
 
 class StopSignals:
@@ -154,6 +155,10 @@ class LocalJob:
         """Record the workers that exited since the last call."""
         for worker in self.running():
             code = worker.proc.poll()
+            if code is not None and worker.lingered:
+                print(f"flashflex: rank {worker.local_rank} finished training but did not exit in time; killed",
+                      file=sys.stderr, flush=True)
+                code = 0
             if code is not None:
                 self.exits[worker.local_rank] = RankExit(
                     worker.local_rank, code, time.monotonic(),
@@ -213,6 +218,12 @@ class LocalJob:
         quiet = max(3 * heartbeat.heartbeat_interval(timeout) + 1.0, heartbeat.MIN_SILENCE_S)
         limit = quiet if self.failures() else heartbeat.silence_limit(timeout)
         for worker in self.running():
+            done = heartbeat.finished_at(self.job_dir, worker.local_rank)
+            if done is not None:  # training over: its teardown beats no heartbeat, but must end
+                if time.time() - done > heartbeat.silence_limit(timeout) + FAILURE_GRACE_S and not worker.killed:
+                    worker.lingered = worker.killed = True
+                    self._send(worker, signal.SIGKILL)
+                continue
             age = heartbeat.heartbeat_age(self.job_dir, worker.local_rank, worker.since)
             if age > limit:
                 worker.silent = f"no heartbeat for {age:.0f} s (--timeout {timeout:g}): the process is frozen or stopped"

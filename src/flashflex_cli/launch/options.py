@@ -32,6 +32,10 @@ class RunOptions:
     timeout_s: float = 60.0
     schedule_steps: int | None = None
     init_from: str | None = None  # a local Hugging Face checkpoint folder for the initial weights (hf/load.py)
+    # runtime switches (runtime/options.py RuntimeOptions), turned off only to measure what each one buys
+    lean_p2p: bool = True
+    overlap_dp: bool = True
+    hierarchical_dp: bool = True
 
     def __post_init__(self) -> None:
         """Range-check the numbers (InputError naming the option): nothing starts with a bad one."""
@@ -56,6 +60,8 @@ class RunOptions:
             argv.append("--resume")
         if self.init_from:
             argv += ["--init-from", self.init_from]
+        argv += [flag for flag, on in (("--no-lean-p2p", self.lean_p2p), ("--no-overlap-dp", self.overlap_dp),
+                                       ("--no-hierarchical-dp", self.hierarchical_dp)) if not on]
         if node is not None:
             argv += ["--plan-node", node]
         return argv

@@ -75,6 +75,18 @@ def summary_line(predicted: dict[str, Any] | None, used_devices: int | None = No
             + ("" if predicted.get("fits", True) else ", DOES NOT FIT") + (f"; {money}" if money else ""))
 
 
+def dp_line(predicted: dict[str, Any] | None) -> str | None:
+    """The DP gradient reduction in one line: the exposed part (what the iteration waits for after the slowest
+    pipeline) first, then the busiest stage's whole reduction, most of it hidden behind the backward. None when
+    no stage reduces anything (or the prediction predates per-stage DP figures)."""
+    stages = (predicted or {}).get("stages", [])
+    busiest = max((float(s.get("dp_s", 0.0)) for s in stages), default=0.0)
+    if not predicted or busiest <= 0 or "dp_exposed_s" not in predicted:
+        return None
+    return (f"DP gradient reduction: {predicted['dp_exposed_s'] * 1e3:,.1f} ms exposed "
+            f"(busiest stage reduces for {busiest * 1e3:,.1f} ms, overlapped with its backward)")
+
+
 def unused_lines(plan: Plan) -> list[str]:
     """One line per distinct reason: the devices left idle for it (compacted, plan order) and the reason."""
     by_reason: dict[str, list[str]] = {}
@@ -121,6 +133,8 @@ def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
                   f"{len(plan.pipelines)} pipelines")
     console.print(f"  predicted: {summary_line(plan.predicted, plan.world_size)}", soft_wrap=True)
     stages = (plan.predicted or {}).get("stages", [])
+    if (line := dp_line(plan.predicted)) is not None:
+        console.print(f"  {line}", soft_wrap=True)
     if stages and all(str(s.get("source", "modelled")) == "modelled" for s in stages):
         console.print("  every stage modelled (analytic cost model: no layer profile matched)")
     elif plan.inputs.layer_profiles:

@@ -37,6 +37,7 @@ class CostCache:
         self.pipe_memo: dict[tuple, object] = {}  # pipeline.evaluate_pipeline's results
         self.shape_memo: dict[tuple, object] = {}  # the same, by pipeline shape (see evaluate_pipeline)
         self.structure_memo: dict[tuple, object] = {}  # stages.best_pipeline's structures by group signature
+        self.piece_memo: dict[tuple, tuple] = {}  # trials.Trials.piece's figures by (block key, group sizes)
         self.stage_terms: dict[tuple, tuple[float, float, int]] = {}  # pipeline.evaluate_pipeline's per-stage memo
         self.dp_rows: dict[tuple, tuple] = {}  # candidates._rows: per-layer arrays of a pipeline's DP rings
         self._cap: list[float] | None = None

@@ -18,6 +18,7 @@ small). Edge weights grow with bandwidth, so a minimum cut falls on the slowest 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -113,6 +114,11 @@ class DeviceGraph:
         return [int(n) for n in self.node]
 
     @cached_property
+    def local_list(self) -> list[int]:
+        """`local` as a Python list (fast scalar reads in the inner loops)."""
+        return [int(i) for i in self.local]
+
+    @cached_property
     def node_bw_rows(self) -> list[list[float]]:
         """`node_bw` as Python lists of floats (equal values, fast scalar reads)."""
         return [[float(x) for x in row] for row in self.node_bw]
@@ -141,12 +147,13 @@ class DeviceGraph:
         finite = self.node_bw[np.isfinite(self.node_bw)]
         scale = float(finite.min()) if finite.size else 1.0
         xadj, adjncy, weights = [0], [], []
+        node_of, rows = self.node_list, self.node_bw_rows  # the same values as Python scalars
         for i in range(self.size):
-            a = int(node[i])
-            neighbours = [j for j in by_node[a] if j != i] + [j for j in by_local[int(local[i])] if int(node[j]) != a]
+            a = node_of[i]
+            neighbours = [j for j in by_node[a] if j != i] + [j for j in by_local[int(local[i])] if node_of[j] != a]
             for j in neighbours:
-                bw = self.node_bw[a, int(node[j])]
-                bw = bw if np.isfinite(bw) else scale * 1e4
+                bw = rows[a][node_of[j]]
+                bw = bw if math.isfinite(bw) else scale * 1e4
                 adjncy.append(j)
                 weights.append(max(1, int(round(100 * bw / scale))))
             xadj.append(len(adjncy))

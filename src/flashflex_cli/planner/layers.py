@@ -39,24 +39,25 @@ def split_layers(
     stage s; max_layers[s]: memory cap of stage s in layers.
     """
     t, e = list(per_layer_s), list(extra_s)
-    c = [min(int(m), num_layers) for m in max_layers]
+    c = [m if m < num_layers else num_layers for m in map(int, max_layers)]
     stages = len(t)
     if stages == 0 or stages > num_layers or min(c) < 1 or sum(c) < num_layers:
         return None
     # Start at a lower bound: every stage holds a layer, and the continuous relaxation
     # sum_s (T - e_s) / t_s = L; then walk up the breakpoints n * t_s + e_s in increasing order.
-    inverse = sum(1.0 / x for x in t)
-    limit = max(max(x + y for x, y in zip(t, e, strict=True)),
-                (num_layers + sum(y / x for x, y in zip(t, e, strict=True))) / inverse)
+    inverse = sum([1.0 / x for x in t])
+    limit = max(max([x + y for x, y in zip(t, e, strict=True)]),
+                (num_layers + sum([y / x for x, y in zip(t, e, strict=True)])) / inverse)
     floor, scale = math.floor, 1 + _EPS
+    terms = list(zip(t, e, c, strict=True))
     while True:  # _room inlined (the planner's hottest loop)
-        caps = [min(cs, int(floor((limit - es) / ts * scale + 1e-9))) for ts, es, cs in zip(t, e, c, strict=True)]
+        caps = [n if (n := floor((limit - es) / ts * scale + 1e-9)) < cs else cs for ts, es, cs in terms]
         if sum(caps) >= num_layers:
             break
-        limit = min((caps[s] + 1) * t[s] + e[s] for s in range(stages) if caps[s] < c[s])
+        limit = min([(caps[s] + 1) * t[s] + e[s] for s in range(stages) if caps[s] < c[s]])
     counts = [1] * stages
     left = num_layers - stages
-    for s in sorted(range(stages), key=lambda i: (t[i], i)):
+    for s in sorted(range(stages), key=t.__getitem__):  # stable: ties in stage order
         take = min(left, caps[s] - 1)
         counts[s] += take
         left -= take

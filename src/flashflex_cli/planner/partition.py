@@ -59,7 +59,8 @@ def contiguous_groups(graph: DeviceGraph, k: int, active: Sequence[int]) -> list
         node_flops = np.zeros(len(graph.cluster.nodes))
         np.add.at(node_flops, graph.node[list(active)], graph.flops[list(active)])
         runs = _cut(nodes, node_flops, k)
-        return _canonical([[i for i in active if int(graph.node[i]) in set(run)] for run in runs])
+        node_of = graph.node_list
+        return _canonical([[i for i in active if node_of[i] in members] for members in map(set, runs)])
     return _canonical(_cut(list(active), graph.flops, k))
 
 

@@ -12,6 +12,7 @@ gradient (bytes), which the data-parallel term of the candidate score needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,8 +49,10 @@ _INFEASIBLE = float("inf")
 
 
 @lru_cache(maxsize=256)
-def _windows(count: int) -> tuple[np.ndarray, np.ndarray]:
-    return np.triu_indices(count)
+def _windows(count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every window s <= t of `count` stages: s, t, t + 1 and its width t - s + 1 (float)."""
+    s_idx, t_idx = np.triu_indices(count)
+    return s_idx, t_idx, t_idx + 1, (t_idx - s_idx + 1).astype(np.float64)
 
 
 def window_pace(times: list[float], links: list[float]) -> float:
@@ -62,18 +65,29 @@ def window_pace(times: list[float], links: list[float]) -> float:
     windows (one-stage windows give the slowest stage) is the period; we checked it against the cost
     model's event simulation (tests/test_planner_pipeline.py).
     """
-    u = np.asarray(times, dtype=np.float64)
-    c = np.concatenate([np.asarray(links, dtype=np.float64), [0.0]])
+    count = len(times)
+    big_u = np.zeros(count + 1)
+    big_c = np.zeros(count + 1)
+    np.add.accumulate(times, out=big_u[1:])  # np.cumsum's sequential sums
+    np.add.accumulate(links, out=big_c[1:count])
     # cost of window s..t = U[t+1] - U[s] + 2 (C[t] - C[s]) where C counts links s..t-1
-    big_u = np.concatenate([[0.0], np.cumsum(u)])
-    big_c = np.concatenate([[0.0], np.cumsum(c)])
-    s_idx, t_idx = _windows(len(u))
-    cost = big_u[t_idx + 1] - big_u[s_idx] + 2.0 * (big_c[t_idx] - big_c[s_idx])
-    return float((cost / (t_idx - s_idx + 1)).max())
+    s_idx, t_idx, t_next, width = _windows(count)
+    cost = big_u[t_next] - big_u[s_idx] + 2.0 * (big_c[t_idx] - big_c[s_idx])
+    return float((cost / width).max())
 
 
-def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval:
-    """Split layers over `stages` and return the pipeline's pace, fill and gradient shard size."""
+def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...],
+                      links: Callable[[], list[float]] | None = None) -> PipeEval:
+    """Split layers over `stages` and return the pipeline's pace, fill and gradient shard size. `links`: where
+    the caller has them, the `CostCache.p2p` seconds between consecutive stages (called only when needed)."""
+    found = _memoised(cache, stages)
+    if isinstance(found, PipeEval):
+        return found
+    return _finish(cache, stages, found, *_terms(cache, stages), links)
+
+
+def _memoised(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval | tuple:
+    """The memoised evaluation of `stages` (by devices, else by shape), or the shape key to store it under."""
     memo = cache.pipe_memo
     key = tuple(stages)
     hit = memo.get(key)
@@ -93,7 +107,11 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval:
                        same.stage_grad_bytes)
         memo[key] = hit
         return hit
-    model = cache.model
+    return shape
+
+
+def _terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float], list[float], list[int]]:
+    """Per stage: one layer's seconds, the embedding / head seconds, and the layers that fit in memory."""
     count = len(stages)
     per_layer, extra, caps = [], [], []
     terms = cache.stage_terms  # (layer_s, extra_s, cap) by (devs, first, last, in_flight), see below
@@ -108,26 +126,31 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval:
         per_layer.append(found[0])
         extra.append(found[1])
         caps.append(found[2])
-    split = split_layers(per_layer, extra, caps, model.num_layers)
+    return per_layer, extra, caps
+
+
+def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple, per_layer: list[float], extra: list[float],
+            caps: list[int], known_links: Callable[[], list[float]] | None = None) -> PipeEval:
+    """The layer split and figures of `stages` from its stage terms; memoised by devices and by `shape`."""
+    count = len(stages)
+    split = split_layers(per_layer, extra, caps, cache.model.num_layers)
     if split is None:
         hit = PipeEval(tuple(stages), (), _INFEASIBLE, _INFEASIBLE, _INFEASIBLE, False)
     else:
         times = stage_times(per_layer, extra, split)
-        links = [cache.p2p(stages[s], stages[s + 1]) for s in range(count - 1)]
+        links = known_links() if known_links is not None else \
+            [cache.p2p(stages[s], stages[s + 1]) for s in range(count - 1)]
         hops = 2 * sum(links)
         pace, fill = max(times), sum(times) + hops
         if count > 1 and hops > 0:
             pace = window_pace(times, links)
-        shard, whole = 0.0, 0.0
-        for s, devs in enumerate(stages):
-            size = split[s] * cache.layer_grad_bytes
-            if s == 0:
-                size += cache.embed_grad_bytes
-            if s == count - 1:
-                size += cache.head_grad_bytes
-            shard = max(shard, size / len(devs))
-            whole = max(whole, size)
+        grad = cache.layer_grad_bytes
+        sizes = [n * grad for n in split]
+        sizes[0] += cache.embed_grad_bytes
+        sizes[-1] += cache.head_grad_bytes
+        shard = max(0.0, max([size / len(devs) for size, devs in zip(sizes, stages, strict=True)]))
+        whole = max(0.0, max(sizes))
         hit = PipeEval(tuple(stages), tuple(split), pace, fill, shard, True, whole)
-    memo[key] = hit
+    cache.pipe_memo[tuple(stages)] = hit
     cache.shape_memo[shape] = hit
     return hit

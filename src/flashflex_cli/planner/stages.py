@@ -15,6 +15,10 @@ TP 1 + TP 2 + TP 1) and re-tries the block orders (every permutation up to 4 blo
 helps (at most 3 rounds). Clusters of at most 32 devices get a more thorough search: every order of
 a block's group sizes, and descent from the 3 best starting points (pipelines of up to 4 blocks). A structure is scored by its time per micro-batch at the pipeline's expected share of the
 batch. A pipeline with more stages than layers drops its slowest stages (their devices go unused).
+Each sweep of the descent (one block's options, or the block orders) ends at the first of its cheapest trials
+when that one beats the current structure, so it is searched best-first by an exact lower bound
+(`trials.Trials.ranked`, `bounds`): a trial whose bound reaches the best found is never evaluated, and the
+result is the one the plain sweep finds (tests/test_planner_bounds.py).
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ import heapq
 import itertools
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 from ..model.spec import ModelSpec
 from .fastcost import CostCache, Devs
 from .pipeline import PipeEval, evaluate_pipeline
+from .trials import Trials
 
 MAX_OPTIONS = 12
 MAX_OPTIONS_THOROUGH = 16
@@ -78,7 +84,12 @@ def size_options(count: int, degrees: Sequence[int], limit: int = MAX_OPTIONS,
     """Group sizes for a node block of `count` devices: partitions into supported degrees, fewest groups
     first, each in every distinct order (with `every` and up to 4 groups; else descending and ascending),
     at most `limit`."""
-    parts = _partitions(count, tuple(degrees))
+    return list(_size_options(count, tuple(degrees), limit, every))
+
+
+@lru_cache(maxsize=1024)
+def _size_options(count: int, degrees: tuple[int, ...], limit: int, every: bool) -> tuple[tuple[int, ...], ...]:
+    parts = _partitions(count, degrees)
     out: list[tuple[int, ...]] = []
     for part in sorted(parts, key=lambda p: (len(p), p)):
         seqs = sorted(set(itertools.permutations(part)), reverse=True) if every and len(part) <= 4 else \
@@ -86,7 +97,7 @@ def size_options(count: int, degrees: Sequence[int], limit: int = MAX_OPTIONS,
         for seq in seqs:
             if seq not in out:
                 out.append(seq)
-    return out[:limit]
+    return tuple(out[:limit])
 
 
 def _partitions(n: int, degrees: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -127,15 +138,6 @@ def assemble(cache: CostCache, blocks: list[tuple[int, list[int]]], sizes: dict[
     return tuple(stages)
 
 
-def _amortised(pipe: PipeEval, micro: int, max_stages: int) -> float:
-    """Seconds per micro-batch when the pipeline runs `micro` micro-batches (inf when it does not fit, or
-    has more stages than the `max_stages` micro-batches the whole batch has: 1F1B needs one per stage)."""
-    if not pipe.ok or pipe.num_stages > max_stages:
-        return float("inf")
-    m = max(micro, pipe.num_stages)
-    return (pipe.fill_s + (m - 1) * pipe.pace_s) / m
-
-
 def block_orders(cache: CostCache, blocks: list[tuple[int, list[int]]], every: bool) -> list[tuple[int, ...]]:
     """Orders of node blocks: node order, memory descending, speed descending, speed ascending; with
     `every`, all permutations instead when there are at most 4 blocks."""
@@ -159,8 +161,9 @@ def best_pipeline(cache: CostCache, group: Sequence[int], micro_estimate: int,
     micro_estimate = bucket(micro_estimate)
     blocks = node_blocks(cache, group)
     nodes = [node for node, _ in blocks]
-    signature = (tuple((g.node_class[node], tuple(int(g.local[i]) for i in devs)) for node, devs in blocks),
-                 tuple(float(g.node_bw[a, b]) for a in nodes for b in nodes), micro_estimate, max_stages)
+    local, bw = g.local_list, g.node_bw_rows
+    signature = (tuple((g.node_class[node], tuple([local[i] for i in devs])) for node, devs in blocks),
+                 tuple([bw[a][b] for a in nodes for b in nodes]), micro_estimate, max_stages)
     memo = cache.structure_memo
     if signature in memo:  # an equal group elsewhere in the cluster: reuse its structure
         found = memo[signature]
@@ -194,27 +197,18 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
                for _, devs in blocks]
     orders = block_orders(cache, blocks, every=len(blocks) <= 3)
     all_orders = block_orders(cache, blocks, every=True)
-    seen: dict[tuple, tuple[float, PipeEval]] = {}
-    cuts: dict[tuple[int, tuple[int, ...]], tuple[list[Devs], list[float]]] = {}
+    trials = Trials(cache, blocks, micro_estimate, max_stages)
+    inf = float("inf")
 
-    def cost_of(sizes: Sizes, order: tuple[int, ...]) -> tuple[float, PipeEval]:
-        key = (tuple(sorted(sizes.items())), order)
-        if key not in seen:
-            pipe = evaluate_pipeline(cache, assemble(cache, blocks, sizes, order, cuts))
-            seen[key] = (_amortised(pipe, micro_estimate, max_stages), pipe)
-        return seen[key]
-
-    # 1. one degree per node class (FlashFlex's level 2), under the block orders
-    starts = []
-    for degree in degrees:
-        sizes = {b: tuple(chunk_sizes(len(devs), degree, degrees)) for b, (_, devs) in enumerate(blocks)}
-        for order in orders:
-            cost, _ = cost_of(sizes, order)
-            if cost < float("inf"):
-                starts.append((cost, len(starts), sizes, order))
+    # 1. one degree per node class (FlashFlex's level 2), under the block orders; the best `used` starts by
+    #    (cost, position) go on (`Trials.ranked` skips the ones a lower bound shows cannot be among them)
+    used = STARTS if thorough and len(blocks) <= 4 else 1
+    by_degree = [{b: tuple(chunk_sizes(len(devs), degree, degrees)) for b, (_, devs) in enumerate(blocks)}
+                 for degree in degrees]
+    tried = [(sizes, order) for sizes in by_degree for order in orders]
+    starts = [(cost, *tried[j]) for cost, j in trials.ranked(tried, used, inf)]
     if not starts:
         return None
-    starts.sort(key=lambda item: item[:2])
     # 2. from the best few starts, coordinate descent: each block (or each class, for long pipelines) picks
     #    its own group sizes, then the block order is re-tried; the best local optimum wins
     classes = sorted({g.node_class[node] for node, _ in blocks})
@@ -222,28 +216,31 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
         [[b for b, (node, _) in enumerate(blocks) if g.node_class[node] == c] for c in classes]
     units = [u for u in units if all(len(blocks[b][1]) == len(blocks[u[0]][1]) for b in u)]
     best: tuple[float, Sizes, tuple[int, ...]] | None = None
-    for cost, _, sizes, order in starts[:STARTS if thorough and len(blocks) <= 4 else 1]:
+    for cost, sizes, order in starts:
         current = (cost, sizes, order)
         for _ in range(MAX_ROUNDS):
             before = current[0]
+            # taking every strictly better option in turn ends at the first of the cheapest: `ranked` finds it
             for unit in units:
-                for option in options[unit[0]]:
-                    trial = {**current[1], **{b: option for b in unit}}
-                    value, _ = cost_of(trial, current[2])
-                    if value < current[0]:
-                        current = (value, trial, current[2])
-            for order in all_orders:
-                value, _ = cost_of(current[1], order)
-                if value < current[0]:
-                    current = (value, current[1], order)
+                tried = [({**current[1], **{b: option for b in unit}}, current[2]) for option in options[unit[0]]]
+                for value, j in trials.ranked(tried, 1, current[0]):
+                    current = (value, *tried[j])
+            tried = [(current[1], order) for order in all_orders]
+            for value, j in trials.ranked(tried, 1, current[0]):
+                current = (value, *tried[j])
             if current[0] >= before:
                 break
         if best is None or current[0] < best[0]:
             best = current
     assert best is not None
-    return cost_of(best[1], best[2])[1], (best[1], best[2])
+    return trials.cost(best[1], best[2])[1], (best[1], best[2])
 
 
 def chunk_sizes(count: int, degree: int, degrees: Sequence[int]) -> list[int]:
     """Group sizes of `chunk`: groups of `degree`, the remainder in the largest supported degrees."""
-    return [len(group) for group in chunk(list(range(count)), degree, degrees)]
+    return list(_chunk_sizes(count, degree, tuple(degrees)))
+
+
+@lru_cache(maxsize=1024)
+def _chunk_sizes(count: int, degree: int, degrees: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(len(group) for group in chunk(list(range(count)), degree, degrees))

@@ -8,7 +8,9 @@ Terms, per stage (seconds per step unless named per micro-batch; memory in bytes
   bubble              idle time in the 1F1B schedule (predicted: pipeline time - busy compute; measured:
                       pipeline_s - forward - backward, or without pipeline_s, step time - forward - backward -
                       dp - optimizer), so measured p2p waits count here too;
-  dp                  data-parallel gradient reduction; optimizer: the optimizer step;
+  dp                  the EXPOSED data-parallel gradient reduction: what runs on after the stage's schedule
+                      (predicted: dp_exposed_s, the per-layer overlap simulated; measured: dp_s, the wait
+                      after the schedule); optimizer: the optimizer step;
   memory              peak per device (measured: CUDA max allocated, or max RSS on CPU: runtime included).
   memory growth       what training adds to the built stage: predicted all but the weights; measured the peak
                       above what the rank held before its first step (absent for runs recorded before).
@@ -120,7 +122,7 @@ def _stage_terms(st: StageEstimate, prev_p2p_s: float, pipeline_s: float, run: R
         Term("backward", m * st.bwd_s, bwd),
         Term("p2p", m * (st.p2p_s + prev_p2p_s), p2p),
         Term("bubble", max(0.0, pipeline_s - st.time_s), bubble),
-        Term("dp", st.dp_s, dp),
+        Term("dp", st.dp_exposed_s, dp),  # exposed: the runtime's dp_s is the wait after the schedule
         Term("optimizer", st.optimizer_s, opt),
         Term("memory", st.memory.total, run.memory_bytes(st.pipeline, st.stage), unit="B"),
         Term("memory growth", st.memory.total - st.memory.weights - st.memory.embedding_head_weights,

@@ -8,9 +8,17 @@ Layout of a checkpoint folder D:
 
 Each tensor shard is saved once, by the rank that owns it (the lowest rank holding that slice), under
 the key "NAME@DIM:START:STOP" (a slice of dimension DIM of the full tensor NAME) or "NAME@full". DCP
-accepts a different set of keys on every rank. Loading reads every shard of the requested names and
-reassembles full tensors, so a checkpoint saved under one plan loads under any other (another TP
-degree, stage split or pipeline count).
+accepts a different set of keys on every rank. A checkpoint saved under one plan loads under any other
+(another TP degree, stage split or pipeline count) in two ways:
+
+- `load_into` (resume): each rank names the slice of each tensor it holds and the tensor to fill; only the
+  saved shards overlapping it are read, and of them only the overlap's bytes (a DCP LoadPlanner whose
+  ReadItems name the saved key and the overlap's offsets, and a file reader that finds each saved tensor's
+  raw data inside its torch.save record and preads the overlap's contiguous runs straight into the target, or
+  through a staging buffer of at most STAGE_BYTES). Peak host memory: the rank's own tensors plus that buffer.
+  Items it cannot address that way (a transformed record, a non-contiguous saved tensor, a dtype change) go
+  through DCP's own read, which holds one whole saved shard at a time.
+- `load_full` (export, tests): reads every shard of the requested names and reassembles full tensors.
 
 A save goes to `step-N.tmp`, then is renamed to `step-N`, then `latest` is rewritten: a crash at any
 point leaves the previous checkpoint and pointer intact. The two newest checkpoints are kept. A save that
@@ -19,10 +27,13 @@ fails for want of space or permission (`one_line_save_errors`) is one line namin
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import re
 import shutil
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -31,6 +42,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 from ..errors import InputError, RuntimeFailure
 from ..fileio import atomic_write_text, dumps_json
@@ -242,3 +257,223 @@ def load_full(path: str | os.PathLike[str], names: Iterable[str],
         out[name] = full
     return out
 
+
+
+def _cover(name: str, want: tuple[int, int], saved: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """Pieces (start, stop, saved key) that tile [want) along one dimension, from saved intervals (start, stop,
+    key); at each point the saved interval reaching furthest is used, so no piece is read twice."""
+    pos, stop, out = want[0], want[1], []
+    while pos < stop:
+        around = [item for item in saved if item[0] <= pos < item[1]]
+        if not around:
+            raise InputError(f"checkpoint holds no saved shard of {name} covering index {pos}")
+        best = max(around, key=lambda item: (item[1], -(item[1] - item[0])))
+        out.append((pos, min(best[1], stop), best[2]))
+        pos = out[-1][1]
+    return out
+
+
+def plan_reads(table: Mapping[str, Any], targets: Mapping[str, tuple[ShardSpec, torch.Tensor]],
+               where: str) -> list[tuple[str, str, int | None, int, int, int]]:
+    """For each target (key -> (its slice of the full tensor spec.name, tensor to fill)): the saved pieces to
+    read, as (target key, saved key, dim, start, stop, offset in the saved shard) along `dim` (None: the whole
+    tensor). `table`: the manifest's "tensors". Raises InputError naming `where` for a missing tensor, another
+    shape, or slices the checkpoint does not cover."""
+    reads: list[tuple[str, str, int | None, int, int, int]] = []
+    for key, (spec, tensor) in targets.items():
+        entry = table.get(spec.name)
+        if entry is None:
+            raise InputError(f"{where}: checkpoint has no tensor {spec.name}")
+        shape = tuple(entry["shape"])
+        if shape != tuple(spec.full_shape):
+            raise InputError(f"{where}: {spec.name}: checkpoint shape {list(shape)}, model shape "
+                             f"{list(spec.full_shape)}")
+        local = list(shape)
+        if spec.dim is not None:
+            local[spec.dim] = spec.stop - spec.start
+        if list(tensor.shape) != local:
+            raise InputError(f"{spec.name}: target shape {list(tensor.shape)}, its slice has {local}")
+        dims = {d for d, _, _ in entry["shards"] if d is not None} | ({spec.dim} - {None})
+        if len(dims) > 1:
+            raise InputError(f"{where}: {spec.name} is split along dimensions {sorted(dims)}; one is supported")
+        if not dims:  # whole saved, whole wanted
+            reads.append((key, ShardSpec(spec.name, shape, None, 0, 1, True).key, None, 0, 0, 0))
+            continue
+        dim = dims.pop()
+        want = (spec.start, spec.stop) if spec.dim is not None else (0, shape[dim])
+        saved = [(0, shape[dim], ShardSpec(spec.name, shape, None, 0, 1, True).key) if d is None
+                 else (a, b, ShardSpec(spec.name, shape, d, a, b, True).key) for d, a, b in entry["shards"]]
+        starts = {k: a for a, _, k in saved}
+        for a, b, saved_key in _cover(spec.name, want, saved):
+            reads.append((key, saved_key, dim, a - want[0], b - want[0], a - starts[saved_key]))
+    return reads
+
+
+class _SliceLoadPlanner(LoadPlanner):
+    """Reads planned pieces of saved tensors straight into (slices of) the caller's tensors.
+
+    pieces: (target key, saved key, dim, start, stop, offset in the saved shard); see `plan_reads`."""
+
+    def __init__(self, pieces: list[tuple[str, str, int | None, int, int, int]]) -> None:
+        self.pieces = pieces
+        self.state: dict[str, torch.Tensor] = {}
+        self.metadata: Metadata | None = None
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        self.state, self.metadata = state_dict, metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items = []
+        for target, saved_key, dim, start, stop, offset in self.pieces:
+            stored = self.metadata.state_dict_metadata.get(saved_key)
+            if not isinstance(stored, TensorStorageMetadata) or len(stored.chunks) != 1:
+                raise InputError(f"checkpoint entry {saved_key} is missing or not one saved tensor")
+            chunk = stored.chunks[0]
+            lengths = list(chunk.sizes)
+            dest = [0] * len(lengths)
+            source = [0] * len(lengths)
+            if dim is not None:
+                lengths[dim], dest[dim], source[dim] = stop - start, start, offset
+            items.append(ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(target),
+                                  dest_offsets=torch.Size(dest), storage_index=MetadataIndex(saved_key, chunk.offsets),
+                                  storage_offsets=torch.Size(source), lengths=torch.Size(lengths)))
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise InputError(f"checkpoint entry {read_item.storage_index.fqn} is not a tensor")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        out = self.state[read_item.dest_index.fqn]
+        for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+            if offset != 0 or length != out.shape[dim]:
+                out = out.narrow(dim, offset, length)
+        return out
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass  # resolve_tensor handed out a view of the target: the data is already in place
+
+
+STAGE_BYTES = 4 << 20  # staging buffer of _SliceReader for targets it cannot fill in place (bytes)
+
+
+def _runs(shape: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[list[int], int]:
+    """The region [offsets, offsets + lengths) of a row-major tensor of `shape` as contiguous runs: (first
+    element of each run, in the region's row-major order; elements per run)."""
+    n = len(shape)
+    if n == 0:
+        return [0], 1
+    strides = [math.prod(shape[j + 1:]) for j in range(n)]
+    k = n - 1
+    while k > 0 and offsets[k] == 0 and lengths[k] == shape[k]:
+        k -= 1
+    base = offsets[k] * strides[k]
+    starts = [base + sum((offsets[j] + i) * strides[j] for j, i in enumerate(idx))
+              for idx in itertools.product(*(range(lengths[j]) for j in range(k)))]
+    return starts, lengths[k] * strides[k]
+
+
+def _pread_into(fd: int, buffer: memoryview, offset: int, where: str) -> None:
+    """Fill `buffer` with the file's bytes from `offset`."""
+    done = 0
+    while done < len(buffer):
+        got = os.preadv(fd, [buffer[done:]], offset + done)
+        if got <= 0:
+            raise InputError(f"{where}: checkpoint file ends early (truncated?)")
+        done += got
+
+
+class _SliceReader(FileSystemReader):
+    """DCP's file reader that reads only the bytes of each requested piece (see the module docstring)."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        fallback: list[ReadItem] = []
+        for relative, items in per_file.items():
+            where = os.path.join(str(self.path), relative)
+            with open(where, "rb") as stream:
+                for item in items:
+                    layout = self._layout(stream, item)
+                    target = planner.resolve_tensor(item).detach()
+                    if layout is None or layout[2] != target.dtype:
+                        fallback.append(item)
+                        continue
+                    self._read_piece(stream.fileno(), layout, item, target, where)
+                    planner.commit_tensor(item, target)
+        if fallback:
+            super().read_data(LoadPlan(fallback), planner).wait()
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _layout(self, stream: Any, item: ReadItem) -> tuple[int, tuple[int, ...], torch.dtype] | None:
+        """(byte offset in the file of the saved tensor's first element, its shape, dtype), or None when the
+        record cannot be addressed directly. torch.load with map_location="meta" reads only the record's
+        pickle and zip directory; the meta storage's `_checkpoint_offset` is its data's place in the record."""
+        info = self.storage_data[item.storage_index]
+        if item.type != LoadItemType.TENSOR or info.transform_descriptors or sys.byteorder != "little":
+            return None
+        meta = torch.load(self._slice_file(stream, info), map_location="meta", weights_only=True)
+        if not isinstance(meta, torch.Tensor):
+            return None
+        offset = getattr(meta.untyped_storage(), "_checkpoint_offset", None)
+        if offset is None or not meta.is_contiguous():
+            return None
+        return info.offset + offset + meta.storage_offset() * meta.element_size(), tuple(meta.shape), meta.dtype
+
+    @staticmethod
+    def _read_piece(fd: int, layout: tuple[int, tuple[int, ...], torch.dtype], item: ReadItem,
+                    target: torch.Tensor, where: str) -> None:
+        """Read the piece `item` names into `target` (its shape), in place when `target` is a contiguous CPU
+        tensor, else through a staging buffer of at most STAGE_BYTES (at least one row of dim 0)."""
+        base, shape, dtype = layout
+        size = torch.empty((), dtype=dtype).element_size()
+        offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+        if not lengths:  # a 0-dim tensor: one element
+            staged = torch.empty((), dtype=dtype)
+            _pread_into(fd, _bytes_of(staged), base, where)
+            target.copy_(staged)
+            return
+        rows, row_elems = lengths[0], math.prod(lengths[1:])
+        in_place = target.device.type == "cpu" and target.is_contiguous()
+        step = rows if in_place else max(1, STAGE_BYTES // max(1, row_elems * size))
+        for first in range(0, rows, step):
+            count = min(step, rows - first)
+            part = target.narrow(0, first, count)
+            dest = part if in_place else torch.empty((count, *lengths[1:]), dtype=dtype)
+            if dest.numel():
+                buffer = _bytes_of(dest)
+                starts, run = _runs(shape, (offsets[0] + first, *offsets[1:]), (count, *lengths[1:]))
+                for i, start in enumerate(starts):
+                    _pread_into(fd, buffer[i * run * size:(i + 1) * run * size], base + start * size, where)
+            if dest is not part:
+                part.copy_(dest)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def load_into(path: str | os.PathLike[str], targets: Mapping[str, tuple[ShardSpec, torch.Tensor]],
+              group: dist.ProcessGroup | None = None) -> None:
+    """Fill every target tensor in place with its slice of the saved full tensor, whatever plan saved it.
+
+    targets: key -> (ShardSpec naming the full tensor `spec.name` and the slice [start, stop) along `dim`
+    (dim None: the whole tensor), tensor of that slice's shape, any device, the saved dtype or castable).
+    Reads only the saved shards overlapping each slice (see the module docstring for peak memory).
+    Collective over `group` (every rank calls it, each with its own targets).
+    """
+    table: dict[str, Any] = read_manifest(path)["tensors"]
+    pieces = plan_reads(table, targets, str(path))
+    dcp.load({key: tensor for key, (_, tensor) in targets.items()}, storage_reader=_SliceReader(str(path)),
+             planner=_SliceLoadPlanner(pieces), process_group=group)

@@ -2,7 +2,9 @@
 
 Both answer `global_batch(step) -> int64 [global_batch, seq_len + 1]`, a function of the step, the seed
 and the data only, never of the plan: runs under different plans see the same global batch at step k and
-can be compared loss for loss. Each pipeline takes its own rows (`pipeline_rows`).
+can be compared loss for loss. Each pipeline takes its own rows (`pipeline_rows`); `rows(step, rows)` gives
+exactly `global_batch(step)[rows]` while reading and building only those rows (first and last stages call it;
+middle stages read no tokens).
 
 Token file layout (little-endian): a 64-byte header, then `num_tokens` tokens of `dtype`.
 
@@ -142,8 +144,16 @@ class BatchSource:
 
     vocab_size: int
 
-    def global_batch(self, step: int) -> torch.Tensor:  # pragma: no cover - interface
+    global_batch_size: int
+    seq_len: int
+
+    def rows(self, step: int, rows: slice) -> torch.Tensor:  # pragma: no cover - interface
+        """`global_batch(step)[rows]` (rows: a slice with step 1), int64 [len, seq_len + 1], built alone."""
         raise NotImplementedError
+
+    def global_batch(self, step: int) -> torch.Tensor:
+        """Rows of step `step`: int64 [global_batch, seq_len + 1]."""
+        return self.rows(step, slice(0, self.global_batch_size))
 
     def describe(self) -> str:  # pragma: no cover - interface
         raise NotImplementedError
@@ -175,14 +185,15 @@ class TokenFileSource(BatchSource):
             self._perm_cache = {epoch: rng.permutation(self.windows)}
         return self._perm_cache[epoch]
 
-    def global_batch(self, step: int) -> torch.Tensor:
-        """Rows of step `step`: int64 [global_batch, seq_len + 1]."""
-        out = np.empty((self.global_batch_size, self.seq_len + 1), dtype=np.int64)
-        for i in range(self.global_batch_size):
+    def rows(self, step: int, rows: slice) -> torch.Tensor:
+        """Rows `rows` of step `step`: int64 [len, seq_len + 1]; reads only their windows."""
+        picked = range(self.global_batch_size)[rows]
+        out = np.empty((len(picked), self.seq_len + 1), dtype=np.int64)
+        for row, i in enumerate(picked):
             j = step * self.global_batch_size + i
             window = int(self._perm(j // self.windows)[j % self.windows])
             start = window * self.seq_len
-            out[i] = self.file.read(start, self.seq_len + 1)
+            out[row] = self.file.read(start, self.seq_len + 1)
         return torch.from_numpy(out)
 
     def describe(self) -> str:
@@ -199,11 +210,12 @@ class SyntheticSource(BatchSource):
         self.seq_len = seq_len
         self.seed = seed
 
-    def global_batch(self, step: int) -> torch.Tensor:
-        """Rows of step `step`: int64 [global_batch, seq_len + 1]."""
+    def rows(self, step: int, rows: slice) -> torch.Tensor:
+        """Rows `rows` of step `step`: int64 [len, seq_len + 1]. Every row's (a, d) is drawn (2 numbers a row, the
+        same generator stream as the whole batch), only the chosen rows' tokens are built."""
         rng = np.random.default_rng([self.seed, step, 0x5EED])
-        start = rng.integers(0, self.vocab_size, size=(self.global_batch_size, 1))
-        stride = rng.integers(1, 9, size=(self.global_batch_size, 1))
+        start = rng.integers(0, self.vocab_size, size=(self.global_batch_size, 1))[rows]
+        stride = rng.integers(1, 9, size=(self.global_batch_size, 1))[rows]
         t = np.arange(self.seq_len + 1)[None, :]
         return torch.from_numpy(((start + stride * t) % self.vocab_size).astype(np.int64))
 
@@ -226,6 +238,16 @@ def pipeline_rows(sequences: Sequence[int], pipeline: int) -> slice:
     """Rows of the global batch for `pipeline`, given every pipeline's sequence count, in plan order."""
     start = sum(sequences[:pipeline])
     return slice(start, start + sequences[pipeline])
+
+
+def stage_tokens(source: BatchSource, step: int, rows: slice, reads: bool) -> torch.Tensor:
+    """What a stage passes to train_step at `step`: int64 [rows, seq_len + 1]. A stage that `reads` (the first
+    stage takes the inputs, the last the targets) gets its pipeline's rows; a middle stage reads nothing and
+    gets zeros of the same shape (train_step only slices them; its activations come from the stage before)."""
+    if reads:
+        return source.rows(step, rows)
+    count = len(range(source.global_batch_size)[rows])
+    return torch.zeros((count, source.seq_len + 1), dtype=torch.int64)
 
 
 # ---- tokenizers ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ API (stable; later versions only add optional keyword arguments)::
     engine.pipeline_slice(global_batch) -> slice      # rows of the global batch this rank's pipeline takes
     engine.shard_specs() -> list[ShardSpec]           # global name, full shape, (dim, start, stop), owner
     engine.state_for_checkpoint() -> dict[str, Tensor]
+    engine.load_local(fill)                           # resume in place, only this rank's slices (any plan)
     engine.load_from_full(get_full)                   # resume from full tensors (any plan)
     engine.gather_full_state() -> dict[str, Tensor]   # full tensors of this rank's state keys (TP collective)
     engine.gather_full_grads() / gather_full_params() # test helpers, collective over the TP group
@@ -43,9 +44,11 @@ from ..plan.schema import Plan
 from .attention import EAGER, FLASH, LOG, SDPA, choose_backend
 from .grad_sync import GradSync
 from .groups import PlanGroups
-from .init import full_init
+from .init import shard_init
 from .model import ParamInfo, StageModule, stage_params
+from .op_timer import OpTimer
 from .optimizer import OptimConfig, lr_at, make_optimizer, set_lr
+from .options import RuntimeOptions
 from .pipeline import PipelineRunner, PipelineTimes
 from .shards import ShardSpec
 from .slowdown import Slowdown
@@ -61,8 +64,9 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 @dataclass(frozen=True)
 class StepResult:
     """One optimizer step: global mean loss (same on every rank), gradient norm before clipping, learning rate
-    used, and timings in seconds ("forward", "backward", "p2p", "tp_comm" (CPU only), "dp_sync", "optimizer",
-    "step"). `ops`: this rank's compute ops (kind "F"/"B", micro-batch, start_s, end_s since the step start), when
+    used, and timings in seconds ("forward", "backward", "p2p", "tp_comm" (CPU only), "dp_sync" (the exposed DP
+    reduction: from the end of the schedule until the sums are back), "dp_total" (CPU only: seconds the DP
+    collectives ran, overlapped or not), "optimizer", "step", "pipeline"). `ops`: this rank's compute ops (kind "F"/"B", micro-batch, start_s, end_s since the step start), when
     train_step was asked to record them."""
 
     loss: float
@@ -95,11 +99,13 @@ class RankEngine:
 
     def __init__(self, plan: Plan, rank: int, groups: PlanGroups, device: torch.device, optim: OptimConfig,
                  seed: int = 0, slowdown: float = 1.0, attention: str | None = None,
-                 initial: Callable[[ParamInfo, int, int], torch.Tensor] | None = None) -> None:
+                 initial: Callable[[ParamInfo, int, int], torch.Tensor] | None = None,
+                 options: RuntimeOptions | None = None) -> None:
         spec, train = plan.inputs.model, plan.inputs.train
         if not 0 <= rank < plan.world_size or groups.rank != rank:
             raise InputError(f"rank {rank} does not match the plan (world size {plan.world_size}) or its groups")
         self.plan, self.rank, self.groups, self.device, self.optim = plan, rank, groups, device, optim
+        self.options = options or RuntimeOptions()
         me = plan.ranks()[rank]
         self.pipe = plan.pipelines[me.pipeline]
         self.stage_plan = self.pipe.stages[me.stage]
@@ -123,15 +129,20 @@ class RankEngine:
             info.name: (info, param) for info, param in self.module.global_parameters()}
         with torch.no_grad():
             for info, param in self.params.values():
-                param.copy_(initial(info, self.tp.size, self.tp.rank) if initial is not None  # e.g. hf/load.py
-                            else info.take(full_init(spec, info.name, info.shape, seed), self.tp.size, self.tp.rank))
+                if initial is not None:  # e.g. hf/load.py
+                    param.copy_(initial(info, self.tp.size, self.tp.rank))
+                else:  # drawn straight into the shard, bit-identical to full_init's tensor sliced (+ one block)
+                    shard_init(spec, info.name, info.shape, seed, info.shard_dim,
+                               *info.bounds(self.tp.size, self.tp.rank), out=param)
         self.module.to(device)
         self.optimizer = make_optimizer(((n, p) for n, (_, p) in self.params.items()), optim)
-        self.sync = GradSync(self.params, groups)
+        self.sync = GradSync(self.params, groups, overlap=self.options.overlap_dp,
+                             hierarchical=self.options.hierarchical_dp, num_micro=self.pipe.num_micro_batches)
         self.slow = Slowdown(slowdown, comm_clock=lambda: self.tp.comm_seconds[0])
         self.runner = PipelineRunner(self.module, groups, len(self.pipe.stages), self.pipe.num_micro_batches,
                                      (self.pipe.micro_batch_size, train.seq_len, spec.hidden_size), device,
-                                     autocast=self._autocast, slowdown=self.slow)
+                                     autocast=self._autocast, slowdown=self.slow, lean=self.options.lean_p2p,
+                                     transfer_dtype=self.amp_dtype or torch.float32)
         self.step = 0
         self._specs = plan_shard_specs(plan, rank)
         # A first collective with every rank on the world group, so later batched P2P on it may involve only a
@@ -154,11 +165,6 @@ class RankEngine:
         """One ShardSpec per local parameter, in the stage's parameter order."""
         return list(self._specs)
 
-    def _timed(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     def train_step(self, tokens: torch.Tensor, record_ops: bool = False) -> StepResult:
         """One optimizer step on this pipeline's rows `tokens` int64 [n_seq, seq_len + 1] (collective);
         `record_ops`: also return each compute op's start and end (StepResult.ops)."""
@@ -166,7 +172,8 @@ class RankEngine:
         want = (self.pipe.sequences, train.seq_len + 1)
         if tokens.dim() != 2 or tuple(tokens.shape) != want:
             raise InputError(f"tokens have shape {list(tokens.shape)}, this pipeline expects {list(want)}")
-        t0 = self._timed()
+        timer = OpTimer(self.device)  # step stamps: CUDA events read once at the end, perf_counter on CPU
+        t0, origin = timer.mark(), time.perf_counter()
         lr = lr_at(self.step, self.optim)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
@@ -177,23 +184,29 @@ class RankEngine:
         inputs = [m[:, :-1] for m in micro]
         targets: list[torch.Tensor | None] = [m[:, 1:] for m in micro]
         global_tokens = train.global_batch * train.seq_len
-        times = PipelineTimes(ops=[] if record_ops else None, origin=t0)
-        loss_sum = self.runner.run(inputs, targets, 1.0 / global_tokens, times)
-        t1 = self._timed()
-        self.sync.reduce()
-        t2 = self._timed()
+        times = PipelineTimes(ops=[] if record_ops else None, origin=origin, origin_mark=t0)
+        self.sync.start_step()  # overlap_dp: buckets start reducing inside the last backward
+        loss_sum = self.runner.run(inputs, targets, 1.0 / global_tokens, times, timer=timer)
+        t1 = timer.mark()
+        self.sync.finish()  # overlap_dp: wait for this rank's buckets; else the blocking reduction
+        t2 = timer.mark()
         grad_norm = self.sync.clip(self.optim.grad_clip)
         self.optimizer.step()
-        t3 = self._timed()
+        t3 = timer.mark()
         if not (self.last and self.tp.rank == 0):
             loss_sum.zero_()
         dist.all_reduce(loss_sum, group=self.groups.world_group)
         self.step += 1
-        t4 = self._timed()
+        t4 = timer.mark()
+        timer.finish()
+        times.resolve(timer)  # the schedule's ops and transfers, marked on the same timer
+        # dp_sync: the EXPOSED reduction, from the end of the schedule until the sums are back
         timings = {"forward": times.forward, "backward": times.backward, "p2p": times.p2p,
-                   "dp_sync": t2 - t1, "optimizer": t3 - t2, "step": t4 - t0, "pipeline": t1 - t0}
+                   "dp_sync": timer.seconds(t1, t2), "optimizer": timer.seconds(t2, t3),
+                   "step": timer.seconds(t0, t4), "pipeline": timer.seconds(t0, t1)}
         if self.device.type == "cpu":
             timings["tp_comm"] = self.tp.comm_seconds[0]
+            timings["dp_total"] = self.sync.busy_s  # seconds the DP collectives ran, hidden or not
         return StepResult(loss=float(loss_sum.item()) / global_tokens, grad_norm=grad_norm, lr=lr, timings=timings,
                           ops=tuple(times.ops or ()))
 
@@ -265,3 +278,29 @@ class RankEngine:
         """Full parameter tensors of this rank's params (collective over the TP group)."""
         return {name: self._gather(info, param).cpu() for name, (info, param) in self.params.items()}
 
+
+    def load_local(self, fill: Callable[[dict[str, tuple[ShardSpec, torch.Tensor]]], None]) -> None:
+        """Load this rank's shards of params and AdamW moments, and the step count, in place, whatever plan saved
+        them: `fill(targets)` writes into each target tensor the saved values of the slice its ShardSpec names
+        (keys: those of `state_for_checkpoint`), e.g. `lambda t: checkpoint.load_into(path, t)`. No full tensor is
+        built here: host memory grows by the two moments (on CPU) plus what `fill` holds at once."""
+        targets: dict[str, tuple[ShardSpec, torch.Tensor]] = {}
+        moments: dict[str, dict[str, torch.Tensor]] = {}
+        for spec in self._specs:
+            param = self.params[spec.name][1].detach()
+            targets[spec.name] = (spec, param)
+            for m in MOMENTS:
+                buf = moments.setdefault(spec.name, {})[m] = torch.empty_like(param)
+                targets[f"{spec.name}.{m}"] = (ShardSpec(f"{spec.name}.{m}", spec.full_shape, spec.dim, spec.start,
+                                                         spec.stop, spec.owner), buf)
+        step = torch.zeros((), dtype=torch.int64)
+        targets["step"] = (ShardSpec("step", (), None, 0, 1, self.rank == 0), step)
+        with torch.no_grad():
+            fill(targets)
+        steps = int(step.item())
+        for name, (_, param) in self.params.items():
+            if steps > 0:
+                self.optimizer.state[param] = moments[name]
+            else:
+                self.optimizer.state.pop(param, None)
+        self.step = self.optimizer.steps = steps

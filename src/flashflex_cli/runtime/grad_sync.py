@@ -5,9 +5,19 @@ carry the same, full gradient on every rank of a TP group). For each finest comm
 stages (`groups.SliceHolders`: one per pipeline, plus the last stage's copy of a tied embedding), the holders
 all-reduce (sum) that slice, where one rank per holding stage contributes its gradient and the other ranks of
 the same stage contribute zeros, so each stage is counted exactly once whatever its TP degree; the two ends of a
-tied embedding thus add their partial gradients. Slices with the same holder set are packed into one flat buffer per
-all-reduce (a bucket); buckets are reduced in one global order (sorted holder tuples) on every rank, so the
-blocking collectives cannot deadlock.
+tied embedding thus add their partial gradients. Slices are packed into flat buffers (buckets, see
+`grad_buckets`); every rank reduces the buckets it holds in one global order, so the collectives cannot
+deadlock.
+
+Two schedules:
+- blocking (`overlap=False`): after the whole backward, one bucket per holder set, sorted by holder tuple;
+- overlapped (`overlap=True`): one bucket per (layer, holder set). A post-accumulate-grad hook counts each
+  parameter's accumulations; after the last micro-batch's (the `num_micro`-th) the parameter is final, and
+  every bucket whose parameters are all final is packed at once and handed, strictly in the global order
+  (descending layer, embedding last), to one reducer thread per rank that runs the collectives while the
+  backward of the lower layers goes on. `finish()` waits for this rank's buckets and copies the sums back.
+Either way, with `hierarchical=True` a bucket whose holders span nodes is reduced by `hier_reduce`
+(inside each node, across nodes by the leaders, back inside each node); otherwise by one flat all-reduce.
 
 The gradient norm counts every finest slice once (on its `owner` rank) and is summed over the world group.
 """
@@ -15,11 +25,19 @@ The gradient norm counts every finest slice once (on its `owner` rank) and is su
 from __future__ import annotations
 
 import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .grad_buckets import Bucket, holder_set_buckets, overlap_buckets, rank_buckets
 from .groups import PlanGroups, SliceHolders
+from .hier_reduce import hier_all_reduce
 from .model import ParamInfo
 
 
@@ -31,43 +49,172 @@ def _local_view(grad: torch.Tensor, info: ParamInfo, sl: SliceHolders, tp: int, 
     return grad.narrow(sl.dim, sl.start - start, sl.stop - sl.start)
 
 
-class GradSync:
-    """Data-parallel reduction of this rank's shard gradients. `params` maps global name -> (info, parameter)."""
+class _Reducer:
+    """One daemon thread that runs the submitted calls one after another, in submission order. A daemon, so a
+    collective stuck on a failed peer cannot hold the process at exit (a ThreadPoolExecutor's would)."""
 
-    def __init__(self, params: dict[str, tuple[ParamInfo, torch.nn.Parameter]], groups: PlanGroups) -> None:
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
+            queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Queue `fn(*args)`; its result (or exception) arrives in the returned future."""
+        future: Future[Any] = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        """Let the thread end after the calls already queued."""
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn, args = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                    future.set_exception(exc)
+
+
+class GradSync:
+    """Data-parallel reduction of this rank's shard gradients. `params` maps global name -> (info, parameter);
+    `num_micro`: micro-batches per step of this rank's pipeline (accumulations per parameter per step)."""
+
+    def __init__(self, params: dict[str, tuple[ParamInfo, torch.nn.Parameter]], groups: PlanGroups,
+                 overlap: bool = False, hierarchical: bool = False, num_micro: int = 1) -> None:
         self.params, self.groups = params, groups
+        self.overlap, self.hierarchical, self.num_micro = overlap, hierarchical, num_micro
         mine = [sl for sl in groups.slices if groups.rank in sl.ranks]
-        self.buckets: list[tuple[tuple[int, ...], list[SliceHolders]]] = []
-        by_set: dict[tuple[int, ...], list[SliceHolders]] = {}
-        for sl in mine:
-            if sl.needs_reduce:
-                by_set.setdefault(sl.ranks, []).append(sl)
-        for members in sorted(by_set):
-            self.buckets.append((members, by_set[members]))
+        self.buckets = rank_buckets(holder_set_buckets(groups.slices), groups.rank)
+        self.layer_buckets = rank_buckets(overlap_buckets(groups.slices), groups.rank)
+        self._names = [b.names for b in self.layer_buckets]  # parameters each layer bucket waits for
         self.owned = [sl for sl in mine if sl.owner == groups.rank]
+        self.post_log: list[tuple[int, tuple[int, ...]]] = []  # (key, holders) in posting order, last step
+        self.busy_s = 0.0  # seconds the reducer spent in collectives during the last step (CPU: wall time)
+        self.posted_in_backward = 0  # buckets of the last step handed over from hooks, before the schedule ended
+        self._armed = False
+        self._counts: dict[str, int] = {}
+        self._final: set[str] = set()
+        self._next = 0
+        self._posted: list[tuple[Bucket, list[torch.Tensor], torch.Tensor, Future[float]]] = []
+        self._pool: _Reducer | None = None
+        if overlap and self.layer_buckets:
+            watched = set().union(*self._names)
+            for name in sorted(watched):
+                self.params[name][1].register_post_accumulate_grad_hook(
+                    lambda _p, name=name: self._on_accumulated(name))
 
     def _view(self, sl: SliceHolders) -> torch.Tensor:
         info, param = self.params[sl.name]
         assert param.grad is not None
         return _local_view(param.grad, info, sl, self.groups.tp_size, self.groups.tp_rank)
 
-    def reduce(self) -> None:
-        """Sum every shared slice over the pipelines holding it (collective over the DP groups)."""
+    def _pack(self, bucket: Bucket) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(views of this rank's slice gradients, flat fp32 copy: the gradients where this rank contributes,
+        zeros elsewhere)."""
+        views = [self._view(sl) for sl in bucket.slices]
+        flat = torch.cat([
+            v.reshape(-1) if self.groups.rank in sl.contributors
+            else torch.zeros(v.numel(), dtype=v.dtype, device=v.device)
+            for v, sl in zip(views, bucket.slices, strict=True)
+        ])
+        return views, flat
+
+    @staticmethod
+    def _unpack(views: list[torch.Tensor], flat: torch.Tensor) -> None:
+        offset = 0
+        for view in views:
+            view.copy_(flat[offset:offset + view.numel()].view_as(view))
+            offset += view.numel()
+
+    def _all_reduce(self, flat: torch.Tensor, members: tuple[int, ...]) -> float:
+        """Sum `flat` over the holders `members` (blocking): hierarchically where enabled and they span nodes.
+        Returns the seconds it took (wall clock; on CUDA only the time to enqueue)."""
+        start = time.perf_counter()
+        split = self.groups.node_splits.get(members) if self.hierarchical else None
+        if split is not None:
+            hier_all_reduce(flat, split, self.groups.rank, self.groups.node_groups)
+        else:
+            dist.all_reduce(flat, group=self.groups.dp_groups[members])
+        return time.perf_counter() - start
+
+    def _fill_missing(self) -> None:
         for _, param in self.params.values():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        for members, slices in self.buckets:
-            views = [self._view(sl) for sl in slices]
-            flat = torch.cat([
-                v.reshape(-1) if self.groups.rank in sl.contributors else torch.zeros(v.numel(), dtype=v.dtype,
-                                                                                      device=v.device)
-                for v, sl in zip(views, slices, strict=True)
-            ])
-            dist.all_reduce(flat, group=self.groups.dp_groups[members])
-            offset = 0
-            for view in views:
-                view.copy_(flat[offset:offset + view.numel()].view_as(view))
-                offset += view.numel()
+
+    def reduce(self) -> None:
+        """Blocking: sum every shared slice over the pipelines holding it (collective over the DP groups)."""
+        self._fill_missing()
+        self.busy_s = 0.0
+        self.post_log = []
+        for bucket in self.buckets:
+            views, flat = self._pack(bucket)
+            self.post_log.append((bucket.key, bucket.ranks))
+            self.busy_s += self._all_reduce(flat, bucket.ranks)
+            self._unpack(views, flat)
+
+    # --- overlapped schedule -------------------------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """Arm the hooks for one step (call before the schedule, with the gradients zeroed or None)."""
+        if self._posted:
+            raise RuntimeError("GradSync.start_step before finish() of the previous step")
+        self._counts = {}
+        self._final = set()
+        self._next = 0
+        self.post_log = []
+        self.busy_s = 0.0
+        self.posted_in_backward = 0
+        self._armed = self.overlap
+
+    def _on_accumulated(self, name: str) -> None:
+        """Post-accumulate-grad hook of parameter `name` (runs inside backward)."""
+        if not self._armed:
+            return
+        count = self._counts.get(name, 0) + 1
+        self._counts[name] = count
+        if count >= self.num_micro:
+            self._final.add(name)
+            self._post_ready()
+
+    def _post_ready(self) -> None:
+        """Hand every bucket, in order from the next unposted one, whose parameters are all final."""
+        while self._next < len(self.layer_buckets) and self._names[self._next] <= self._final:
+            bucket = self.layer_buckets[self._next]
+            self._next += 1
+            with torch.no_grad():
+                views, flat = self._pack(bucket)
+            if self._pool is None:
+                self._pool = _Reducer(f"ff-dp-r{self.groups.rank}")
+            self.post_log.append((bucket.key, bucket.ranks))
+            self._posted.append((bucket, views, flat, self._pool.submit(self._all_reduce, flat, bucket.ranks)))
+
+    def finish(self) -> None:
+        """After the schedule: post what is left (parameters that got no gradient count as zeros), wait for this
+        rank's buckets, copy the sums back. Without overlap: the blocking `reduce()`."""
+        if not self.overlap:
+            self.reduce()
+            return
+        self.posted_in_backward = self._next
+        self._fill_missing()
+        self._final = set(self.params)
+        self._post_ready()
+        self._armed = False
+        posted, self._posted = self._posted, []
+        for _, views, flat, future in posted:
+            self.busy_s += future.result()
+            self._unpack(views, flat)
+
+    def close(self) -> None:
+        """Stop the reducer thread (idle between steps; a daemon, so it never holds the process at exit)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    # --- norm and clipping ---------------------------------------------------------------------------------
 
     def global_norm(self) -> float:
         """L2 norm of the full gradient over unique parameters (collective over the world group)."""

@@ -3,7 +3,10 @@
 Order of creation (every rank calls `torch.distributed.new_group` for every group, member or not):
 1. one TP group per stage with tp > 1 (pipelines in order, stages in order);
 2. one data-parallel group per distinct set of ranks that hold a matching slice of some parameter in two or
-   more stages (sorted by rank tuple).
+   more stages (sorted by rank tuple);
+3. the world group;
+4. for holder sets spanning several nodes, every intra-node part and leader set of the hierarchical
+   reduction (`hier_reduce.hierarchical_groups`, sorted by rank tuple).
 
 Data parallelism across unlike pipelines: for every global parameter, each pipeline's stage holding it splits
 it into `tp` slices along its shard dimension. Taking every slice boundary of every holding stage partitions the
@@ -16,7 +19,9 @@ them (within the pipeline and across pipelines) and every copy steps with the fu
 Stage boundaries where the TP degree changes (sender stage of tp_s ranks, receiver stage of tp_r ranks; the
 activation [mbs, seq, hidden] is replicated within each group): receiver j takes the activation from sender
 j % tp_s; sender i takes the gradient from receiver i % tp_r (every receiver's input gradient is the full,
-identical gradient of the replicated input).
+identical gradient of the replicated input). That is the full-copy path; with lean transfers (the default,
+RuntimeOptions.lean_p2p) each side sends only its chunks to the whole adjacent stage (`PlanGroups.prev_stage`,
+`next_stage`; the mapping is runtime/boundary.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..plan.schema import Plan, StagePlan
+from .hier_reduce import NodeSplit, hierarchical_groups, node_splits
 from .model import ParamInfo, model_params
 from .tensor_parallel import TPContext, shard_bounds
 
@@ -126,6 +132,12 @@ class PlanGroups:
     send_grad_to: tuple[int, ...]
     slices: list[SliceHolders]
     dp_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    prev_stage: tuple[int, ...] = ()  # ranks of the previous stage of this pipeline (TP order; () on the first)
+    next_stage: tuple[int, ...] = ()  # ranks of the next stage (() on the last)
+    # hierarchical DP (runtime/hier_reduce.py): the node split of every holder set spanning nodes, and the
+    # intra-node and leader groups this rank belongs to, keyed by sorted member ranks
+    node_splits: dict[tuple[int, ...], NodeSplit] = field(default_factory=dict)
+    node_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
     def tp_context(self) -> TPContext:
         """A fresh TPContext over this rank's TP group."""
@@ -149,6 +161,15 @@ def neighbours(plan: Plan, rank: int) -> tuple[int | None, tuple[int, ...], int 
         send_act = tuple(nxt[j] for j in range(len(nxt)) if j % len(ranks[s]) == i)
         recv_grad = nxt[i % len(nxt)]
     return recv_act, send_act, recv_grad, send_grad
+
+
+def adjacent_stages(plan: Plan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(ranks of the previous stage, ranks of the next stage) of `rank`'s pipeline, () where there is none:
+    the two ends of the lean boundary transfers (`boundary.ChunkPlan`)."""
+    info = plan.ranks()[rank]
+    ranks = stage_ranks(plan)[info.pipeline]
+    s = info.stage
+    return (tuple(ranks[s - 1]) if s > 0 else (), tuple(ranks[s + 1]) if s + 1 < len(ranks) else ())
 
 
 def build_groups(plan: Plan, rank: int, backend: str | None = None, timeout: timedelta | None = None) -> PlanGroups:
@@ -176,9 +197,19 @@ def build_groups(plan: Plan, rank: int, backend: str | None = None, timeout: tim
         if rank in members:
             dp_groups[members] = group
     world_group = dist.new_group(list(range(plan.world_size)), backend=backend, timeout=timeout)
+    # Last: the hierarchical DP groups (intra-node parts, then leaders), created whatever the runtime options.
+    splits = node_splits(plan, sorted({sl.ranks for sl in slices if sl.needs_reduce}))
+    node_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for members in hierarchical_groups(splits.values()):
+        group = dist.new_group(list(members), backend=backend, timeout=timeout)
+        if rank in members:
+            node_groups[members] = group
     recv_act, send_act, recv_grad, send_grad = neighbours(plan, rank)
+    prev_stage, next_stage = adjacent_stages(plan, rank)
     stage = plan.pipelines[me.pipeline].stages[me.stage]
     return PlanGroups(rank=rank, world_size=plan.world_size, pipeline=me.pipeline, stage=me.stage,
                       tp_rank=me.tp_rank, tp_size=stage.tp, tp_group=tp_group, world_group=world_group,
                       recv_act_from=recv_act, send_act_to=send_act, recv_grad_from=recv_grad,
-                      send_grad_to=send_grad, slices=slices, dp_groups=dp_groups)
+                      send_grad_to=send_grad, slices=slices, dp_groups=dp_groups,
+                      prev_stage=prev_stage, next_stage=next_stage,
+                      node_splits={k: v for k, v in splits.items() if rank in k}, node_groups=node_groups)

@@ -9,6 +9,9 @@ and FLASHFLEX_HEARTBEAT_S. `start()` then, first thing in the worker:
   frozen (SIGSTOP, a debugger, a hung kernel call): the launcher then ends the job naming that rank. The
   thread also exits the process when its parent changed (a second guard where prctl is missing).
 `report_error(text)` leaves the worker's one-line failure in JOB_DIR/rank-L.error for the launcher's last line.
+`mark_done()` leaves JOB_DIR/rank-L.done once the rank's training is over: from then on the launcher no longer
+reads silence as a freeze (a process's teardown runs after its Python threads have stopped), only bounds how
+long the rank may take to exit.
 Under torchrun or SLURM these variables are unset and nothing happens. No torch here: the launcher reads the
 same files.
 """
@@ -49,6 +52,19 @@ def alive_file(job_dir: str | os.PathLike[str], local_rank: int) -> Path:
 def error_file(job_dir: str | os.PathLike[str], local_rank: int) -> Path:
     """The file holding local rank `local_rank`'s one-line failure."""
     return Path(job_dir) / f"rank-{local_rank}.error"
+
+
+def done_file(job_dir: str | os.PathLike[str], local_rank: int) -> Path:
+    """The file whose existence says local rank `local_rank` finished its training (mtime: when)."""
+    return Path(job_dir) / f"rank-{local_rank}.done"
+
+
+def finished_at(job_dir: str | os.PathLike[str], local_rank: int) -> float | None:
+    """When (`time.time()`) local rank `local_rank` said its training was over; None while it has not."""
+    try:
+        return os.stat(done_file(job_dir, local_rank)).st_mtime
+    except OSError:
+        return None
 
 
 def heartbeat_age(job_dir: str | os.PathLike[str], local_rank: int, started: float) -> float:
@@ -118,3 +134,14 @@ def report_error(text: str) -> None:
         error_file(job_dir, int(os.environ.get("LOCAL_RANK", "0"))).write_text(text + "\n", encoding="utf-8")
     except OSError:
         pass
+
+
+def mark_done() -> None:
+    """Tell the local launcher this rank's training is over (nothing outside a local launch)."""
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    if not job_dir:
+        return
+    try:
+        done_file(job_dir, int(os.environ.get("LOCAL_RANK", "0"))).touch()
+    except OSError:
+        pass  # the launcher removed its folder: it is ending the job

@@ -219,22 +219,30 @@ def _time_part(forward: Callable[[], torch.Tensor], tp: TPContext, device: torch
 
     On CPU the time a run spent runnable but waiting for its core (another process on it: Linux schedstat)
     is left out, as the runtime's emulated slowdown leaves it out (runtime/slowdown.py): a device's time is
-    its on-core compute plus its blocking communication, whatever else the host runs."""
+    its on-core compute plus its blocking communication, whatever else the host runs. The kernel books run-queue
+    delay when the thread gets its core back, so on a busy host the booked delay of a short run can exceed its
+    elapsed time: a sample is never taken below the CPU time this thread spent in it (forward on the calling
+    thread; backward's autograd threads are not counted, so there the bound is weaker but still >= 0)."""
     fwd: list[float] = []
     bwd: list[float] = []
     queued = runqueue_seconds if device.type == "cpu" else (lambda: 0.0)
+
+    def on_core(start: float, waited: float, cpu: float) -> float:
+        elapsed = time.perf_counter() - start
+        return max(elapsed - (queued() - waited), time.thread_time() - cpu, 0.0)
+
     for i in range(warmup + repeats):
         _align(tp, device)
-        start, waited = time.perf_counter(), queued()
+        start, waited, cpu = time.perf_counter(), queued(), time.thread_time()
         out = forward()
         _sync(device)
-        fwd_s = time.perf_counter() - start - (queued() - waited)
+        fwd_s = on_core(start, waited, cpu)
         grad = torch.ones_like(out)
         _align(tp, device)
-        start, waited = time.perf_counter(), queued()
+        start, waited, cpu = time.perf_counter(), queued(), time.thread_time()
         out.backward(grad)
         _sync(device)
-        bwd_s = time.perf_counter() - start - (queued() - waited)
+        bwd_s = on_core(start, waited, cpu)
         del out, grad
         if i >= warmup:
             fwd.append(fwd_s)

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import os
 import signal
 import sys
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from . import heartbeat
 from .cpu_share import pin_emulated_device, usable_cores
@@ -64,6 +65,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--init-from", help="local Hugging Face checkpoint folder of the initial weights")
     parser.add_argument("--plan-node", dest="node", help="plan node run by this host (default: all)")
+    for name, what in (("lean-p2p", "stage-boundary sends in fp32 from every TP rank"),
+                       ("overlap-dp", "one blocking gradient reduction after the whole backward"),
+                       ("hierarchical-dp", "one flat reduction ring over all holders")):
+        parser.add_argument(f"--no-{name}", action="store_true", help=f"comparison only: {what}")
     return parser.parse_args(argv)
 
 
@@ -169,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     from ..model.flops import model_flops_per_token
     from ..plan.schema import load_plan
     from . import checkpoint as ckpt
-    from .data import open_source
+    from .data import open_source, stage_tokens
     from .engine import RankEngine
     from .groups import build_groups
     from .metrics import (
@@ -183,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         write_timeline,
     )
     from .optimizer import OptimConfig
+    from .options import RuntimeOptions
 
     plan, cluster = load_plan(args.plan), load_cluster(args.cluster)
     if plan.inputs.cluster_sha256 != cluster.sha256():
@@ -218,7 +224,9 @@ def run(args: argparse.Namespace) -> int:
 
         initial = SlicedLoader(args.init_from, model)
     engine = RankEngine(plan, rank, groups, device, optim, seed=args.seed, slowdown=device_info.slowdown,
-                        initial=initial)
+                        initial=initial, options=RuntimeOptions(lean_p2p=not args.no_lean_p2p,
+                                                                overlap_dp=not args.no_overlap_dp,
+                                                                hierarchical_dp=not args.no_hierarchical_dp))
     source = open_source(args.data, model.vocab_size, train.global_batch, train.seq_len, seed=args.seed)
     shards = ckpt.shards_for(engine.state_for_checkpoint(), engine.shard_specs(), rank)
     manifest = {"model": model.model_dump(mode="json"), "train": train.model_dump(mode="json"),
@@ -230,8 +238,8 @@ def run(args: argparse.Namespace) -> int:
     if args.resume and args.checkpoint_dir:
         found = ckpt.latest_checkpoint(args.checkpoint_dir)
         if found is not None:
-            full = ckpt.load_full(found, shards.keys())
-            engine.load_from_full(lambda key: full[key])
+            # each rank reads only the saved pieces overlapping its own shards, whatever plan saved them
+            engine.load_local(lambda targets: ckpt.load_into(found, targets))
             start = engine.step
             if rank == 0:
                 print(f"flashflex: resumed from {found} at step {start}", file=sys.stderr, flush=True)
@@ -251,8 +259,9 @@ def run(args: argparse.Namespace) -> int:
     for step in range(start, args.steps):
         _fault(rank, step)
         t0 = time.perf_counter()
-        batch = source.global_batch(step)
-        result = engine.train_step(batch[engine.pipeline_slice(batch.shape[0])], record_ops=True)
+        # first/last stages read only their pipeline's rows, middle stages no tokens (zeros of the same shape)
+        batch = stage_tokens(source, step, engine.pipeline_slice(train.global_batch), engine.first or engine.last)
+        result = engine.train_step(batch, record_ops=True)
         step_time = time.perf_counter() - t0
         payload = (result.timings, rank_memory_bytes(device.type), result.ops,
                    max(0, peak_since_reset(device.type) - held_before))
@@ -285,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
         log.summary(predicted_step_seconds(plan.predicted))
         log.close()
     dist.barrier()
+    heartbeat.mark_done()
     dist.destroy_process_group()
     return 0
 
@@ -314,5 +324,20 @@ def main(argv: list[str] | None = None) -> int:
         return PEER_LOST if peer else 1
 
 
+def exit_now(code: int) -> NoReturn:
+    """End the process with `code` at once: flush the output, then skip the interpreter's and C++ teardown.
+
+    Everything a rank writes (checkpoints, metrics, its error line) is written and closed before `main` returns;
+    what is left is teardown, where gloo's destructors may abort ("terminate called without an active
+    exception") or wait on a peer still inside a collective, after the heartbeat thread has already stopped."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

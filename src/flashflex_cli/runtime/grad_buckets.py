@@ -1,0 +1,72 @@
+"""Which gradient slices are reduced together, and in which order: pure functions of the plan's slice list.
+
+A bucket is every finest slice (`groups.SliceHolders`) that needs a reduction and shares one holder set and one
+backward-order key, packed into one flat buffer for one collective. Two bucketings:
+
+- `holder_set_buckets`: one bucket per holder set, sorted by the holder tuple (the blocking reduction after the
+  whole backward);
+- `overlap_buckets`: one bucket per (layer, holder set), in the order the backward pass finishes them: the head
+  and final norm first, then the transformer layers from the last to the first, the embedding last (its lookup
+  end is the last gradient of the first stage; with tied embeddings the last stage's copy waits for it anyway).
+
+Every rank reduces the subsequence of the GLOBAL bucket list that it holds, so any two ranks post the buckets
+they share in the same order, and the collectives cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .groups import SliceHolders
+
+HEAD_KEY = 1 << 30  # above every layer index
+
+
+def backward_key(name: str) -> int:
+    """The backward-order key of global parameter `name`: larger keys finish their backward earlier."""
+    if name == "head":
+        return HEAD_KEY + 1
+    if name == "norm":
+        return HEAD_KEY
+    if name.startswith("layers."):
+        return int(name.split(".")[1])
+    return -1  # "embed"
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Slices reduced by one collective among `ranks` (sorted global ranks); `key`: backward order (see
+    `backward_key`; 0 for holder-set buckets); `slices` in the global slice order."""
+
+    key: int
+    ranks: tuple[int, ...]
+    slices: tuple[SliceHolders, ...]
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The global parameter names whose gradients this bucket reads."""
+        return frozenset(sl.name for sl in self.slices)
+
+
+def holder_set_buckets(slices: list[SliceHolders]) -> list[Bucket]:
+    """One bucket per holder set of the slices that need a reduction, sorted by holder tuple."""
+    by_set: dict[tuple[int, ...], list[SliceHolders]] = {}
+    for sl in slices:
+        if sl.needs_reduce:
+            by_set.setdefault(sl.ranks, []).append(sl)
+    return [Bucket(0, members, tuple(by_set[members])) for members in sorted(by_set)]
+
+
+def overlap_buckets(slices: list[SliceHolders]) -> list[Bucket]:
+    """One bucket per (backward key, holder set), sorted by descending key, then holder tuple."""
+    by_key: dict[tuple[int, tuple[int, ...]], list[SliceHolders]] = {}
+    for sl in slices:
+        if sl.needs_reduce:
+            by_key.setdefault((backward_key(sl.name), sl.ranks), []).append(sl)
+    order = sorted(by_key, key=lambda k: (-k[0], k[1]))
+    return [Bucket(key, members, tuple(by_key[(key, members)])) for key, members in order]
+
+
+def rank_buckets(buckets: list[Bucket], rank: int) -> list[Bucket]:
+    """The buckets `rank` takes part in, in the global order."""
+    return [b for b in buckets if rank in b.ranks]

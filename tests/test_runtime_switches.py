@@ -1,0 +1,156 @@
+"""The comparison switches (`--no-lean-p2p --no-overlap-dp --no-hierarchical-dp`) reach every worker: rendered
+torchrun and SLURM scripts carry them, a local launch starts its workers with them and they accept them."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashflex_cli.hardware.cluster import load_cluster
+from flashflex_cli.launch.local import LocalJob, run_job
+from flashflex_cli.launch.options import RunOptions
+from flashflex_cli.launch.slurm import SlurmSettings, render_slurm
+from flashflex_cli.launch.torchrun import ElasticRender, RenderSettings, command_lines, render_torchrun
+from flashflex_cli.plan.schema import load_plan
+from flashflex_cli.runtime.worker import parse_args
+
+GOLDEN = Path(__file__).parent / "golden"
+PLAN = load_plan(GOLDEN / "plan-4rank.json")
+CLUSTER = load_cluster(GOLDEN / "cluster-2node.json")
+SWITCHES = ("--no-lean-p2p", "--no-overlap-dp", "--no-hierarchical-dp")
+BASE = RunOptions(plan="plans/p.json", cluster="profiles/c.json", out="runs/r")
+ALL_OFF = dataclasses.replace(BASE, lean_p2p=False, overlap_dp=False, hierarchical_dp=False)
+
+
+def _worker_words(line: str) -> list[str]:
+    """The words after `-m <module>` of one rendered command line (shell-parsed, as the shell would)."""
+    words = shlex.split(line.split("#", 1)[0])
+    return words[words.index("-m") + 2:]
+
+
+def test_defaults_pass_no_switch_and_each_switch_passes_its_own_flag() -> None:
+    assert not set(BASE.worker_argv()) & set(SWITCHES)
+    for field, flag in zip(("lean_p2p", "overlap_dp", "hierarchical_dp"), SWITCHES, strict=True):
+        argv = dataclasses.replace(BASE, **{field: False}).worker_argv(node="node0")
+        assert [a for a in argv if a in SWITCHES] == [flag]
+        assert argv[-2:] == ["--plan-node", "node0"]
+
+
+def test_worker_parses_the_flags_into_its_runtime_options() -> None:
+    args = parse_args(ALL_OFF.worker_argv())
+    assert (args.no_lean_p2p, args.no_overlap_dp, args.no_hierarchical_dp) == (True, True, True)
+    args = parse_args(BASE.worker_argv())
+    assert (args.no_lean_p2p, args.no_overlap_dp, args.no_hierarchical_dp) == (False, False, False)
+
+
+@pytest.mark.parametrize("template", ["torchrun", "torchrun-elastic", "slurm", "slurm-hetjob"])
+def test_rendered_scripts_carry_the_switches_on_every_worker_line(template: str) -> None:
+    settings = RenderSettings(hosts=("10.200.0.1", "10.200.0.2"), template=template,
+                              elastic=ElasticRender() if template == "torchrun-elastic" else None)
+    for options, expected in ((ALL_OFF, set(SWITCHES)), (BASE, set())):
+        if template.startswith("slurm"):
+            text = render_slurm(PLAN, CLUSTER, options, settings, SlurmSettings())
+            lines = [line for line in text.splitlines() if line.startswith("srun ")]
+        else:
+            lines = command_lines(render_torchrun(PLAN, CLUSTER, options, settings))
+        assert len(lines) == 2  # one per plan node
+        for line in lines:
+            assert set(_worker_words(line)) & set(SWITCHES) == expected, line
+
+
+def test_cli_launch_flags_reach_the_rendered_script(tmp_path: Path) -> None:
+    from flashflex_cli.cli import main
+
+    script = tmp_path / "run.sh"
+    code = main(["launch", str(GOLDEN / "plan-4rank.json"), "--cluster", str(GOLDEN / "cluster-2node.json"),
+                 "--launcher", "torchrun", "--script", str(script), "--no-overlap-dp"])
+    assert code == 0
+    for line in command_lines(script.read_text()):
+        words = _worker_words(line)
+        assert "--no-overlap-dp" in words and "--no-lean-p2p" not in words and "--no-hierarchical-dp" not in words
+
+
+def test_local_launch_starts_its_workers_with_the_switches(tmp_path: Path) -> None:
+    """A real supervised one-rank launch of one step: the running worker's own command line (/proc) holds the
+    flags, and the run ends well (the worker's argument parser accepted them: it exits 2 on an unknown one)."""
+    options = dataclasses.replace(ALL_OFF, plan=str(GOLDEN / "plan-1rank.json"),
+                                  cluster=str(GOLDEN / "cluster-2node.json"), out=str(tmp_path / "run"), steps=1,
+                                  timeout_s=60.0)
+    seen: list[list[str]] = []
+
+    def look(job: LocalJob) -> None:
+        for worker in job.running():
+            try:
+                raw = Path(f"/proc/{worker.proc.pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if raw:  # empty once the process exited (a zombie until reaped)
+                seen.append(raw.decode().split("\0"))
+
+    (tmp_path / "run").mkdir()
+    outcome = run_job(load_plan(options.plan), options, hook=look)
+    assert not outcome.failures and not outcome.signals
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+    assert seen and all(set(SWITCHES) <= set(argv) for argv in seen)
+
+
+# ---- benchmarks/bench_runtime_comm.py: its pure helpers (the benchmark itself needs namespaces and minutes) ----
+def _bench():  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_runtime_comm.py"
+    spec = importlib.util.spec_from_file_location("bench_runtime_comm", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(sys.modules[spec.name])
+    return sys.modules[spec.name]
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_benchmark_plans_are_valid_and_place_what_each_experiment_needs(quick: bool) -> None:
+    from flashflex_cli.plan.schema import Plan
+
+    bench = _bench()
+    table = bench.experiments(quick)
+    assert set(table) == {"a", "b", "c"}
+    plans = {key: Plan.model_validate(bench.plan_data(exp, [f"h{i}" for i in range(exp.hosts)], "0" * 64, "x"))
+             for key, exp in table.items()}
+    # (a) one pipeline: a TP-2 stage on each host, so the boundary crosses hosts
+    (pipe,) = plans["a"].pipelines
+    assert [[d.split("/")[0] for d in s.devices] for s in pipe.stages] == [["h0", "h0"], ["h1", "h1"]]
+    # (b) two pipelines, one per host, each holding every layer: the DP reduction crosses hosts
+    assert [[s.devices for s in p.stages] for p in plans["b"].pipelines] == [[["h0/0"]], [["h1/0"]]]
+    # (c) every layer held by 6 single-device pipelines, 2 on each of 3 hosts
+    hosts = [p.stages[0].devices[0].split("/")[0] for p in plans["c"].pipelines]
+    assert sorted(hosts) == ["h0", "h0", "h1", "h1", "h2", "h2"]
+    assert all(tuple(p.stages[0].layers) == (0, table["c"].model.num_layers) for p in plans["c"].pipelines)
+    assert {key: plan.world_size for key, plan in plans.items()} == {"a": 4, "b": 2, "c": 6}
+
+
+def test_benchmark_switch_flags_and_figures() -> None:
+    bench = _bench()
+    table = bench.experiments(True)
+    assert bench.switch_flags(table["a"], on=True) == []
+    assert bench.switch_flags(table["a"], on=False) == ["--no-lean-p2p"]
+    assert bench.switch_flags(table["c"], on=True) == ["--no-overlap-dp"]  # (c) times the whole reduction
+    assert bench.switch_flags(table["c"], on=False) == ["--no-overlap-dp", "--no-hierarchical-dp"]
+    rows = [{"step_time_s": t, "stages": [{"p2p_s": p, "dp_s": d}, {"p2p_s": 2 * p, "dp_s": 3 * d}]}
+            for t, p, d in ((9.0, 9.0, 9.0), (1.0, 0.1, 0.01), (3.0, 0.3, 0.03), (2.0, 0.2, 0.02))]
+    fig = bench.figures(rows, warmup=1)  # the first (warm-up) row is left out
+    assert (fig.step_s, fig.p2p_s, fig.dp_s) == pytest.approx((2.0, 0.6, 0.06))  # p2p summed, dp the largest
+    assert bench.change_pct(2.0, 1.0) == pytest.approx(-50.0)
+    assert bench.within(-20.0, -18.0) and not bench.within(-20.0, -10.0) and not bench.within(1.0, 0.0)
+
+
+def test_benchmark_last_line_has_the_issue_format() -> None:
+    import re
+
+    line = _bench().last_line(-45.26, -61.0, -20.04, -22.5, 0.8149)
+    assert line == "bench_runtime_comm: p2p -45.3%, exposed dp -61.0%, step -20.0% (predicted -22.5%), hierarchical/flat 0.81"
+    assert re.fullmatch(r"bench_runtime_comm: p2p -[\d.]+%, exposed dp -[\d.]+%, step -[\d.]+% "
+                        r"\(predicted -[\d.]+%\), hierarchical/flat \d+\.\d\d", line)

@@ -11,10 +11,6 @@ sizes), so they agree within the same bounds.
 
 from __future__ import annotations
 
-import os
-import queue
-import time
-import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan
@@ -32,6 +27,7 @@ from flashflex_cli.runtime.grad_buckets import backward_key, overlap_buckets, ra
 from flashflex_cli.runtime.groups import build_groups, slice_holders
 from flashflex_cli.runtime.options import RuntimeOptions
 from flashflex_cli.runtime.reference import reference_train
+from tests.infra.worker_pool import WorkerPool
 
 from .test_parity import OPTIM, RTOL, SEED, _assert_close, grad_atol, make_batches, make_plan
 
@@ -67,67 +63,19 @@ def dp_job(rank: int, world: int, plan_json: str, init_file: str, out_dir: str, 
         dist.destroy_process_group()
 
 
-def _serve(inbox: Any, outbox: Any) -> None:
-    """A reusable worker process: runs `dp_job` argument tuples until None; reports (rank, error or None)."""
-    while (job := inbox.get()) is not None:
-        try:
-            dp_job(*job)
-            outbox.put((job[0], None))
-        except BaseException:  # noqa: BLE001 - every failure goes back to the test process
-            outbox.put((job[0], traceback.format_exc()))
-    os._exit(0)  # every result was read before None was sent: skip the slow interpreter teardown
-
-
-class DPPool:
-    """`size` spawned processes reused across runs; replaced after a failure (survivors may hang in a
-    collective)."""
+class DPPool(WorkerPool):
+    """`size` reusable processes running `dp_job`."""
 
     def __init__(self, size: int) -> None:
-        self.size = size
-        self._start()
+        super().__init__(size, dp_job)
 
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.inboxes = [ctx.Queue() for _ in range(self.size)]
-        self.outbox = ctx.Queue()
-        self.procs = [ctx.Process(target=_serve, args=(q, self.outbox), daemon=True) for q in self.inboxes]
-        for proc in self.procs:
-            proc.start()
-
-    def close(self) -> None:
-        """Stop every process."""
-        for q in self.inboxes:
-            q.put(None)
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-
-    def run(self, plan: Plan, tmp_path: Path, options: dict[str, bool], timeout_s: float = 240.0
-            ) -> list[dict[str, Any]]:
+    def run_plan(self, plan: Plan, tmp_path: Path, options: dict[str, bool], timeout_s: float = 240.0
+                 ) -> list[dict[str, Any]]:
         """Run `plan` with `options` on plan.world_size processes; every rank's saved outputs."""
         out = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}"
         out.mkdir()
-        for rank in range(plan.world_size):
-            self.inboxes[rank].put((rank, plan.world_size, plan.to_json(), str(out / "store"), str(out), options))
-        deadline = time.monotonic() + timeout_s
-        errors: list[str] = []
-        for _ in range(plan.world_size):
-            try:
-                rank, error = self.outbox.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                errors.append(f"timed out after {timeout_s} s")
-                break
-            if error is not None:
-                errors.append(f"rank {rank}: {error}")
-                break
-        if errors:
-            for proc in self.procs:
-                proc.kill()
-                proc.join()
-            self._start()
-            raise AssertionError("\n".join(errors))
+        self.run([(rank, plan.world_size, plan.to_json(), str(out / "store"), str(out), options)
+                  for rank in range(plan.world_size)], timeout_s)
         return [torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)]
 
 
@@ -182,8 +130,8 @@ def test_overlap_on_off_and_reference_agree(tmp_path: Path, dp_pool: DPPool) -> 
     """Unlike pipelines (stage splits 2+2 / 1+3, TP 2 and 1), tied embedding: overlap on == off == reference;
     with overlap, buckets are handed over inside the backward and in the global order on every rank."""
     plan = make_plan(TIED, UNLIKE)
-    on = dp_pool.run(plan, tmp_path, {"overlap_dp": True, "hierarchical_dp": False})
-    off = dp_pool.run(plan, tmp_path, {"overlap_dp": False, "hierarchical_dp": False})
+    on = dp_pool.run_plan(plan, tmp_path, {"overlap_dp": True, "hierarchical_dp": False})
+    off = dp_pool.run_plan(plan, tmp_path, {"overlap_dp": False, "hierarchical_dp": False})
     assert_matches_reference(plan, on)
     assert_matches_reference(plan, off)
     assert_same_runs(on, off, plan)
@@ -204,7 +152,7 @@ def test_overlap_single_stage_pipelines_with_unequal_micro_batches(tmp_path: Pat
     """Three pipelines with 1, 2 and 3 micro-batches (each parameter is final after its own pipeline's count):
     overlap on equals the reference."""
     plan = make_plan("llama-tiny", [(2, 1, [(1, (0, 4))]), (1, 2, [(2, (0, 4))]), (1, 3, [(1, (0, 2)), (1, (2, 4))])])
-    on = dp_pool.run(plan, tmp_path, {"overlap_dp": True, "hierarchical_dp": False})
+    on = dp_pool.run_plan(plan, tmp_path, {"overlap_dp": True, "hierarchical_dp": False})
     assert_matches_reference(plan, on)
     for rank, out in enumerate(on):
         assert out["post_log"] == _expected_order(plan, rank)

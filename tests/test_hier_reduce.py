@@ -62,9 +62,9 @@ def test_node_split_is_pure_and_ordered() -> None:
 def test_hierarchical_equals_flat_and_reference(tmp_path: Path, dp_pool: DPPool) -> None:  # noqa: F811
     """3 nodes x 2 devices: hierarchical (overlapped and blocking) == flat == one-process reference."""
     plan = three_nodes()
-    hier = dp_pool.run(plan, tmp_path, {"overlap_dp": True, "hierarchical_dp": True})
-    hier_blocking = dp_pool.run(plan, tmp_path, {"overlap_dp": False, "hierarchical_dp": True})
-    flat = dp_pool.run(plan, tmp_path, {"overlap_dp": True, "hierarchical_dp": False})
+    hier = dp_pool.run_plan(plan, tmp_path, {"overlap_dp": True, "hierarchical_dp": True})
+    hier_blocking = dp_pool.run_plan(plan, tmp_path, {"overlap_dp": False, "hierarchical_dp": True})
+    flat = dp_pool.run_plan(plan, tmp_path, {"overlap_dp": True, "hierarchical_dp": False})
     for out in hier + hier_blocking:
         assert out["hier_sets"], "every rank holds some slice whose holders span nodes"
         hier_sets = {tuple(m) for m in out["hier_sets"]}

@@ -58,6 +58,8 @@ def test_four_cpu_ranks_train_and_write_metrics(reference: list[dict]) -> None:
         tp2 = next(s for s in row["stages"] if (s["pipeline"], s["stage"]) == (0, 0))
         assert tp2["tp_comm_s"] > 0  # the TP-2 stage all-reduces; single-device stages do not
         assert all(s["tp_comm_s"] == 0 for s in row["stages"] if s is not tp2)
+        # two pipelines hold every layer: every stage reduces gradients, overlapped (dp_s is the exposed part)
+        assert all(s["dp_total_s"] > 0 and s["dp_s"] >= 0 for s in row["stages"])
     assert 5.0 < reference[0]["loss"] < 6.0  # about ln(256) = 5.55 for a fresh model
 
 

@@ -7,8 +7,6 @@ on CPU) and how PipelineTimes adds up its marks."""
 from __future__ import annotations
 
 import math
-import os
-import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan
@@ -29,13 +26,13 @@ from flashflex_cli.runtime.op_timer import OpTimer
 from flashflex_cli.runtime.options import RuntimeOptions
 from flashflex_cli.runtime.pipeline import PipelineTimes
 from flashflex_cli.runtime.reference import reference_train
+from tests.infra.worker_pool import WorkerPool
 
 from .test_parity import (
     OPTIM,
     RTOL,
     SEED,
     STEPS,
-    WorkerPool,
     _assert_close,
     _assert_params,
     grad_atol,
@@ -215,40 +212,17 @@ def _worker(rank: int, world: int, plan_json: str, init_file: str, out_dir: str,
         dist.destroy_process_group()
 
 
-def _pool_main(inbox: Any, outbox: Any) -> None:
-    """A reusable worker process: runs `_worker` jobs from `inbox` until None, reports (rank, error or None)."""
-    while (job := inbox.get()) is not None:
-        try:
-            _worker(*job)
-            outbox.put((job[0], None))
-        except BaseException:  # noqa: BLE001 - report every failure to the test process
-            outbox.put((job[0], traceback.format_exc()))
-    os._exit(0)
-
-
-class LeanPool(WorkerPool):
-    """test_parity's pool, running this module's worker."""
-
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.inboxes = [ctx.Queue() for _ in range(self.size)]
-        self.outbox = ctx.Queue()
-        self.procs = [ctx.Process(target=_pool_main, args=(q, self.outbox), daemon=True) for q in self.inboxes]
-        for proc in self.procs:
-            proc.start()
-
-
 @pytest.fixture(scope="module")
-def pool() -> Iterator[LeanPool]:
+def pool() -> Iterator[WorkerPool]:
     """Five reusable worker processes (the largest plan has 5 ranks)."""
-    workers = LeanPool(5)
+    workers = WorkerPool(5, _worker)
     try:
         yield workers
     finally:
         workers.close()
 
 
-def _run(plan: Plan, tmp_path: Path, pool: LeanPool, lean: bool, transfer_dtype: str = "") -> list[dict[str, Any]]:
+def _run(plan: Plan, tmp_path: Path, pool: WorkerPool, lean: bool, transfer_dtype: str = "") -> list[dict[str, Any]]:
     out_dir = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}"
     out_dir.mkdir()
     pool.run([(rank, plan.world_size, plan.to_json(), str(out_dir / "store"), str(out_dir), lean, transfer_dtype)
@@ -275,7 +249,7 @@ def _expected_sent(plan: Plan, rank: int, lean: bool, element: int) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
-def test_lean_equals_full_and_one_device(name: str, tmp_path: Path, pool: LeanPool) -> None:
+def test_lean_equals_full_and_one_device(name: str, tmp_path: Path, pool: WorkerPool) -> None:
     plan = PLANS[name]
     lean, full = _run(plan, tmp_path, pool, lean=True), _run(plan, tmp_path, pool, lean=False)
     # fp32 on CPU: the same values cross the boundary, by another route (each chunk from one replica of the
@@ -316,7 +290,7 @@ def test_lean_equals_full_and_one_device(name: str, tmp_path: Path, pool: LeanPo
 
 
 @pytest.mark.slow
-def test_half_precision_transfers_round_only_the_boundary(tmp_path: Path, pool: LeanPool) -> None:
+def test_half_precision_transfers_round_only_the_boundary(tmp_path: Path, pool: WorkerPool) -> None:
     """The compute-dtype path (bf16, as under CUDA autocast) forced on CPU: half the bytes cross, the stage
     still computes in fp32 on the cast-back tensor, and the losses stay within bf16 rounding of the reference:
     bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 2e-3) on each activation and gradient crossing;

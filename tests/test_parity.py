@@ -9,10 +9,6 @@ for the gradients justified in `grad_atol`; the parameters after 3 steps match w
 
 from __future__ import annotations
 
-import os
-import queue
-import time
-import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -21,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import Plan
@@ -29,6 +24,7 @@ from flashflex_cli.runtime.engine import OptimConfig, RankEngine
 from flashflex_cli.runtime.groups import build_groups
 from flashflex_cli.runtime.optimizer import lr_at
 from flashflex_cli.runtime.reference import reference_train
+from tests.infra.worker_pool import WorkerPool
 
 STEPS = 3
 SEED = 7
@@ -105,73 +101,10 @@ def _worker(rank: int, world: int, plan_json: str, init_file: str, out_dir: str,
         dist.destroy_process_group()
 
 
-def _pool_main(inbox: Any, outbox: Any) -> None:
-    """A reusable worker process: runs `_worker` jobs from `inbox` until None, reports (rank, error or None)."""
-    while (job := inbox.get()) is not None:
-        try:
-            _worker(*job)
-            outbox.put((job[0], None))
-        except BaseException:  # noqa: BLE001 - report every failure to the test process
-            outbox.put((job[0], traceback.format_exc()))
-    # Every result was received by the test process before it sent None: skip the slow interpreter teardown.
-    os._exit(0)
-
-
-class WorkerPool:
-    """Spawned processes reused across plans (each job builds and tears down its own process group), so the
-    suite pays the interpreter and torch start-up once per process, not once per plan and rank. After a failed
-    job the processes are replaced, since survivors may be stuck in a collective."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._start()
-
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.inboxes = [ctx.Queue() for _ in range(self.size)]
-        self.outbox = ctx.Queue()
-        self.procs = [ctx.Process(target=_pool_main, args=(q, self.outbox), daemon=True) for q in self.inboxes]
-        for proc in self.procs:
-            proc.start()
-
-    def close(self) -> None:
-        """Stop every process (politely, then by force)."""
-        for q in self.inboxes:
-            q.put(None)
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-
-    def run(self, jobs: list[tuple[Any, ...]], timeout_s: float = 300.0) -> None:
-        """Run one job per rank (job[0] is the rank) concurrently; raise with the first failure."""
-        assert len(jobs) <= self.size
-        for rank, job in enumerate(jobs):
-            self.inboxes[rank].put(job)
-        deadline = time.monotonic() + timeout_s
-        errors: list[str] = []
-        for _ in jobs:
-            try:
-                rank, error = self.outbox.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                errors.append(f"timed out after {timeout_s} s")
-                break
-            if error is not None:
-                errors.append(f"rank {rank}: {error}")
-                break
-        if errors:
-            for proc in self.procs:
-                proc.kill()
-                proc.join()
-            self._start()
-            raise AssertionError("\n".join(errors))
-
-
 @pytest.fixture(scope="module")
 def pool() -> Iterator[WorkerPool]:
     """Seven reusable worker processes (the largest plan below has 7 ranks)."""
-    workers = WorkerPool(7)
+    workers = WorkerPool(7, _worker)
     try:
         yield workers
     finally:

@@ -4,6 +4,7 @@ torchrun and SLURM scripts carry them, a local launch starts its workers with th
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -96,6 +97,9 @@ def test_local_launch_starts_its_workers_with_the_switches(tmp_path: Path) -> No
     assert not outcome.failures and not outcome.signals
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
     assert seen and all(set(SWITCHES) <= set(argv) for argv in seen)
+    # the run records which paths ran
+    assert json.loads((tmp_path / "run" / "runtime.json").read_text()) == {
+        "lean_p2p": False, "overlap_dp": False, "hierarchical_dp": False}
 
 
 # ---- benchmarks/bench_runtime_comm.py: its pure helpers (the benchmark itself needs namespaces and minutes) ----

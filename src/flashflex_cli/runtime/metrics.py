@@ -106,6 +106,8 @@ def stage_times(plan_ranks: list[Any], per_rank: list[dict[str, float]],
             out[-1]["memory_growth_bytes"] = max(int(growth[r]) for r in mine)
         if "tp_comm" in timings:  # measured on CPU only; part of forward_s and backward_s
             out[-1]["tp_comm_s"] = round(float(timings["tp_comm"]), 6)
+        if "dp_total" in timings:  # CPU only: seconds the DP collectives ran, hidden behind the backward or not
+            out[-1]["dp_total_s"] = round(float(timings["dp_total"]), 6)
     return out
 
 

@@ -21,7 +21,9 @@ start of step K.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -252,6 +254,9 @@ def run(args: argparse.Namespace) -> int:
         # what `flashflex show --run` and `flashflex calibrate` read back next to metrics.jsonl
         atomic_write_text(os.path.join(args.out, "plan.json"), plan.to_json())
         atomic_write_text(os.path.join(args.out, "cluster.json"), cluster.to_json())
+        # which communication paths ran (the launch switches), for comparing runs
+        atomic_write_text(os.path.join(args.out, "runtime.json"),
+                          json.dumps(dataclasses.asdict(engine.options), indent=2, sort_keys=True) + "\n")
     timeline: list[dict] = []
     flag = torch.zeros(1, device=device)  # NCCL reduces only device tensors
     step = start

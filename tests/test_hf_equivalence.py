@@ -18,8 +18,6 @@ remap) shows at 1e-3 or more.
 from __future__ import annotations
 
 import json
-import os
-import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -28,7 +26,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from flashflex_cli.model.spec import ModelSpec, from_hf_config, to_hf_config
@@ -38,8 +35,9 @@ from flashflex_cli.runtime.engine import OptimConfig, RankEngine
 from flashflex_cli.runtime.groups import build_groups
 from flashflex_cli.runtime.model import StageModule, model_params
 from flashflex_cli.runtime.tensor_parallel import TPContext
-from tests.test_parity import WorkerPool, check_parity, make_plan
+from tests.infra.worker_pool import WorkerPool
 from tests.test_parity import _worker as parity_worker
+from tests.test_parity import check_parity, make_plan
 
 RTOL = 1e-5
 SEQ = 16
@@ -142,34 +140,16 @@ def _rank_job(rank: int, world: int, plan_json: str, init_file: str, inputs: str
         dist.destroy_process_group()
 
 
-def _pool_main(inbox: Any, outbox: Any) -> None:
-    """A reusable worker process running jobs until None: `_rank_job` (6 fields), or tests/test_parity.py's
-    `_worker` (7 fields), so `check_parity` can use this pool too."""
-    while (job := inbox.get()) is not None:
-        try:
-            (parity_worker if len(job) == 7 else _rank_job)(*job)
-            outbox.put((job[0], None))
-        except BaseException:  # noqa: BLE001 - report every failure to the test process
-            outbox.put((job[0], traceback.format_exc()))
-    os._exit(0)
-
-
-class RankPool(WorkerPool):
-    """tests/test_parity.py's reusable spawned workers, running this module's `_rank_job`."""
-
-    def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.inboxes = [ctx.Queue() for _ in range(self.size)]
-        self.outbox = ctx.Queue()
-        self.procs = [ctx.Process(target=_pool_main, args=(q, self.outbox), daemon=True) for q in self.inboxes]
-        for proc in self.procs:
-            proc.start()
+def _any_job(*job: Any) -> None:
+    """One pooled job: `_rank_job` (6 fields), or tests/test_parity.py's `_worker` (7 fields), so `check_parity`
+    can use this pool too."""
+    (parity_worker if len(job) == 7 else _rank_job)(*job)
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[RankPool]:
+def pool() -> Iterator[WorkerPool]:
     """Four reusable worker processes (the asymmetric plan has 4 ranks)."""
-    workers = RankPool(4)
+    workers = WorkerPool(4, _any_job)
     try:
         yield workers
     finally:
@@ -187,7 +167,7 @@ def _assemble_logits(outputs: list[dict[str, Any]], plan: Plan) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_family_matches_transformers(family: str, tmp_path: Path, pool: RankPool) -> None:
+def test_family_matches_transformers(family: str, tmp_path: Path, pool: WorkerPool) -> None:
     config_dir = tmp_path / family
     config_dir.mkdir()
     (config_dir / "config.json").write_text(json.dumps({**SHAPE, **CONFIGS[family]}))
@@ -259,7 +239,7 @@ def test_exported_config_builds_the_same_transformers_model(tmp_path: Path) -> N
         assert torch.equal(a, b), family
 
 
-def test_tied_model_trains_like_one_device(tmp_path: Path, pool: RankPool) -> None:
+def test_tied_model_trains_like_one_device(tmp_path: Path, pool: WorkerPool) -> None:
     """Three AdamW steps (weight decay, clipping) of a tied model under an asymmetric plan equal
     single-process training (tests/test_parity.py's check, its tolerances): the embedding copies on the
     first and last stages stay one table. (Llama, not Qwen2: the k bias's gradient nearly cancels, since a

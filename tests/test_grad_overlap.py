@@ -12,13 +12,11 @@ sizes), so they agree within the same bounds.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan
@@ -27,7 +25,7 @@ from flashflex_cli.runtime.grad_buckets import backward_key, overlap_buckets, ra
 from flashflex_cli.runtime.groups import build_groups, slice_holders
 from flashflex_cli.runtime.options import RuntimeOptions
 from flashflex_cli.runtime.reference import reference_train
-from tests.infra.worker_pool import WorkerPool
+from tests.infra.worker_pool import WorkerPool, gloo_rank
 
 from .test_parity import OPTIM, RTOL, SEED, _assert_close, grad_atol, make_batches, make_plan
 
@@ -38,11 +36,7 @@ TIED = PRESETS["llama-tiny"].model_copy(update={"name": "tiny-tied", "tie_embedd
 def dp_job(rank: int, world: int, plan_json: str, init_file: str, out_dir: str, options: dict[str, bool]) -> None:
     """Train STEPS steps of the plan on `rank` with `options`; save losses, norms, first-step full gradients,
     the DP bucket post log and timings of the last step."""
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_rank(rank, world, init_file):
         plan = Plan.model_validate_json(plan_json)
         groups = build_groups(plan, rank)
         engine = RankEngine(plan, rank, groups, torch.device("cpu"), OPTIM, seed=SEED,
@@ -59,8 +53,6 @@ def dp_job(rank: int, world: int, plan_json: str, init_file: str, out_dir: str, 
                     "early": engine.sync.posted_in_backward, "timings": timings,
                     "hier_sets": sorted(engine.groups.node_splits)}, Path(out_dir) / f"rank{rank}.pt")
         engine.sync.close()
-    finally:
-        dist.destroy_process_group()
 
 
 class DPPool(WorkerPool):

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from flashflex_cli.model.spec import ModelSpec, from_hf_config, to_hf_config
@@ -35,7 +33,7 @@ from flashflex_cli.runtime.engine import OptimConfig, RankEngine
 from flashflex_cli.runtime.groups import build_groups
 from flashflex_cli.runtime.model import StageModule, model_params
 from flashflex_cli.runtime.tensor_parallel import TPContext
-from tests.infra.worker_pool import WorkerPool
+from tests.infra.worker_pool import WorkerPool, gloo_rank
 from tests.test_parity import _worker as parity_worker
 from tests.test_parity import check_parity, make_plan
 
@@ -121,10 +119,7 @@ def reference(config_dir: Path, spec: ModelSpec, weights: dict[str, torch.Tensor
 def _rank_job(rank: int, world: int, plan_json: str, init_file: str, inputs: str, out_dir: str) -> None:
     """One rank of a plan: load the shared weights, one train step on the shared batch, save the loss, the
     full gradients and parameters it holds and the logits shards its last stage computed."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_rank(rank, world, init_file, deterministic=False):
         plan = Plan.model_validate_json(plan_json)
         data = torch.load(inputs)
         engine = RankEngine(plan, rank, build_groups(plan, rank), torch.device("cpu"), OPTIM)
@@ -136,8 +131,6 @@ def _rank_job(rank: int, world: int, plan_json: str, init_file: str, inputs: str
                     "pipeline": engine.groups.pipeline, "stage": engine.groups.stage, "last": engine.last,
                     "vocab_start": engine.module.vocab_start, "logits": engine.module.capture_logits},
                    Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def _any_job(*job: Any) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from flashflex_cli.runtime.op_timer import OpTimer
 from flashflex_cli.runtime.options import RuntimeOptions
 from flashflex_cli.runtime.pipeline import PipelineTimes
 from flashflex_cli.runtime.reference import reference_train
-from tests.infra.worker_pool import WorkerPool
+from tests.infra.worker_pool import WorkerPool, gloo_rank
 
 from .test_parity import (
     OPTIM,
@@ -175,10 +174,6 @@ def _worker(rank: int, world: int, plan_json: str, init_file: str, out_dir: str,
     """Train STEPS steps of the plan with lean transfers on or off (and, when given, another transfer dtype);
     save losses, first-step full gradients, final full parameters, the bytes this rank sent in stage-boundary
     sends per step, and the first step's timings and ops."""
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
     sent = [0]
     real = dist.batch_isend_irecv
 
@@ -186,30 +181,30 @@ def _worker(rank: int, world: int, plan_json: str, init_file: str, out_dir: str,
         sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
         return real(ops)
 
-    dist.batch_isend_irecv = counting  # type: ignore[assignment]  # this spawned process only
-    try:
-        plan = Plan.model_validate_json(plan_json)
-        groups = build_groups(plan, rank)
-        engine = RankEngine(plan, rank, groups, torch.device("cpu"), OPTIM, seed=SEED,
-                            options=RuntimeOptions(lean_p2p=lean))
-        if transfer_dtype:
-            engine.runner.transfer_dtype = getattr(torch, transfer_dtype)
-        batches = make_batches(plan)
-        results, grads, per_step, first = [], {}, [], None
-        for step in range(STEPS):
-            before = sent[0]
-            result = engine.train_step(batches[step][engine.pipeline_slice(plan.inputs.train.global_batch)],
-                                       record_ops=step == 0)
-            per_step.append(sent[0] - before)
-            results.append((result.loss, result.grad_norm, result.lr))
-            if step == 0:
-                grads = engine.gather_full_grads()
-                first = (result.timings, result.ops)
-        torch.save({"results": results, "grads": grads, "params": engine.gather_full_params(), "sent": per_step,
-                    "first": first}, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.batch_isend_irecv = real  # type: ignore[assignment]
-        dist.destroy_process_group()
+    with gloo_rank(rank, world, init_file):
+        dist.batch_isend_irecv = counting  # type: ignore[assignment]  # this spawned process only
+        try:
+            plan = Plan.model_validate_json(plan_json)
+            groups = build_groups(plan, rank)
+            engine = RankEngine(plan, rank, groups, torch.device("cpu"), OPTIM, seed=SEED,
+                                options=RuntimeOptions(lean_p2p=lean))
+            if transfer_dtype:
+                engine.runner.transfer_dtype = getattr(torch, transfer_dtype)
+            batches = make_batches(plan)
+            results, grads, per_step, first = [], {}, [], None
+            for step in range(STEPS):
+                before = sent[0]
+                result = engine.train_step(batches[step][engine.pipeline_slice(plan.inputs.train.global_batch)],
+                                           record_ops=step == 0)
+                per_step.append(sent[0] - before)
+                results.append((result.loss, result.grad_norm, result.lr))
+                if step == 0:
+                    grads = engine.gather_full_grads()
+                    first = (result.timings, result.ops)
+            torch.save({"results": results, "grads": grads, "params": engine.gather_full_params(), "sent": per_step,
+                        "first": first}, Path(out_dir) / f"rank{rank}.pt")
+        finally:
+            dist.batch_isend_irecv = real  # type: ignore[assignment]
 
 
 @pytest.fixture(scope="module")

@@ -10,13 +10,11 @@ for the gradients justified in `grad_atol`; the parameters after 3 steps match w
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import Plan
@@ -24,7 +22,7 @@ from flashflex_cli.runtime.engine import OptimConfig, RankEngine
 from flashflex_cli.runtime.groups import build_groups
 from flashflex_cli.runtime.optimizer import lr_at
 from flashflex_cli.runtime.reference import reference_train
-from tests.infra.worker_pool import WorkerPool
+from tests.infra.worker_pool import WorkerPool, gloo_rank
 
 STEPS = 3
 SEED = 7
@@ -76,11 +74,7 @@ def _worker(rank: int, world: int, plan_json: str, init_file: str, out_dir: str,
             resume: str) -> None:
     """Run optimizer steps [steps[0], steps[1]) of `plan` on `rank` (after loading full state from `resume`
     when given) and save losses, first-step full grads, final full params and full state to out_dir."""
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_rank(rank, world, init_file):
         plan = Plan.model_validate_json(plan_json)
         groups = build_groups(plan, rank)
         engine = RankEngine(plan, rank, groups, torch.device("cpu"), OPTIM, seed=SEED if not resume else SEED + 1)
@@ -97,8 +91,6 @@ def _worker(rank: int, world: int, plan_json: str, init_file: str, out_dir: str,
                 grads = engine.gather_full_grads()
         torch.save({"results": results, "grads": grads, "params": engine.gather_full_params(),
                     "state": engine.gather_full_state(), "step": engine.step}, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

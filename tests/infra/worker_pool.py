@@ -12,12 +12,31 @@ import os
 import queue
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 Job = tuple[Any, ...]
+
+
+@contextmanager
+def gloo_rank(rank: int, world: int, init_file: str, deterministic: bool = True) -> Iterator[None]:
+    """Be `rank` of a `world`-rank gloo group joined through the file `init_file` (120 s collective timeout),
+    with one intra-op thread and, by default, deterministic algorithms; the group is destroyed on exit."""
+    torch.set_num_threads(1)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def _serve(job_fn: Callable[..., None], inbox: Any, outbox: Any) -> None:

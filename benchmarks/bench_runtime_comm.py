@@ -138,7 +138,7 @@ def experiments(quick: bool) -> dict[str, Experiment]:
                         "overlap_dp", measured_links=True),
         "c": Experiment("c", "holders on 3 hosts, 2 per host (6 single-device pipelines)", 3, 2, 4.0, small, 32,
                         tuple(Pipeline(1, 1, ((((h, d),), whole),)) for h in range(3) for d in range(2)),
-                        "hierarchical_dp", always_off=("overlap_dp",)),
+                        "hierarchical_dp", always_off=("overlap_dp",), measured_links=True),
     }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -126,6 +128,18 @@ def test_no_plausible_gloo_fit_falls_back_to_the_class_default_and_says_so(monke
     assert found == GlooProbe(default.bandwidth, default.latency_s, fallback=True)
     err = capsys.readouterr().err
     assert "no plausible fit in 2 tries" in err and "shm class default" in err
+
+
+def test_gloo_probe_inside_a_torchrun_worker_serves_its_own_store(monkeypatch):
+    """Under torchrun (`profile --distributed` with several CPU devices per host) the worker's environment says
+    TORCHELASTIC_USE_AGENT_STORE=True; spawned probe ranks inheriting it would all wait for an agent's store
+    that never comes. The probe's children form their own group, and the worker's environment is restored."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    probe = gloo_link(timeout_s=30, attempts=1)
+    assert probe.bandwidth > 0 and probe.latency_s > 0
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert os.environ["OMP_NUM_THREADS"] == "2"
 
 
 def test_free_port_is_bindable():

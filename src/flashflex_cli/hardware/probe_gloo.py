@@ -19,6 +19,8 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -80,6 +82,28 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextmanager
+def own_process_group_env(**overrides: str) -> Iterator[None]:
+    """Environment for spawned children that form a process group of their own on 127.0.0.1 (inherited at
+    spawn): `overrides` set, and torchrun's TORCHELASTIC_USE_AGENT_STORE removed -- under it every rank of
+    a new group connects to a store it expects torchrun's agent to host, none serves one, and the group
+    times out (a `flashflex profile --distributed` worker running a local probe). Restored afterwards."""
+    saved = {key: os.environ.get(key) for key in (*overrides, AGENT_STORE)}
+    os.environ.pop(AGENT_STORE, None)
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def _round_trip(payload: torch.Tensor, ack: torch.Tensor) -> float:
@@ -155,19 +179,13 @@ def _measure_once(sizes: GlooSizes, timeout_s: float) -> tuple[float, float]:
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    saved = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    os.environ.update({key: "1" for key in saved})  # inherited by the children before torch loads there
     try:
-        mp.spawn(_worker, args=(free_port(), sizes, results, timeout_s), nprocs=2, join=True)
+        # one thread each, set before torch loads in the children
+        with own_process_group_env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
+            mp.spawn(_worker, args=(free_port(), sizes, results, timeout_s), nprocs=2, join=True)
     except Exception as exc:  # ProcessRaisedException, ProcessExitedException
         first = str(exc).strip().splitlines()
         raise RuntimeFailure(f"gloo loopback probe failed: {first[-1] if first else type(exc).__name__}") from None
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     if results.empty():
         raise RuntimeFailure("gloo loopback probe failed: rank 0 reported no measurement")
     bandwidth, latency_s = results.get()

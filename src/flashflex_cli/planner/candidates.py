@@ -1,8 +1,8 @@
 """A candidate layout: pipelines with their layer splits, a batch split, and the fast score.
 
-The fast score approximates the iteration time (seconds): the slowest pipeline under its micro-batch
-share (`batch.split_batch`) plus the data-parallel reduction of the slowest stage, computed per layer
-the way cost/dp.py does (vectorised over pipelines and layers). Candidates are ranked by this score; the finalists are then
+The fast score approximates the iteration time (seconds): every pipeline's time under its micro-batch
+share (`batch.split_batch`) and the data-parallel reduction after (or, overlapped, during) its backward, per
+layer the way cost/dp.py does (`dp_score.dp_finish`). Candidates are ranked by this score; the finalists are then
 built as `Plan`s and ranked by `cost.estimate.estimate` alone (the single source of truth).
 """
 
@@ -11,11 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-import numpy as np
-
 from ..cost.estimate import estimate
 from ..plan.schema import PipelinePlan, Plan, PlanInputs, StagePlan, UnusedDevice
 from .batch import pipeline_time, split_batch
+from .dp_score import dp_finish
 from .fastcost import CostCache
 from .pipeline import PipeEval
 
@@ -41,78 +40,6 @@ class Candidate:
         return base if self.mbs is None else (*base, self.mbs)
 
 
-def _rings(cache: CostCache, firsts: np.ndarray, tps: np.ndarray, nbytes: float,
-           nic_load: np.ndarray) -> np.ndarray:
-    """Seconds of one ring all-reduce per column: rings run through `firsts[:, c]` (devices, pipeline order).
-
-    Volume per ring: `nbytes` / min TP, times min TP when the ring crosses nodes (TP slices share a NIC).
-    A ring that crosses nodes adds its time to `nic_load` of every node it touches (indexed by node).
-    """
-    g = cache.graph
-    count = firsts.shape[0]
-    nodes = g.node[firsts]
-    nxt = np.concatenate([nodes[1:], nodes[:1]])
-    bw = g.node_bw[nodes, nxt].min(axis=0) * cache.params.dp_comm_efficiency
-    crosses = (nodes != nxt).any(axis=0)
-    min_tp = tps.min(axis=0)
-    volume = nbytes / min_tp * np.where(crosses, min_tp, 1)
-    seconds = 2.0 * (count - 1) / count * volume / bw
-    if crosses.any():
-        ordered = np.sort(nodes[:, crosses], axis=0)
-        first = np.ones(ordered.shape, dtype=bool)
-        first[1:] = ordered[1:] != ordered[:-1]
-        weights = np.repeat(seconds[crosses][None, :], count, axis=0)
-        nic_load += np.bincount(ordered[first], weights=weights[first], minlength=len(nic_load))
-    return seconds
-
-
-def _rows(cache: CostCache, pipe: PipeEval) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per layer of one pipeline: its stage's first device, TP degree and stage index (int64 [L] each), and
-    every stage's first device (int64 [S]); memoised on the cache by (stages, counts)."""
-    key = (pipe.stages, pipe.counts)
-    hit = cache.dp_rows.get(key)
-    if hit is None:
-        counts = np.asarray(pipe.counts)
-        heads = np.array([st[0] for st in pipe.stages], dtype=np.int64)
-        hit = (np.repeat(heads, counts), np.repeat(np.array([len(st) for st in pipe.stages], dtype=np.int64), counts),
-               np.repeat(np.arange(len(counts), dtype=np.int64), counts), heads)
-        cache.dp_rows[key] = hit
-    return hit
-
-
-def dp_time(cache: CostCache, pipes: tuple[PipeEval, ...]) -> float:
-    """Seconds of the data-parallel gradient reduction of the slowest stage (module docstring).
-
-    As cost/dp.py: every layer's gradient is ring-reduced among the stages holding it (one per
-    pipeline), through their first devices in pipeline order; a stage's time is the sum over its layers,
-    plus the embedding (first stages) and head (last stages) rings, or the load of its node's NIC (every
-    ring crossing that node queues there) when larger. Vectorised over pipelines and layers; every stage's
-    sum adds its layers in layer order, as a per-pipeline `np.bincount` would.
-    """
-    count = len(pipes)
-    if count < 2:
-        return 0.0
-    g = cache.graph
-    rows = [_rows(cache, pipe) for pipe in pipes]
-    firsts = np.stack([r[0] for r in rows])
-    tps = np.stack([r[1] for r in rows])
-    stages = np.array([len(r[3]) for r in rows], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(stages)[:-1]])
-    owner = np.stack([r[2] for r in rows]) + offsets[:, None]
-    heads = np.concatenate([r[3] for r in rows])
-    nic_load = np.zeros(len(g.cluster.nodes))
-    per_layer = _rings(cache, firsts, tps, cache.layer_grad_bytes, nic_load)
-    ends = np.array([[pipe.stages[0][0]] for pipe in pipes]), np.array([[pipe.stages[-1][0]] for pipe in pipes])
-    end_tps = np.array([[len(pipe.stages[0])] for pipe in pipes]), np.array([[len(pipe.stages[-1])] for pipe in pipes])
-    embed_s = float(_rings(cache, ends[0], end_tps[0], cache.embed_grad_bytes, nic_load)[0])
-    head_s = float(_rings(cache, ends[1], end_tps[1], cache.head_grad_bytes, nic_load)[0])
-    sums = np.bincount(owner.ravel(), weights=np.tile(per_layer, count), minlength=len(heads))
-    sums[offsets] += embed_s
-    sums[offsets + stages - 1] += head_s
-    busiest = nic_load[g.node[heads]]
-    return float(np.maximum(sums, busiest).max())
-
-
 def score(cache: CostCache, pipes: list[PipeEval] | tuple[PipeEval, ...], total_micro: int,
           bound: float = float("inf")) -> Candidate | None:
     """Batch-split `pipes` and score them; None when a pipeline does not fit or the batch is too small, or
@@ -125,10 +52,10 @@ def score(cache: CostCache, pipes: list[PipeEval] | tuple[PipeEval, ...], total_
                         [p.num_stages for p in ordered])
     if micro is None:
         return None
-    slowest = max(pipeline_time(p.pace_s, p.fill_s, m) for p, m in zip(ordered, micro, strict=True))
-    if slowest >= bound:
+    ends = [pipeline_time(p.pace_s, p.fill_s, m) for p, m in zip(ordered, micro, strict=True)]
+    if max(ends) >= bound:
         return None
-    return Candidate(ordered, tuple(micro), slowest + dp_time(cache, ordered))
+    return Candidate(ordered, tuple(micro), dp_finish(cache, ordered, ends))
 
 
 def build_plan(cache: CostCache, cand: Candidate, strategy: str, seed: int,

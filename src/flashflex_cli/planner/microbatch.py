@@ -16,7 +16,7 @@ For a fixed choice of b per pipeline, `split_sequences` hands out micro-batches 
 the pipeline that would finish its next one soonest, as `batch.split_batch` does, starting from the
 continuous optimum. The b of each pipeline is chosen by coordinate descent over groups of pipelines of
 equal shape (they cost the same, so they take the same b): every group tries every option, a change is
-kept when the candidate's fast score (slowest pipeline + data-parallel reduction, `candidates.dp_time`)
+kept when the candidate's fast score (pipelines and data-parallel reduction, `dp_score.dp_finish`)
 falls, until a round changes nothing (at most `ROUNDS` rounds). The finalists are then ranked by
 `cost.estimate.estimate` alone, as for every plan.
 """
@@ -26,7 +26,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from .candidates import Candidate, dp_time
+from .candidates import Candidate
+from .dp_score import dp_finish
 from .fastcost import CostCache
 from .pipeline import PipeEval, evaluate_pipeline
 
@@ -75,17 +76,18 @@ def split_sequences(total: int, sizes: Sequence[int], pace_s: Sequence[float], f
 
 
 def _score(cache: CostCache, pipes: tuple[PipeEval, ...], sizes: tuple[int, ...], total_sequences: int,
-           bound: float = float("inf")) -> tuple[float, tuple[int, ...]] | None:
+           bound: float = float("inf"), caches: Sequence[CostCache] | None = None
+           ) -> tuple[float, tuple[int, ...]] | None:
     """(fast score in seconds, micro-batch counts); None when the split fails or the slowest pipeline alone
     reaches `bound` seconds."""
     micro = split_sequences(total_sequences, sizes, [p.pace_s for p in pipes], [p.fill_s - p.pace_s for p in pipes],
                             [p.num_stages for p in pipes])
     if micro is None:
         return None
-    slowest = max(p.fill_s + (m - 1) * p.pace_s for p, m in zip(pipes, micro, strict=True))
-    if slowest >= bound:
+    ends = [p.fill_s + (m - 1) * p.pace_s for p, m in zip(pipes, micro, strict=True)]
+    if max(ends) >= bound:
         return None
-    return slowest + dp_time(cache, pipes), tuple(micro)
+    return dp_finish(cache, pipes, ends, caches), tuple(micro)
 
 
 class MicroBatchSearch:
@@ -135,7 +137,8 @@ class MicroBatchSearch:
                     for p in members:
                         trial[p] = b
                     pipes = tuple(pipe_at(p, trial[p]) for p in range(count))
-                    got = _score(self.base, pipes, tuple(trial), self.total, best * (1 - 1e-9))
+                    got = _score(self.base, pipes, tuple(trial), self.total, best * (1 - 1e-9),
+                                 [self.caches[b] for b in trial])
                     if got is not None and got[0] < best * (1 - 1e-9):
                         best, micro, sizes, changed = got[0], got[1], trial, True
             if not changed:

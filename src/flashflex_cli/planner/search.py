@@ -333,3 +333,18 @@ def plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy
         plan = finalise(cache, refined + cands, strategy, seed, reasons, stats=stats, always=exact + tuned)
     stats.seconds = time.monotonic() - started
     return plan
+
+
+def scored_candidates(cluster: Cluster, model: ModelSpec, train: TrainConfig, seed: int = 0,
+                      params: CostParams | None = None) -> tuple[CostCache, list[Candidate]]:
+    """Every candidate the flashflex strategy's search scores before refinement (both phases and the uniform
+    seeds), ranked by fast score, with the cache that scored them: for benchmarks and diagnostics of the fast
+    score against `cost.estimate` (no time budget, one process)."""
+    params = params or CostParams()
+    total = micro_batches(train.global_batch, train.micro_batch_size)
+    cache = CostCache(DeviceGraph(cluster, train.dtype), model, train, params)
+    check_feasible(cache, total)
+    resplit, _ = _uniform_seeds(cache, total)
+    with SearchPool(cache, 1) as pool:
+        found = _collect(pool, total, seed, float("inf"), SearchStats())
+    return cache, _ranked(found + resplit)

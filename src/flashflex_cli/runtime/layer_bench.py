@@ -429,12 +429,13 @@ def measure_tp(config: BenchConfig, tp: int, kind: str,
     """Spawn the `tp` ranks of one TP group and pass each micro-batch's result to `on_result` as it comes."""
     import torch.multiprocessing as mp
 
-    from ..hardware.probe_gloo import free_port
+    from ..hardware.probe_gloo import free_port, own_process_group_env
 
     results = mp.get_context("spawn").Queue()
     try:
-        context = mp.start_processes(_worker, args=(tp, free_port(), config, kind, results), nprocs=tp,
-                                     join=False, start_method="spawn")
+        with own_process_group_env():
+            context = mp.start_processes(_worker, args=(tp, free_port(), config, kind, results), nprocs=tp,
+                                         join=False, start_method="spawn")
         while not context.join(timeout=0.2):
             _drain(results, on_result)
     except Exception as exc:  # ProcessRaisedException, ProcessExitedException

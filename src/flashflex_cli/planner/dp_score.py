@@ -1,0 +1,224 @@
+"""The fast score's data-parallel term: what cost/dp.py charges, cheap enough for thousands of candidates.
+
+Every layer is held by one stage per pipeline; its gradient is all-reduced among those holders through their
+first devices (pipeline order), flat or hierarchically (`CostParams.dp_hierarchical`, as `cost.dp.bucket_cost`):
+- flat: one ring over the holders' nodes at its slowest hop, volume n / min TP on one node, else the whole n
+  (the TP slices' rings share every NIC they cross);
+- hierarchical, where the holders span several nodes and some node has two or more: a ring inside every such
+  node (volume n / min TP, the slowest node sets the time), then a ring of the whole n among one leader per
+  node at the leaders' slowest hop.
+Bucket seconds come from `cost.comm`'s ring formulas (bandwidth and latency of the ring's slowest hop), as in
+`cost.dp`. Layers whose holders are the same stages form one segment and cost the same: durations are
+computed per segment, memoised on the `CostCache` by the holders' nodes.
+
+With `CostParams.dp_overlap` (the runtime's default) a layer's bucket starts when every holder has finished its
+last backward through that layer (pipeline p ends its last backward at `ends[p]`; stage s of it ends
+sum_{j<s} (B_j + p2p_j) earlier, B_j its whole last backward, and passes its layers top-down, head first on the
+last stage, embedding last on the first), in the runtime's order (head, layers top-down, embedding), each after
+the previous bucket where they share a holder (a stage's buckets run one after another); every node's NIC must
+also carry the cross-node parts of all buckets it is in. The term is when the last bucket ends (at least the
+slowest pipeline's end). Without overlap every reduction starts after the slowest pipeline, a stage's buckets
+one after another, and a node's NIC queues every ring that crosses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..cost.comm import ring_allreduce_seconds, ring_link
+from .fastcost import CostCache
+from .pipeline import PipeEval
+
+Column = tuple[float, float, tuple[int, ...]]  # (inside_s, across_s, nodes whose NIC the across part uses)
+
+
+def _rows(cache: CostCache, pipe: PipeEval) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per layer of one pipeline: its stage's first device, TP degree and stage index (int64 [L] each), and
+    every stage's first device (int64 [S]); memoised on the cache by (stages, counts)."""
+    key = (pipe.stages, pipe.counts)
+    hit = cache.dp_rows.get(key)
+    if hit is None:
+        counts = np.asarray(pipe.counts)
+        heads = np.array([st[0] for st in pipe.stages], dtype=np.int64)
+        hit = (np.repeat(heads, counts), np.repeat(np.array([len(st) for st in pipe.stages], dtype=np.int64), counts),
+               np.repeat(np.arange(len(counts), dtype=np.int64), counts), heads)
+        cache.dp_rows[key] = hit
+    return hit
+
+
+def ready_offsets(cache: CostCache, pipe: PipeEval) -> tuple[np.ndarray, float]:
+    """When the pipeline's last backward has finished each layer (float [L]) and the head (last stage), in
+    seconds relative to the end of its last backward (<= 0; the embedding is ready at 0). `cache`: the one of
+    the pipeline's micro-batch size. Memoised on the cache."""
+    key = ("ready", pipe.stages, pipe.counts)
+    hit = cache.dp_rows.get(key)
+    if hit is None:
+        count = len(pipe.stages)
+        times = [cache.stage(st) for st in pipe.stages]
+        whole = [n * lt.bwd_s + (lt.embed_bwd_s if s == 0 else 0.0) + (lt.head_bwd_s if s == count - 1 else 0.0)
+                 for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True))]
+        ready: list[float] = []
+        end, head = 0.0, 0.0  # end: this stage's last backward end
+        for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True)):
+            if s:
+                end -= whole[s - 1] + cache.p2p(pipe.stages[s], pipe.stages[s - 1])
+            start = end - whole[s] + (lt.head_bwd_s if s == count - 1 else 0.0)  # the layers' backward begins
+            ready.extend([start + lt.bwd_s * j for j in range(n, 0, -1)])
+            if s == count - 1:
+                head = start
+        hit = cache.dp_rows[key] = (np.array(ready), head)
+    return hit  # type: ignore[return-value]
+
+
+def _column(cache: CostCache, devices: Sequence[int], min_tp: int, nbytes: float) -> Column:
+    """Seconds of one all-reduce of `nbytes` among holders whose first devices are `devices` (pipeline order),
+    by `cost.comm`'s ring formulas on those devices' links; memoised by the devices' nodes (holders on equal
+    nodes cost the same)."""
+    node = cache.graph.node_list
+    nodes = tuple([node[i] for i in devices])
+    key = ("col", nodes, min_tp, nbytes)
+    hit = cache.dp_rows.get(key)
+    if hit is not None:
+        return hit  # type: ignore[return-value]
+    cluster, ids, eff = cache.graph.cluster, cache.graph.ids, cache.params.dp_comm_efficiency
+    by_node: dict[int, list[str]] = {}
+    for i in devices:
+        by_node.setdefault(node[i], []).append(ids[i])
+
+    def ring(members: list[str], size: float) -> float:
+        bandwidth, latency = ring_link(cluster, members)
+        return ring_allreduce_seconds(len(members), size, bandwidth * eff, latency)
+
+    if len(by_node) == 1:
+        hit = (ring([ids[i] for i in devices], nbytes / min_tp), 0.0, ())
+    elif cache.params.dp_hierarchical and max(len(m) for m in by_node.values()) > 1:
+        inside = max(ring(m, nbytes / min_tp) for m in by_node.values() if len(m) > 1)
+        hit = (inside, ring([m[0] for m in by_node.values()], nbytes), tuple(sorted(by_node)))
+    else:
+        hit = (0.0, ring([ids[i] for i in devices], nbytes), tuple(sorted(by_node)))
+    cache.dp_rows[key] = hit
+    return hit
+
+
+NOTHING: Column = (0.0, 0.0, ())
+
+
+def _layer_columns(cache: CostCache, pipes: Sequence[PipeEval], merged: bool = False
+                   ) -> tuple[list[Column], list[bool], list[bool], np.ndarray]:
+    """Per layer: its bucket's column; whether it shares a holder with the layer above, and whether all its
+    holders are those of the layer above (entry l for layers l and l + 1, L - 1 each); every pipeline's stage
+    index per layer (int64 [k, L]). `merged`: one bucket per segment (layers of the same holders), charged on
+    its first layer, the others get `NOTHING`."""
+    rows = [_rows(cache, pipe) for pipe in pipes]
+    firsts = np.stack([r[0] for r in rows])
+    tps = np.stack([r[1] for r in rows])
+    owner = np.stack([r[2] for r in rows])
+    same = owner[:, 1:] == owner[:, :-1]
+    columns: list[Column] = []
+    whole = same.all(axis=0).tolist()
+    by_layer = firsts.T.tolist()  # [L][k] the holders' first devices
+    least = tps.min(axis=0).tolist()
+    for layer, devices in enumerate(by_layer):
+        if layer and whole[layer - 1]:
+            columns.append(NOTHING if merged else columns[-1])
+            continue
+        size = 1
+        while merged and layer + size < len(by_layer) and whole[layer + size - 1]:
+            size += 1
+        columns.append(_column(cache, devices, least[layer], size * cache.layer_grad_bytes))
+    return columns, same.any(axis=0).tolist(), whole, owner
+
+
+def _end_columns(cache: CostCache, pipes: Sequence[PipeEval]) -> tuple[Column, Column]:
+    """The embedding's column (first stages) and the head's (last stages)."""
+    firsts = [pipe.stages[0] for pipe in pipes]
+    lasts = [pipe.stages[-1] for pipe in pipes]
+    embed = _column(cache, [st[0] for st in firsts], min(len(st) for st in firsts), cache.embed_grad_bytes)
+    head = _column(cache, [st[0] for st in lasts], min(len(st) for st in lasts), cache.head_grad_bytes)
+    return embed, head
+
+
+def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float],
+              caches: Sequence[CostCache] | None = None) -> float:
+    """Seconds from the iteration start until every pipeline's backward and every DP reduction has ended
+    (module docstring). `ends[p]`: when pipeline p's last backward ends (s); `caches[p]`: the cache of its
+    micro-batch size (default `cache` for all)."""
+    slowest = max(ends)
+    if len(pipes) < 2:
+        return slowest
+    if not cache.params.dp_overlap:
+        return slowest + _sequential(cache, pipes)
+    columns, shares, whole, _ = _layer_columns(cache, pipes)
+    embed, head = _end_columns(cache, pipes)
+    offsets = [ready_offsets(c, pipe) for c, pipe in zip(caches or [cache] * len(pipes), pipes, strict=True)]
+    at = np.asarray(ends, dtype=np.float64)
+    layer_ready = (np.stack([o[0] for o in offsets]) + at[:, None]).max(axis=0).tolist()
+    head_ready = max(e + o[1] for e, o in zip(ends, offsets, strict=True))
+    nic: dict[int, float] = {}  # when each node's NIC is next free
+    # head, then layers top-down, then the embedding, each after the one before where they share a holder;
+    # the cross-node part of a segment's first bucket also waits for its NICs (later ones follow on them)
+    end = _bucket(nic, head, head_ready)
+    latest = end
+    top = len(columns) - 1
+    for layer in range(top, -1, -1):
+        col = columns[layer]
+        begin = layer_ready[layer]
+        if layer == top or shares[layer]:
+            begin = max(begin, end)
+        if layer == top or not whole[layer]:
+            end = _bucket(nic, col, begin)
+        else:
+            end = begin + col[0] + col[1]
+            for n in col[2]:
+                nic[n] = end - col[0] / 2
+        latest = max(latest, end)
+    end = _bucket(nic, embed, max(slowest, end))
+    return max(latest, end, slowest)
+
+
+def _bucket(nic: dict[int, float], col: Column, begin: float) -> float:
+    """End (s) of one bucket that may begin at `begin`: the intra-node half, the cross-node part once its
+    NICs are free (which it then holds), the other intra-node half; updates `nic`."""
+    across = begin + col[0] / 2
+    for n in col[2]:
+        free = nic.get(n, 0.0)
+        if free > across:
+            across = free
+    done = across + col[1]
+    for n in col[2]:
+        nic[n] = done
+    return done + col[0] / 2
+
+
+def _load(nic: dict[int, float], col: Column, times: int) -> None:
+    """Add `times` x the cross-node part of `col` to the NIC load of every node it uses."""
+    if col[1] > 0:
+        for n in col[2]:
+            nic[n] = nic.get(n, 0.0) + col[1] * times
+
+
+def _sequential(cache: CostCache, pipes: Sequence[PipeEval]) -> float:
+    """Without overlap: the longest reduction of one stage (one bucket per segment of its layers, the
+    embedding on first stages, the head on last stages, one after another) or of one node's NIC (every
+    cross-node part of every bucket that node is in), seconds."""
+    columns, _, _, owner = _layer_columns(cache, pipes, merged=True)
+    embed, head = _end_columns(cache, pipes)
+    stages = np.array([len(pipe.stages) for pipe in pipes], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(stages)[:-1]])
+    per_layer = np.array([c[0] + c[1] for c in columns])
+    count = len(pipes)
+    sums = np.bincount((owner + offsets[:, None]).ravel(), weights=np.tile(per_layer, count),
+                       minlength=int(stages.sum()))
+    sums[offsets] += embed[0] + embed[1]
+    sums[offsets + stages - 1] += head[0] + head[1]
+    nic: dict[int, float] = {}
+    for col in columns:
+        _load(nic, col, 1)
+    _load(nic, embed, 1)
+    _load(nic, head, 1)
+    node = cache.graph.node_list
+    heads = [st[0] for pipe in pipes for st in pipe.stages]
+    busiest = np.array([nic.get(node[i], 0.0) for i in heads])
+    return float(np.maximum(sums, busiest).max())

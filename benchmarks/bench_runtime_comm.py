@@ -21,7 +21,9 @@ the run's metrics.jsonl:
       the predicted one.
   (c) six single-device pipelines on three hosts, 2 per host, every link shaped: every slice's holders span the
       3 hosts with 2 holders on each; overlap off in both runs so dp_s is the whole reduction; hierarchical
-      reduction on/off: the ratio of reduction times, hierarchical / flat.
+      reduction on/off: the ratio of reduction times, hierarchical / flat, beside the cost model's for a cluster
+      file measured across the hosts; the hierarchical run's parts too: the leaders' all-reduce across the hosts
+      (dp_across_s) and the rest (reduce and broadcast inside each host) against the model's parts.
 Beside each run: wall time, CPU time of all its processes (user + system) and the 1-minute load average before
 and after (the host is shared: other load slows the emulated devices down).
 
@@ -108,6 +110,7 @@ class Figures:
     p2p_s: float
     dp_s: float
     p2p_stages: tuple[float, ...] = ()  # per stage (pipelines, then stages), medians
+    across_s: float = 0.0  # hierarchical reductions' cross-node step, the slowest stage (leaders; CPU runs)
     wall_s: float = 0.0
     cpu_s: float = 0.0
     load_before: float = 0.0
@@ -169,7 +172,7 @@ def switch_flags(exp: Experiment, on: bool) -> list[str]:
 
 def figures(rows: list[dict[str, Any]], warmup: int) -> Figures:
     """Medians over the steps after `warmup` of: step_time_s; p2p_s summed over the stages (their TP rank 0);
-    dp_s of the slowest stage (the exposed reduction)."""
+    dp_s of the slowest stage (the exposed reduction); dp_across_s of the slowest stage (0 when absent)."""
     kept = rows[warmup:] or rows
     if not kept:
         raise BenchError("metrics.jsonl holds no step")
@@ -177,7 +180,8 @@ def figures(rows: list[dict[str, Any]], warmup: int) -> Figures:
                    p2p_s=statistics.median(sum(s["p2p_s"] for s in r["stages"]) for r in kept),
                    dp_s=statistics.median(max(s["dp_s"] for s in r["stages"]) for r in kept),
                    p2p_stages=tuple(statistics.median(r["stages"][i]["p2p_s"] for r in kept)
-                                    for i in range(len(kept[0]["stages"]))))
+                                    for i in range(len(kept[0]["stages"]))),
+                   across_s=statistics.median(max(s.get("dp_across_s", 0.0) for s in r["stages"]) for r in kept))
 
 
 def change_pct(before: float, after: float) -> float:
@@ -355,6 +359,18 @@ def predict(plan_path: Path, cluster_path: Path, layers: Path | None, overlap: b
     return est.iteration_time_s, est.dp_exposed_s
 
 
+def predicted_dp_parts(plan_path: Path, cluster_path: Path) -> tuple[float, float]:
+    """(intra-node, cross-node) seconds the cost model charges for the plan's hierarchical DP buckets, summed
+    (cost.dp.dp_buckets without overlap: one bucket per holder set)."""
+    from flashflex_cli.cost.dp import dp_buckets
+    from flashflex_cli.cost.params import CostParams
+    from flashflex_cli.hardware.cluster import load_cluster
+    from flashflex_cli.plan.schema import load_plan
+
+    buckets = dp_buckets(load_plan(plan_path), load_cluster(cluster_path), switched_params(CostParams(), False, True))
+    return sum(b.inside_s for b in buckets), sum(b.across_s for b in buckets)
+
+
 def predicted_transfer_s(plan_path: Path, cluster_path: Path, lean: bool) -> float:
     """The cost model's seconds for one micro-batch's activation across the first stage boundary."""
     from flashflex_cli.cost.comm import p2p_time
@@ -437,9 +453,13 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = on.dp_s / off.dp_s if off.dp_s > 0 else math.nan
                 flat = predict(plan, cluster, None, overlap=False, hierarchical=False)[1]
                 hier = predict(plan, cluster, None, overlap=False)[1]
+                inside, across = predicted_dp_parts(plan, cluster)
                 print(f"(c) DP reduction {off.dp_s * 1e3:.1f} ms flat, {on.dp_s * 1e3:.1f} ms hierarchical: "
-                      f"ratio {ratio:.2f} (cost model at 1 Gbit/s: {flat * 1e3:.1f} / {hier * 1e3:.1f} ms, "
-                      f"{hier / flat if flat > 0 else math.nan:.2f})", flush=True)
+                      f"ratio {ratio:.2f} (cost model, measured links: {flat * 1e3:.1f} / {hier * 1e3:.1f} ms, "
+                      f"{hier / flat if flat > 0 else math.nan:.2f}); hierarchical parts: across nodes (leaders' "
+                      f"all-reduce) {on.across_s * 1e3:.1f} ms, model {across * 1e3:.1f} ms; inside nodes (reduce "
+                      f"+ broadcast, the rest) {(on.dp_s - on.across_s) * 1e3:.1f} ms, model {inside * 1e3:.1f} ms",
+                      flush=True)
     except BenchError as exc:
         print(f"bench_runtime_comm: {exc}", file=sys.stderr, flush=True)
         return 1

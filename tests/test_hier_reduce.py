@@ -69,6 +69,13 @@ def test_hierarchical_equals_flat_and_reference(tmp_path: Path, dp_pool: DPPool)
         assert out["hier_sets"], "every rank holds some slice whose holders span nodes"
         hier_sets = {tuple(m) for m in out["hier_sets"]}
         assert any(tuple(m) in hier_sets for _, m in out["post_log"]), "no bucket took the hierarchical path"
+    # the cross-node step is timed on the leaders (the lowest holder per node) only; flat runs have none
+    for outs in (hier, hier_blocking):
+        for rank, out in enumerate(outs):
+            leads = any(rank in node_split(plan, tuple(m)).leaders for m in out["hier_sets"])
+            assert (out["timings"]["dp_across"] > 0) == leads
+            assert out["timings"]["dp_across"] <= out["timings"]["dp_total"]
+    assert all(out["timings"]["dp_across"] == 0 for out in flat)
     assert_matches_reference(plan, hier)
     assert_matches_reference(plan, hier_blocking)
     assert_same_runs(hier, flat, plan)

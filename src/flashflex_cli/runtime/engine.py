@@ -207,6 +207,7 @@ class RankEngine:
         if self.device.type == "cpu":
             timings["tp_comm"] = self.tp.comm_seconds[0]
             timings["dp_total"] = self.sync.busy_s  # seconds the DP collectives ran, hidden or not
+            timings["dp_across"] = self.sync.across_s  # of which hierarchical reductions' cross-node step
         return StepResult(loss=float(loss_sum.item()) / global_tokens, grad_norm=grad_norm, lr=lr, timings=timings,
                           ops=tuple(times.ops or ()))
 

@@ -93,6 +93,7 @@ class GradSync:
         self.owned = [sl for sl in mine if sl.owner == groups.rank]
         self.post_log: list[tuple[int, tuple[int, ...]]] = []  # (key, holders) in posting order, last step
         self.busy_s = 0.0  # seconds the reducer spent in collectives during the last step (CPU: wall time)
+        self.across_s = 0.0  # of which in hierarchical reductions' cross-node step (leaders only)
         self.posted_in_backward = 0  # buckets of the last step handed over from hooks, before the schedule ended
         self._armed = False
         self._counts: dict[str, int] = {}
@@ -135,7 +136,7 @@ class GradSync:
         start = time.perf_counter()
         split = self.groups.node_splits.get(members) if self.hierarchical else None
         if split is not None:
-            hier_all_reduce(flat, split, self.groups.rank, self.groups.node_groups)
+            self.across_s += hier_all_reduce(flat, split, self.groups.rank, self.groups.node_groups)
         else:
             dist.all_reduce(flat, group=self.groups.dp_groups[members])
         return time.perf_counter() - start
@@ -148,7 +149,7 @@ class GradSync:
     def reduce(self) -> None:
         """Blocking: sum every shared slice over the pipelines holding it (collective over the DP groups)."""
         self._fill_missing()
-        self.busy_s = 0.0
+        self.busy_s = self.across_s = 0.0
         self.post_log = []
         for bucket in self.buckets:
             views, flat = self._pack(bucket)
@@ -166,7 +167,7 @@ class GradSync:
         self._final = set()
         self._next = 0
         self.post_log = []
-        self.busy_s = 0.0
+        self.busy_s = self.across_s = 0.0
         self.posted_in_backward = 0
         self._armed = self.overlap
 

@@ -18,6 +18,7 @@ all N = sum k_i holders, in 2 (m - 1) instead of 2 (N - 1) latency-bound steps.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -84,14 +85,19 @@ def hierarchical_groups(splits: Iterable[NodeSplit]) -> list[tuple[int, ...]]:
 
 
 def hier_all_reduce(flat: torch.Tensor, split: NodeSplit, rank: int,
-                    groups: dict[tuple[int, ...], dist.ProcessGroup]) -> None:
+                    groups: dict[tuple[int, ...], dist.ProcessGroup]) -> float:
     """Sum `flat` (any shape, this rank's contribution; the sum on return) over `split.members` by the
-    three-step schedule above (blocking; collective over this rank's node part and, for leaders, the leaders)."""
+    three-step schedule above (blocking; collective over this rank's node part and, for leaders, the leaders).
+    Returns the wall seconds of step 2 on this rank (0 unless it is a leader; on CUDA the time to enqueue)."""
     part = next(p for p in split.parts if rank in p)
     leader = part[0]
+    across = 0.0
     if len(part) > 1:
         dist.reduce(flat, dst=leader, group=groups[part])
     if rank == leader:
+        start = time.perf_counter()
         dist.all_reduce(flat, group=groups[split.leaders])
+        across = time.perf_counter() - start
     if len(part) > 1:
         dist.broadcast(flat, src=leader, group=groups[part])
+    return across

@@ -108,6 +108,8 @@ def stage_times(plan_ranks: list[Any], per_rank: list[dict[str, float]],
             out[-1]["tp_comm_s"] = round(float(timings["tp_comm"]), 6)
         if "dp_total" in timings:  # CPU only: seconds the DP collectives ran, hidden behind the backward or not
             out[-1]["dp_total_s"] = round(float(timings["dp_total"]), 6)
+        if "dp_across" in timings:  # CPU only: of which hierarchical reductions' cross-node step (leaders)
+            out[-1]["dp_across_s"] = round(float(timings["dp_across"]), 6)
     return out
 
 

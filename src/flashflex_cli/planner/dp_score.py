@@ -24,6 +24,7 @@ one after another, and a node's NIC queues every ring that crosses it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,42 +35,52 @@ from .pipeline import PipeEval
 Column = tuple[float, float, tuple[int, ...]]  # (inside_s, across_s, nodes whose NIC the across part uses)
 
 
-def _rows(cache: CostCache, pipe: PipeEval) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+class PipeTerms(NamedTuple):
     """Per layer of one pipeline: its stage's first device, TP degree and stage index (int64 [L] each), and
-    every stage's first device (int64 [S]); memoised on the cache by (stages, counts)."""
+    when its last backward has finished the layer (float [L], seconds before the end of that backward, <= 0);
+    `head_s`: the same for the head (last stage; the embedding is ready at 0)."""
+
+    firsts: np.ndarray
+    tps: np.ndarray
+    owner: np.ndarray
+    ready: np.ndarray
+    head_s: float
+
+
+def pipe_terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
+    """`PipeTerms` of `pipe` with the times of `cache` (the one of its micro-batch size), memoised on the cache by
+    (stages, counts), and by the object itself for the repeated questions about one evaluation."""
+    memo = cache.dp_rows
+    mine = memo.get(id(pipe))
+    if mine is not None and mine[0] is pipe:  # the entry holds `pipe`, so its id is not reused meanwhile
+        return mine[1]  # type: ignore[no-any-return]
     key = (pipe.stages, pipe.counts)
-    hit = cache.dp_rows.get(key)
+    hit = memo.get(key)
     if hit is None:
-        counts = np.asarray(pipe.counts)
-        heads = np.array([st[0] for st in pipe.stages], dtype=np.int64)
-        hit = (np.repeat(heads, counts), np.repeat(np.array([len(st) for st in pipe.stages], dtype=np.int64), counts),
-               np.repeat(np.arange(len(counts), dtype=np.int64), counts), heads)
-        cache.dp_rows[key] = hit
-    return hit
-
-
-def ready_offsets(cache: CostCache, pipe: PipeEval) -> tuple[np.ndarray, float]:
-    """When the pipeline's last backward has finished each layer (float [L]) and the head (last stage), in
-    seconds relative to the end of its last backward (<= 0; the embedding is ready at 0). `cache`: the one of
-    the pipeline's micro-batch size. Memoised on the cache."""
-    key = ("ready", pipe.stages, pipe.counts)
-    hit = cache.dp_rows.get(key)
-    if hit is None:
-        count = len(pipe.stages)
-        times = [cache.stage(st) for st in pipe.stages]
-        whole = [n * lt.bwd_s + (lt.embed_bwd_s if s == 0 else 0.0) + (lt.head_bwd_s if s == count - 1 else 0.0)
-                 for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True))]
-        ready: list[float] = []
-        end, head = 0.0, 0.0  # end: this stage's last backward end
-        for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True)):
-            if s:
-                end -= whole[s - 1] + cache.p2p(pipe.stages[s], pipe.stages[s - 1])
-            start = end - whole[s] + (lt.head_bwd_s if s == count - 1 else 0.0)  # the layers' backward begins
-            ready.extend([start + lt.bwd_s * j for j in range(n, 0, -1)])
-            if s == count - 1:
-                head = start
-        hit = cache.dp_rows[key] = (np.array(ready), head)
+        hit = memo[key] = _terms(cache, pipe)
+    memo[id(pipe)] = (pipe, hit)
     return hit  # type: ignore[return-value]
+
+
+def _terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
+    count = len(pipe.stages)
+    counts = np.asarray(pipe.counts)
+    times = [cache.stage(st) for st in pipe.stages]
+    whole = [n * lt.bwd_s + (lt.embed_bwd_s if s == 0 else 0.0) + (lt.head_bwd_s if s == count - 1 else 0.0)
+             for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True))]
+    ready: list[float] = []
+    end, head = 0.0, 0.0  # end: this stage's last backward end
+    for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True)):
+        if s:
+            end -= whole[s - 1] + cache.p2p(pipe.stages[s], pipe.stages[s - 1])
+        start = end - whole[s] + (lt.head_bwd_s if s == count - 1 else 0.0)  # the layers' backward begins
+        ready.extend([start + lt.bwd_s * j for j in range(n, 0, -1)])
+        if s == count - 1:
+            head = start
+    heads = np.array([st[0] for st in pipe.stages], dtype=np.int64)
+    return PipeTerms(np.repeat(heads, counts), np.repeat(np.array([len(st) for st in pipe.stages], dtype=np.int64),
+                                                         counts),
+                     np.repeat(np.arange(count, dtype=np.int64), counts), np.array(ready), head)
 
 
 def _column(cache: CostCache, devices: Sequence[int], min_tp: int, nbytes: float) -> Column:
@@ -105,16 +116,15 @@ def _column(cache: CostCache, devices: Sequence[int], min_tp: int, nbytes: float
 NOTHING: Column = (0.0, 0.0, ())
 
 
-def _layer_columns(cache: CostCache, pipes: Sequence[PipeEval], merged: bool = False
+def _layer_columns(cache: CostCache, terms: Sequence[PipeTerms], merged: bool = False
                    ) -> tuple[list[Column], list[bool], list[bool], np.ndarray]:
     """Per layer: its bucket's column; whether it shares a holder with the layer above, and whether all its
     holders are those of the layer above (entry l for layers l and l + 1, L - 1 each); every pipeline's stage
     index per layer (int64 [k, L]). `merged`: one bucket per segment (layers of the same holders), charged on
     its first layer, the others get `NOTHING`."""
-    rows = [_rows(cache, pipe) for pipe in pipes]
-    firsts = np.stack([r[0] for r in rows])
-    tps = np.stack([r[1] for r in rows])
-    owner = np.stack([r[2] for r in rows])
+    firsts = np.stack([t.firsts for t in terms])
+    tps = np.stack([t.tps for t in terms])
+    owner = np.stack([t.owner for t in terms])
     same = owner[:, 1:] == owner[:, :-1]
     columns: list[Column] = []
     whole = same.all(axis=0).tolist()
@@ -150,12 +160,12 @@ def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]
         return slowest
     if not cache.params.dp_overlap:
         return slowest + _sequential(cache, pipes)
-    columns, shares, whole, _ = _layer_columns(cache, pipes)
+    terms = [pipe_terms(c, pipe) for c, pipe in zip(caches or [cache] * len(pipes), pipes, strict=True)]
+    columns, shares, whole, _ = _layer_columns(cache, terms)
     embed, head = _end_columns(cache, pipes)
-    offsets = [ready_offsets(c, pipe) for c, pipe in zip(caches or [cache] * len(pipes), pipes, strict=True)]
     at = np.asarray(ends, dtype=np.float64)
-    layer_ready = (np.stack([o[0] for o in offsets]) + at[:, None]).max(axis=0).tolist()
-    head_ready = max(e + o[1] for e, o in zip(ends, offsets, strict=True))
+    layer_ready = (np.stack([t.ready for t in terms]) + at[:, None]).max(axis=0).tolist()
+    head_ready = max(e + t.head_s for e, t in zip(ends, terms, strict=True))
     nic: dict[int, float] = {}  # when each node's NIC is next free
     # head, then layers top-down, then the embedding, each after the one before where they share a holder;
     # the cross-node part of a segment's first bucket also waits for its NICs (later ones follow on them)
@@ -203,7 +213,7 @@ def _sequential(cache: CostCache, pipes: Sequence[PipeEval]) -> float:
     """Without overlap: the longest reduction of one stage (one bucket per segment of its layers, the
     embedding on first stages, the head on last stages, one after another) or of one node's NIC (every
     cross-node part of every bucket that node is in), seconds."""
-    columns, _, _, owner = _layer_columns(cache, pipes, merged=True)
+    columns, _, _, owner = _layer_columns(cache, [pipe_terms(cache, pipe) for pipe in pipes], merged=True)
     embed, head = _end_columns(cache, pipes)
     stages = np.array([len(pipe.stages) for pipe in pipes], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(stages)[:-1]])

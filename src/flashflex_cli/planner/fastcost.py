@@ -39,7 +39,7 @@ class CostCache:
         self.structure_memo: dict[tuple, object] = {}  # stages.best_pipeline's structures by group signature
         self.piece_memo: dict[tuple, tuple] = {}  # trials.Trials.piece's figures by (block key, group sizes)
         self.stage_terms: dict[tuple, tuple[float, float, int]] = {}  # pipeline.evaluate_pipeline's per-stage memo
-        self.dp_rows: dict[tuple, tuple] = {}  # candidates._rows: per-layer arrays of a pipeline's DP rings
+        self.dp_rows: dict[object, tuple] = {}  # dp_score: per-pipeline layer terms and bucket columns
         self._cap: list[float] | None = None
         grad = params.grad_reduce_bytes  # what the DP all-reduce moves per element, as cost/dp.py
         self.layer_grad_bytes = float(layer_params(model) * grad)

@@ -36,13 +36,11 @@ Column = tuple[float, float, tuple[int, ...]]  # (inside_s, across_s, nodes whos
 
 
 class PipeTerms(NamedTuple):
-    """Per layer of one pipeline: its stage's first device, TP degree and stage index (int64 [L] each), and
-    when its last backward has finished the layer (float [L], seconds before the end of that backward, <= 0);
-    `head_s`: the same for the head (last stage; the embedding is ready at 0)."""
+    """Per layer of one pipeline: `rows` its stage's first device, TP degree and stage index (int64 [3, L]);
+    `ready` when its last backward has finished the layer (float [L], seconds before the end of that backward,
+    <= 0); `head_s`: the same for the head (last stage; the embedding is ready at 0)."""
 
-    firsts: np.ndarray
-    tps: np.ndarray
-    owner: np.ndarray
+    rows: np.ndarray
     ready: np.ndarray
     head_s: float
 
@@ -64,34 +62,43 @@ def pipe_terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
 
 def _terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
     count = len(pipe.stages)
-    counts = np.asarray(pipe.counts)
     times = [cache.stage(st) for st in pipe.stages]
-    whole = [n * lt.bwd_s + (lt.embed_bwd_s if s == 0 else 0.0) + (lt.head_bwd_s if s == count - 1 else 0.0)
-             for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True))]
+    firsts: list[int] = []
+    tps: list[int] = []
+    owner: list[int] = []
     ready: list[float] = []
     end, head = 0.0, 0.0  # end: this stage's last backward end
-    for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True)):
+    previous = 0.0  # the stage before's whole last backward
+    for s, (lt, n, devs) in enumerate(zip(times, pipe.counts, pipe.stages, strict=True)):
+        whole = n * lt.bwd_s + (lt.embed_bwd_s if s == 0 else 0.0) + (lt.head_bwd_s if s == count - 1 else 0.0)
         if s:
-            end -= whole[s - 1] + cache.p2p(pipe.stages[s], pipe.stages[s - 1])
-        start = end - whole[s] + (lt.head_bwd_s if s == count - 1 else 0.0)  # the layers' backward begins
+            end -= previous + cache.p2p(devs, pipe.stages[s - 1])
+        start = end - whole + (lt.head_bwd_s if s == count - 1 else 0.0)  # the layers' backward begins
         ready.extend([start + lt.bwd_s * j for j in range(n, 0, -1)])
+        firsts.extend([devs[0]] * n)
+        tps.extend([len(devs)] * n)
+        owner.extend([s] * n)
         if s == count - 1:
             head = start
-    heads = np.array([st[0] for st in pipe.stages], dtype=np.int64)
-    return PipeTerms(np.repeat(heads, counts), np.repeat(np.array([len(st) for st in pipe.stages], dtype=np.int64),
-                                                         counts),
-                     np.repeat(np.arange(count, dtype=np.int64), counts), np.array(ready), head)
+        previous = whole
+    return PipeTerms(np.array([firsts, tps, owner], dtype=np.int64), np.array(ready), head)
 
 
 def _column(cache: CostCache, devices: Sequence[int], min_tp: int, nbytes: float) -> Column:
     """Seconds of one all-reduce of `nbytes` among holders whose first devices are `devices` (pipeline order),
     by `cost.comm`'s ring formulas on those devices' links; memoised by the devices' nodes (holders on equal
     nodes cost the same)."""
+    memo = cache.dp_rows
+    exact = ("dev", tuple(devices), min_tp, nbytes)
+    hit = memo.get(exact)
+    if hit is not None:
+        return hit  # type: ignore[return-value]
     node = cache.graph.node_list
     nodes = tuple([node[i] for i in devices])
     key = ("col", nodes, min_tp, nbytes)
-    hit = cache.dp_rows.get(key)
+    hit = memo.get(key)
     if hit is not None:
+        memo[exact] = hit
         return hit  # type: ignore[return-value]
     cluster, ids, eff = cache.graph.cluster, cache.graph.ids, cache.params.dp_comm_efficiency
     by_node: dict[int, list[str]] = {}
@@ -109,7 +116,7 @@ def _column(cache: CostCache, devices: Sequence[int], min_tp: int, nbytes: float
         hit = (inside, ring([m[0] for m in by_node.values()], nbytes), tuple(sorted(by_node)))
     else:
         hit = (0.0, ring([ids[i] for i in devices], nbytes), tuple(sorted(by_node)))
-    cache.dp_rows[key] = hit
+    memo[key] = memo[exact] = hit
     return hit
 
 
@@ -122,9 +129,8 @@ def _layer_columns(cache: CostCache, terms: Sequence[PipeTerms], merged: bool = 
     holders are those of the layer above (entry l for layers l and l + 1, L - 1 each); every pipeline's stage
     index per layer (int64 [k, L]). `merged`: one bucket per segment (layers of the same holders), charged on
     its first layer, the others get `NOTHING`."""
-    firsts = np.stack([t.firsts for t in terms])
-    tps = np.stack([t.tps for t in terms])
-    owner = np.stack([t.owner for t in terms])
+    rows = np.stack([t.rows for t in terms])  # [k, 3, L]
+    firsts, tps, owner = rows[:, 0], rows[:, 1], rows[:, 2]
     same = owner[:, 1:] == owner[:, :-1]
     columns: list[Column] = []
     whole = same.all(axis=0).tolist()

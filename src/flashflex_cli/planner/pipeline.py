@@ -83,7 +83,21 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...],
     found = _memoised(cache, stages)
     if isinstance(found, PipeEval):
         return found
-    return _finish(cache, stages, found, *_terms(cache, stages), links)
+    pipe = _finish(cache, stages, found, *_terms(cache, stages), links)
+    assert pipe is not None
+    return pipe
+
+
+def evaluate_unless(cache: CostCache, stages: tuple[Devs, ...], links: Callable[[], list[float]],
+                    skip: Callable[[float, float, int], bool]) -> PipeEval | None:
+    """`evaluate_pipeline`, or None (nothing memoised) when `skip(pace_low, fill, stages)` says so once the layer
+    split is known: `fill` is the exact fill (seconds) and `pace_low` a lower bound on the pace (its slowest
+    stage and adjacent pairs of stages, the windows of at most two stages of `window_pace`), so a caller that
+    only wants pipelines below some cost learns early that this one is not (the window search is skipped)."""
+    found = _memoised(cache, stages)
+    if isinstance(found, PipeEval):
+        return found
+    return _finish(cache, stages, found, *_terms(cache, stages), links, skip)
 
 
 def _memoised(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval | tuple:
@@ -130,8 +144,10 @@ def _terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float], lis
 
 
 def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple, per_layer: list[float], extra: list[float],
-            caps: list[int], known_links: Callable[[], list[float]] | None = None) -> PipeEval:
-    """The layer split and figures of `stages` from its stage terms; memoised by devices and by `shape`."""
+            caps: list[int], known_links: Callable[[], list[float]] | None = None,
+            skip: Callable[[float, float, int], bool] | None = None) -> PipeEval | None:
+    """The layer split and figures of `stages` from its stage terms; memoised by devices and by `shape`
+    (None, memoised nowhere, when `skip` says so: see `evaluate_unless`)."""
     count = len(stages)
     split = split_layers(per_layer, extra, caps, cache.model.num_layers)
     if split is None:
@@ -142,6 +158,14 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple, per_layer:
             [cache.p2p(stages[s], stages[s + 1]) for s in range(count - 1)]
         hops = 2 * sum(links)
         pace, fill = max(times), sum(times) + hops
+        if skip is not None:
+            low = pace
+            for s in range(count - 1):
+                pair = (times[s] + times[s + 1] + 2.0 * links[s]) / 2.0
+                if pair > low:
+                    low = pair
+            if skip(low, fill, count):
+                return None
         if count > 1 and hops > 0:
             pace = window_pace(times, links)
         grad = cache.layer_grad_bytes

@@ -10,13 +10,15 @@ stages (as `stages.assemble` does) and is bounded stage by stage.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .bounds import Summary, cannot_beat, runs_lower_bound, stages_lower_bound
+from .bounds import INFEASIBLE, Summary, cannot_beat, combine, runs_lower_bound, stages_lower_bound
 from .fastcost import CostCache, Devs
-from .pipeline import PipeEval, evaluate_pipeline
+from .pipeline import PipeEval, evaluate_pipeline, evaluate_unless
 
 Block = tuple[int, list[int]]
+
 
 
 @dataclass(frozen=True)
@@ -44,22 +46,31 @@ class Trials:
         """Block `block` (position in `blocks`) cut into consecutive groups of `sizes` (local-index order)."""
         found = self._pieces[block].get(sizes)
         if found is None:
-            devs, start, parts = self.blocks[block][1], 0, []
+            found = self._pieces[block][sizes] = self._new_piece(block, sizes)
+        return found
+
+    def _new_piece(self, block: int, sizes: tuple[int, ...]) -> Piece:
+        """`piece`, from the cache's pieces (the same block devices recur in many searches) or built."""
+        cache = self.cache
+        devs = self.blocks[block][1]
+        whole = (tuple(devs), sizes)
+        found = cache.pieces.get(whole)
+        if found is None:
+            start, parts = 0, []
             for size in sizes:
                 parts.append(tuple(devs[start:start + size]))
                 start += size
-            cache = self.cache
             # equal blocks (node class, local indices) cut equally cost the same, in every search of the cache
             node = self.blocks[block][0]
-            shape = (cache.stage_key(tuple(devs)), cache.graph.node_bw_rows[node][node], sizes)
+            shape = (cache.stage_key(whole[0]), cache.graph.node_bw_rows[node][node], sizes)
             known = cache.piece_memo.get(shape)
             if known is None:
                 stage, p2p = cache.stage, cache.p2p
                 speeds = tuple(stage(st).layer_s for st in parts)
                 links = tuple(p2p(parts[j], parts[j + 1]) for j in range(len(parts) - 1))
                 known = cache.piece_memo[shape] = (speeds, links, Summary.of(speeds, links))
-            found = self._pieces[block][sizes] = Piece(tuple(parts), *known)
-        return found
+            found = cache.pieces[whole] = Piece(tuple(parts), *known)
+        return found  # type: ignore[return-value]
 
     def _pieces_of(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...]) -> list[Piece]:
         tables, out = self._pieces, []
@@ -78,36 +89,43 @@ class Trials:
         layers = self.cache.model.num_layers
         if len(stages) <= layers:
             return tuple(stages), None
-        speed = [t for piece in pieces for t in piece.speeds]
-        # the `layers` fastest, ties to the earlier, in pipeline order (as `stages.assemble`): every stage
-        # faster than the layers-th speed, then the first stages at that speed
-        cut_speed = sorted(speed)[layers - 1]
-        room = layers - sum(1 for t in speed if t < cut_speed)
-        keep = []
-        for s, t in enumerate(speed):
-            if t < cut_speed:
-                keep.append(s)
-            elif t == cut_speed and room > 0:
-                keep.append(s)
-                room -= 1
+        keep = _kept([t for piece in pieces for t in piece.speeds], layers)
         return tuple([stages[s] for s in keep]), keep
 
-    def _links(self, pieces: list[Piece], stages: tuple[Devs, ...], keep: list[int] | None) -> list[float]:
-        """Transfer seconds between consecutive `stages` (`CostCache.p2p`), the pieces' stages, or when some
-        were dropped (`keep` not None), the ones kept."""
-        p2p = self.cache.p2p
-        if keep is not None:
-            return [p2p(stages[s], stages[s + 1]) for s in range(len(stages) - 1)]
-        raw: list[float] = []
-        for i, piece in enumerate(pieces):
-            if i:
-                raw.append(p2p(pieces[i - 1].stages[-1], piece.stages[0]))
-            raw.extend(piece.links)
-        return raw
+    def join(self, before: Piece, after: Piece) -> float:
+        """Transfer seconds from `before`'s last stage to `after`'s first (`CostCache.p2p`), memoised by piece."""
+        key = (id(before), id(after))  # pieces live as long as the cache (`CostCache.pieces`)
+        joins = self.cache.piece_joins
+        found = joins.get(key)
+        if found is None:
+            found = joins[key] = self.cache.p2p(before.stages[-1], after.stages[0])
+        return found
 
-    def cost(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...]) -> tuple[float, PipeEval]:
-        """The trial's exact amortised seconds per micro-batch (`amortised`) and its evaluation (memoised)."""
-        key = (tuple(sizes.items()), order)  # dicts in one key order: at worst a miss
+    def _links(self, pieces: list[Piece], stages: Sequence[Devs], keep: list[int] | None) -> list[float]:
+        """Transfer seconds between consecutive `stages` (`CostCache.p2p`), the pieces' stages, or when some
+        were dropped (`keep` not None), the ones kept (a pair that was adjacent keeps its link)."""
+        joins, p2p = self.cache.piece_joins, self.cache.p2p
+        before = pieces[0]
+        raw = list(before.links)
+        for after in pieces[1:]:
+            key = (id(before), id(after))  # `join`, inlined (the hot path)
+            found = joins.get(key)
+            if found is None:
+                found = joins[key] = p2p(before.stages[-1], after.stages[0])
+            raw.append(found)
+            raw.extend(after.links)
+            before = after
+        if keep is None:
+            return raw
+        return [raw[keep[s]] if keep[s + 1] == keep[s] + 1 else p2p(stages[s], stages[s + 1])
+                for s in range(len(stages) - 1)]
+
+    def cost(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], key: tuple | None = None
+             ) -> tuple[float, PipeEval]:
+        """The trial's exact amortised seconds per micro-batch (`amortised`) and its evaluation (memoised;
+        `key`: the trial's `key` where the caller has it)."""
+        if key is None:
+            key = self.key(sizes, order)
         hit = self._seen.get(key)
         if hit is None:
             pieces = self._pieces_of(sizes, order)
@@ -116,9 +134,42 @@ class Trials:
             hit = self._seen[key] = (amortised(pipe, self.micro, self.max_stages), pipe)
         return hit
 
-    def bound(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...]) -> float:
-        """A lower bound on `cost` (the exact figure when already known)."""
-        key = (tuple(sizes.items()), order)  # dicts in one key order: at worst a miss
+    def cost_below(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], key: tuple, limit: float
+                   ) -> float:
+        """`cost`, or inf when the trial's figures once its layers are split show that it cannot be below
+        `limit` (`pipeline.evaluate_unless`; a lower bound then goes to the bounds memo)."""
+        hit = self._seen.get(key)
+        if hit is not None:
+            return hit[0]
+        pieces = self._pieces_of(sizes, order)
+        stages, keep = self._assemble(pieces)
+        micro, most = self.micro, self.max_stages
+        low: list[float] = []
+
+        def skip(pace: float, fill: float, count: int) -> bool:
+            if count > most:
+                return False  # inf: evaluated, as `amortised` has it
+            m = max(micro, count)
+            low.append((fill + (m - 1) * pace) / m)
+            return cannot_beat(low[0], limit)
+
+        pipe = evaluate_unless(self.cache, stages, lambda: self._links(pieces, stages, keep), skip)
+        if pipe is None:
+            self._bounds[key] = low[0]
+            return float("inf")
+        hit = self._seen[key] = (amortised(pipe, micro, most), pipe)
+        return hit[0]
+
+    @staticmethod
+    def key(sizes: dict[int, tuple[int, ...]], order: tuple[int, ...]) -> tuple:
+        """The memo key of a trial (dicts in one key order: at worst a miss)."""
+        return tuple(sizes.items()), order
+
+    def bound(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], key: tuple | None = None) -> float:
+        """A lower bound on `cost` (the exact figure when already known; `key`: the trial's `key` where the
+        caller has it)."""
+        if key is None:
+            key = self.key(sizes, order)
         hit = self._seen.get(key)
         if hit is not None:
             return hit[0]
@@ -133,39 +184,211 @@ class Trials:
         layers = cache.model.num_layers
         embed_s, head_s = cache.stage(pieces[0].stages[0]).embed_s, cache.stage(pieces[-1].stages[-1]).head_s
         if sum(piece.summary.count for piece in pieces) <= layers:
-            joins = [cache.p2p(pieces[i].stages[-1], pieces[i + 1].stages[0]) for i in range(len(pieces) - 1)]
+            join = self.join
+            joins = [join(pieces[i], pieces[i + 1]) for i in range(len(pieces) - 1)]
             return runs_lower_bound([piece.summary for piece in pieces], joins, embed_s, head_s, layers, self.micro,
                                     self.max_stages)
-        # the slowest stages are dropped: many trials keep the same stages (memoised), else bound them
-        stages, keep = self._assemble(pieces)
-        hit = cache.pipe_memo.get(stages)
-        if hit is not None:
-            self._seen[key] = (amortised(hit, self.micro, self.max_stages), hit)  # type: ignore[arg-type]
-            return self._seen[key][0]
-        assert keep is not None
+        # the slowest stages are dropped: bounded stage by stage over the ones kept
         speed = [t for piece in pieces for t in piece.speeds]
+        keep = _kept(speed, layers)
+        every = [st for piece in pieces for st in piece.stages]
+        stages = [every[s] for s in keep]
         return stages_lower_bound([speed[s] for s in keep], self._links(pieces, stages, keep),
                                   cache.stage(stages[0]).embed_s, cache.stage(stages[-1]).head_s, layers, self.micro,
                                   self.max_stages)
 
-    def ranked(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keep: int, bar: float
-               ) -> list[tuple[float, int]]:
+    def _bounds_of(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keys: list[tuple]
+                   ) -> list[float]:
+        """`bound` of each trial; trials that share their group sizes (the same dict) and differ in block order
+        share the order-free totals (`_Totals`)."""
+        seen, memo, totals = self._seen, self._bounds, {}
+        layers = self.cache.model.num_layers
+        out: list[float] = []
+        for (sizes, order), key in zip(trials, keys, strict=True):
+            hit = seen.get(key)
+            if hit is not None:
+                out.append(hit[0])
+                continue
+            known = memo.get(key)
+            if known is None:
+                found = totals.get(id(sizes))
+                if found is None:
+                    found = totals[id(sizes)] = _Totals(self, sizes)
+                known = memo[key] = found.bound(order) if found.count <= layers else self._bound(key, sizes, order)
+            out.append(known)
+        return out
+
+    def unit_ranked(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], block: int,
+                    options: list[tuple[int, ...]], bar: float) -> list[tuple[float, dict[int, tuple[int, ...]]]]:
+        """`ranked` (keep 1) of the trials that give block `block` each of `options` in the trial (`sizes`,
+        `order`), as (cost, sizes); their bounds come from the other blocks' totals, summed once."""
+        trials = [({**sizes, block: option}, order) for option in options]
+        keys = [(tuple(trial.items()), order) for trial, _ in trials]
+        bounds = _UnitBounds(self, sizes, order, block).bounds(trials, keys)
+        return [(value, trials[j][0]) for value, j in self.ranked(trials, 1, bar, bounds, keys)]
+
+    def ranked(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keep: int, bar: float,
+               bounds: list[float] | None = None, keys: list[tuple] | None = None) -> list[tuple[float, int]]:
         """The `keep` best trials strictly below `bar` as (cost, position), by (cost, position).
 
-        Trials are evaluated best-first by lower bound; once a bound shows that a trial costs more than the
-        keep-th best found so far (or `bar`), it and every trial after it in that order are skipped."""
-        bounds = [self.bound(sizes, order) for sizes, order in trials]
+        Trials are evaluated best-first by lower bound (`bounds`, else `bound`); once a bound shows that a trial
+        costs more than the keep-th best found so far (or `bar`), it and every trial after it in that order
+        are skipped; a trial whose figures once its layers are split show the same is not evaluated further
+        (`cost_below`). `keys`: the trials' `key`s where the caller has them."""
+        if keys is None:
+            keys = [self.key(sizes, order) for sizes, order in trials]
+        if bounds is None:
+            bounds = self._bounds_of(trials, keys)
         found: list[tuple[float, int]] = []
+        inf = float("inf")
         for j in sorted(range(len(trials)), key=lambda j: (bounds[j], j)):
             limit = found[keep - 1][0] if len(found) >= keep else bar
-            if limit < float("inf") and cannot_beat(bounds[j], limit):
-                break  # (with nothing below inf yet, every trial is evaluated: `search._nothing_fits` reads them)
-            value = self.cost(*trials[j])[0]
+            if limit < inf:  # (with nothing below inf yet, every trial is evaluated: `search._nothing_fits` reads them)
+                if cannot_beat(bounds[j], limit):
+                    break
+            value = self.cost(*trials[j], keys[j])[0] if limit == inf else \
+                self.cost_below(*trials[j], keys[j], limit)
             if value < bar:
                 found.append((value, j))
                 found.sort()
         return found[:keep]
 
+
+class _Totals:
+    """The order-free totals of one group-size choice (every block's piece): stage count, sums of 1 / t, of t
+    and of the pieces' inner links, their largest one-stage and pair windows and fastest stage; `bound` adds
+    a block order's joins (as `bounds.runs_lower_bound`, in another order of summation)."""
+
+    def __init__(self, trials: Trials, sizes: dict[int, tuple[int, ...]]) -> None:
+        self.trials = trials
+        self.pieces = pieces = [trials.piece(b, sizes[b]) for b in range(len(trials.blocks))]
+        count, inverse, total, hops, pace, fastest = 0, 0.0, 0.0, 0.0, 0.0, float("inf")
+        for piece in pieces:
+            run = piece.summary
+            count += run.count
+            inverse += run.inverse
+            total += run.total
+            hops += run.hops
+            pace = max(pace, run.slowest, run.pair)
+            fastest = min(fastest, run.fastest)
+        self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
+            count, inverse, total, hops, pace, fastest
+
+    def bound(self, order: tuple[int, ...]) -> float:
+        """`Trials._bound` of these sizes in block order `order` (at most as many stages as layers)."""
+        owner, pieces = self.trials, self.pieces
+        if self.count > owner.max_stages:
+            return INFEASIBLE
+        pace, hops = self.pace, self.hops
+        joins, p2p = owner.cache.piece_joins, owner.cache.p2p
+        before = pieces[order[0]]
+        for b in order[1:]:
+            after = pieces[b]
+            key = (id(before), id(after))  # `Trials.join`, inlined
+            p = joins.get(key)
+            if p is None:
+                p = joins[key] = p2p(before.stages[-1], after.stages[0])
+            hops += p
+            pair = (before.summary.last_t + after.summary.first_t + 2.0 * p) / 2.0
+            if pair > pace:
+                pace = pair
+            before = after
+        head, tail = pieces[order[0]], pieces[order[-1]]
+        stage = owner.cache.stage
+        return combine(self.count, head.summary.first_t, tail.summary.last_t, self.inverse, self.total,
+                       self.fastest, pace, hops, stage(head.stages[0]).embed_s, stage(tail.stages[-1]).head_s,
+                       owner.cache.model.num_layers, owner.micro)
+
+
+class _UnitBounds:
+    """`Trials.bound` of trials that differ from (`sizes`, `order`) only in block `block`'s group sizes: the
+    other pieces' totals and the joins between them are summed once, each trial adds its piece and its two
+    joins (O(1) a trial instead of O(blocks))."""
+
+    def __init__(self, trials: Trials, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], block: int) -> None:
+        self.trials, self.order = trials, order
+        pieces = trials._pieces_of(sizes, order)
+        self.at = at = order.index(block)
+        self.block, self.pieces = block, pieces
+        count, inverse, total, hops, pace, fastest = 0, 0.0, 0.0, 0.0, 0.0, float("inf")
+        for k, piece in enumerate(pieces):
+            if k == at:
+                continue
+            run = piece.summary
+            count += run.count
+            inverse += run.inverse
+            total += run.total
+            hops += run.hops
+            pace = max(pace, run.slowest, run.pair)
+            fastest = min(fastest, run.fastest)
+        for k in range(len(pieces) - 1):
+            if k != at - 1 and k != at:
+                p = trials.join(pieces[k], pieces[k + 1])
+                hops += p
+                pace = max(pace, (pieces[k].summary.last_t + pieces[k + 1].summary.first_t + 2.0 * p) / 2.0)
+        self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
+            count, inverse, total, hops, pace, fastest
+
+    def bounds(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keys: list[tuple]
+               ) -> list[float]:
+        """The bound of each trial (`keys`: their `Trials.key`s; memoised in the Trials object, as
+        `Trials.bound`)."""
+        owner, pieces = self.trials, self.pieces
+        cache, seen, memo = owner.cache, owner._seen, owner._bounds
+        layers, last = cache.model.num_layers, len(pieces) - 1
+        out: list[float] = []
+        for (sizes, _), key in zip(trials, keys, strict=True):
+            hit = seen.get(key)
+            if hit is not None:
+                out.append(hit[0])
+                continue
+            known = memo.get(key)
+            if known is None:
+                known = memo[key] = self._one(owner.piece(self.block, sizes[self.block]), key, sizes, cache, layers,
+                                              last)
+            out.append(known)
+        return out
+
+    def _one(self, piece: Piece, key: tuple, sizes: dict[int, tuple[int, ...]], cache: CostCache, layers: int,
+             last: int) -> float:
+        owner, at, pieces = self.trials, self.at, self.pieces
+        run = piece.summary
+        count = self.count + run.count
+        if count > layers:  # stages dropped: bounded stage by stage
+            return owner._bound(key, sizes, self.order)
+        if count > owner.max_stages:
+            return INFEASIBLE
+        pace, hops = max(self.pace, run.slowest, run.pair), self.hops + run.hops
+        if at > 0:
+            before = pieces[at - 1]
+            p = owner.join(before, piece)
+            hops += p
+            pace = max(pace, (before.summary.last_t + run.first_t + 2.0 * p) / 2.0)
+        if at < last:
+            after = pieces[at + 1]
+            p = owner.join(piece, after)
+            hops += p
+            pace = max(pace, (run.last_t + after.summary.first_t + 2.0 * p) / 2.0)
+        head = piece if at == 0 else pieces[0]
+        tail = piece if at == last else pieces[last]
+        return combine(count, head.summary.first_t, tail.summary.last_t, self.inverse + run.inverse,
+                       self.total + run.total, min(self.fastest, run.fastest), pace, hops,
+                       cache.stage(head.stages[0]).embed_s, cache.stage(tail.stages[-1]).head_s, layers, owner.micro)
+
+
+def _kept(speed: list[float], layers: int) -> list[int]:
+    """Positions of the `layers` fastest stages (per-layer seconds `speed`), ties to the earlier, in pipeline
+    order (as `stages.assemble`): every stage faster than the layers-th speed, then the first at that speed."""
+    cut_speed = sorted(speed)[layers - 1]
+    room = layers - sum(1 for t in speed if t < cut_speed)
+    keep = []
+    for s, t in enumerate(speed):
+        if t < cut_speed:
+            keep.append(s)
+        elif t == cut_speed and room > 0:
+            keep.append(s)
+            room -= 1
+    return keep
 
 
 def amortised(pipe: PipeEval, micro: int, max_stages: int) -> float:

@@ -10,10 +10,11 @@ stages (as `stages.assemble` does) and is bounded stage by stage.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .bounds import INFEASIBLE, Summary, cannot_beat, combine, runs_lower_bound, stages_lower_bound
+from .bounds import INFEASIBLE, Summary, cannot_beat, combine, runs_lower_bound
 from .fastcost import CostCache, Devs
 from .pipeline import PipeEval, evaluate_pipeline, evaluate_unless
 
@@ -188,14 +189,17 @@ class Trials:
             joins = [join(pieces[i], pieces[i + 1]) for i in range(len(pieces) - 1)]
             return runs_lower_bound([piece.summary for piece in pieces], joins, embed_s, head_s, layers, self.micro,
                                     self.max_stages)
-        # the slowest stages are dropped: bounded stage by stage over the ones kept
-        speed = [t for piece in pieces for t in piece.speeds]
-        keep = _kept(speed, layers)
-        every = [st for piece in pieces for st in piece.stages]
-        stages = [every[s] for s in keep]
-        return stages_lower_bound([speed[s] for s in keep], self._links(pieces, stages, keep),
-                                  cache.stage(stages[0]).embed_s, cache.stage(stages[-1]).head_s, layers, self.micro,
-                                  self.max_stages)
+        return self._dropped_bound(pieces)
+
+    def _dropped_bound(self, pieces: list[Piece]) -> float:
+        """`bounds.stages_lower_bound` of the stages kept when the slowest are dropped (as `_assemble` keeps
+        them: the L fastest, ties to the earlier), summed piece by piece (`_Kept`)."""
+        layers = self.cache.model.num_layers
+        if layers > self.max_stages:
+            return INFEASIBLE
+        speed = sorted([t for piece in pieces for t in piece.speeds])
+        cut = speed[layers - 1]
+        return _Kept(self.cache, pieces, cut, layers - bisect_left(speed, cut)).bound(self)
 
     def _bounds_of(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keys: list[tuple]
                    ) -> list[float]:
@@ -252,6 +256,102 @@ class Trials:
                 found.append((value, j))
                 found.sort()
         return found[:keep]
+
+
+class _Kept:
+    """The stages of `pieces` (in order) kept when the slowest are dropped: those faster than `cut` (seconds
+    per layer) and the first `room` at `cut`; their count, sums of 1 / t, of t and of the links between
+    consecutive kept stages, largest one-stage and pair window, fastest t, first and last kept stage (devices,
+    t, and the piece when the stage starts / ends it, whose joins are memoised), and the room left."""
+
+    def __init__(self, cache: CostCache, pieces: list[Piece], cut: float, room: int) -> None:
+        p2p = cache.p2p
+        count, inverse, total, hops, pace, fastest = 0, 0.0, 0.0, 0.0, 0.0, float("inf")
+        first: tuple[Devs, float, Piece | None] | None = None
+        last: tuple[Devs, float, Piece | None] | None = None
+        for piece in pieces:
+            run = piece.summary
+            if run.fastest > cut:
+                continue
+            if run.slowest < cut:  # kept whole
+                kept: range | list[int] = range(run.count)
+                count += run.count
+                inverse += run.inverse
+                total += run.total
+                hops += run.hops
+                pace = max(pace, run.slowest, run.pair)
+                fastest = min(fastest, run.fastest)
+            else:
+                kept = []
+                for i, t in enumerate(piece.speeds):
+                    if t < cut or (t == cut and room > 0):
+                        room -= t == cut
+                        kept.append(i)
+                if not kept:
+                    continue
+                for j, i in enumerate(kept):
+                    t = piece.speeds[i]
+                    count += 1
+                    inverse += 1.0 / t
+                    total += t
+                    pace = max(pace, t)
+                    fastest = min(fastest, t)
+                    if j:
+                        before = kept[j - 1]
+                        p = piece.links[before] if before == i - 1 else p2p(piece.stages[before], piece.stages[i])
+                        hops += p
+                        pace = max(pace, (piece.speeds[before] + t + 2.0 * p) / 2.0)
+            head = (piece.stages[kept[0]], piece.speeds[kept[0]], piece if kept[0] == 0 else None)
+            if last is None:
+                first = head
+            else:
+                p = _link(cache, last, head)
+                hops += p
+                pace = max(pace, (last[1] + head[1] + 2.0 * p) / 2.0)
+            end = kept[-1]
+            last = (piece.stages[end], piece.speeds[end], piece if end == run.count - 1 else None)
+        self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
+            count, inverse, total, hops, pace, fastest
+        self.first, self.last, self.room = first, last, room
+
+    def bound(self, owner: Trials, *more: _Kept) -> float:
+        """`Trials._dropped_bound` of these kept stages followed by those of `more` (in order)."""
+        count, inverse, total, hops, pace, fastest = \
+            self.count, self.inverse, self.total, self.hops, self.pace, self.fastest
+        first, last = self.first, self.last
+        cache = owner.cache
+        for part in more:
+            if part.first is None:
+                continue
+            if last is not None:
+                p = _link(cache, last, part.first)
+                hops += p
+                pace = max(pace, (last[1] + part.first[1] + 2.0 * p) / 2.0)
+            else:
+                first = part.first
+            last = part.last
+            count += part.count
+            inverse += part.inverse
+            total += part.total
+            hops += part.hops
+            pace = max(pace, part.pace)
+            fastest = min(fastest, part.fastest)
+        assert first is not None and last is not None
+        layers = cache.model.num_layers
+        return combine(count, first[1], last[1], inverse, total, fastest, pace, hops, cache.stage(first[0]).embed_s,
+                       cache.stage(last[0]).head_s, layers, owner.micro)
+
+
+def _link(cache: CostCache, before: tuple[Devs, float, Piece | None], after: tuple[Devs, float, Piece | None]
+          ) -> float:
+    """`CostCache.p2p` from stage `before` to stage `after` (memoised by pieces when they end / start one)."""
+    if before[2] is None or after[2] is None:
+        return cache.p2p(before[0], after[0])
+    key = (id(before[2]), id(after[2]))
+    found = cache.piece_joins.get(key)
+    if found is None:
+        found = cache.piece_joins[key] = cache.p2p(before[0], after[0])
+    return found
 
 
 class _Totals:
@@ -328,6 +428,8 @@ class _UnitBounds:
                 pace = max(pace, (pieces[k].summary.last_t + pieces[k + 1].summary.first_t + 2.0 * p) / 2.0)
         self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
             count, inverse, total, hops, pace, fastest
+        self.speeds: list[float] | None = None  # the other pieces' per-layer seconds, for dropped stages
+        self.kept: dict[tuple[int, float, int], _Kept] = {}  # `_side` by (side, cut speed, room)
 
     def bounds(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keys: list[tuple]
                ) -> list[float]:
@@ -349,13 +451,36 @@ class _UnitBounds:
             out.append(known)
         return out
 
+    def _dropped(self, piece: Piece, layers: int) -> float:
+        """`Trials._dropped_bound` of the trial with `piece` at the block's place: the kept stages before and
+        after it are summed once per cut speed and room (`_Kept`)."""
+        owner = self.trials
+        if layers > owner.max_stages:
+            return INFEASIBLE
+        if self.speeds is None:
+            self.speeds = [t for k, other in enumerate(self.pieces) if k != self.at for t in other.speeds]
+        speed = sorted(self.speeds + list(piece.speeds))
+        cut = speed[layers - 1]
+        before = self._side(0, cut, layers - bisect_left(speed, cut))
+        middle = _Kept(owner.cache, [piece], cut, before.room)
+        return before.bound(owner, middle, self._side(1, cut, middle.room))
+
+    def _side(self, side: int, cut: float, room: int) -> _Kept:
+        """The kept stages of the pieces before (side 0) or after (side 1) the block's place (memoised)."""
+        key = (side, cut, room)
+        found = self.kept.get(key)
+        if found is None:
+            pieces = self.pieces[:self.at] if side == 0 else self.pieces[self.at + 1:]
+            found = self.kept[key] = _Kept(self.trials.cache, pieces, cut, room)
+        return found
+
     def _one(self, piece: Piece, key: tuple, sizes: dict[int, tuple[int, ...]], cache: CostCache, layers: int,
              last: int) -> float:
         owner, at, pieces = self.trials, self.at, self.pieces
         run = piece.summary
         count = self.count + run.count
-        if count > layers:  # stages dropped: bounded stage by stage
-            return owner._bound(key, sizes, self.order)
+        if count > layers:  # stages dropped
+            return self._dropped(piece, layers)
         if count > owner.max_stages:
             return INFEASIBLE
         pace, hops = max(self.pace, run.slowest, run.pair), self.hops + run.hops

@@ -1,11 +1,17 @@
 """Trial structures of one pipeline's node blocks, evaluated only when they might win.
 
 A trial is a group-size choice per block and a block order (`stages.assemble`). Each block cut into
-groups of given sizes is a `Piece`, built once per search: its stages, their per-layer seconds, the
-transfer seconds between them and their `bounds.Summary`. A trial is then bounded from its pieces and the
-transfers where they join (O(blocks)); only a trial whose bound is below the best so far is assembled and
-evaluated exactly (`pipeline.evaluate_pipeline`). A trial with more stages than layers drops its slowest
-stages (as `stages.assemble` does) and is bounded stage by stage.
+groups of given sizes is a `Piece` (kept on the cache: the same blocks recur in many searches): its stages,
+their per-layer seconds, the transfer seconds between them and their `bounds.Summary`. A trial is bounded
+from its pieces and the transfers where they join (`bounds.runs_lower_bound`'s figures); the sweeps sum what
+their trials share once: a unit sweep (one block's sizes vary, `_UnitBounds`) the other pieces' totals, an
+order sweep (`_Totals`) the order-free totals, so a trial costs O(1), resp. O(blocks) joins. A trial with
+more stages than layers drops its slowest stages (as `stages.assemble` does) and is bounded over the kept
+stages piece by piece (`_Kept`). Only a trial whose bound is below the best so far is evaluated: its layers
+are split exactly, and when its exact fill and slowest stage / adjacent pair of stages (a lower bound on
+the window pace) already show that it cannot win, the window search is skipped and nothing is memoised
+(`Trials.cost_below`, `pipeline.evaluate_unless`); otherwise it is evaluated in full
+(`pipeline.evaluate_pipeline`). All figures in seconds per micro-batch.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class CostCache:
         self.structure_memo: dict[tuple, object] = {}  # stages.best_pipeline's structures by group signature
         self.piece_memo: dict[tuple, tuple] = {}  # trials.Trials.piece's figures by (block key, group sizes)
         self.pieces: dict[tuple, object] = {}  # trials.Piece objects by (block devices, group sizes)
-        self.piece_joins: dict[tuple[int, int], float] = {}  # trials.Trials.join by the two pieces' ids
+        self.piece_joins: dict[tuple[int, int], float] = {}  # trials.Trials.join by the pieces' serial numbers
         self.stage_terms: dict[tuple, tuple[float, float, int]] = {}  # pipeline.evaluate_pipeline's per-stage memo
         self.dp_rows: dict[tuple, tuple] = {}  # candidates._rows: per-layer arrays of a pipeline's DP rings
         self._cap: list[float] | None = None

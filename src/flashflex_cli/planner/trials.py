@@ -27,16 +27,16 @@ from .pipeline import PipeEval, evaluate_pipeline, evaluate_unless
 Block = tuple[int, list[int]]
 
 
-
 @dataclass(frozen=True)
 class Piece:
     """One block cut into TP groups: the groups (stage order), one layer's seconds on each, the transfer
-    seconds between consecutive groups, and their summary."""
+    seconds between consecutive groups, their summary and the piece's serial number."""
 
     stages: tuple[Devs, ...]
     speeds: tuple[float, ...]
     links: tuple[float, ...]
     summary: Summary
+    serial: int  # its number among the cache's pieces (`CostCache.pieces`), the key of its joins
 
 
 class Trials:
@@ -76,7 +76,7 @@ class Trials:
                 speeds = tuple(stage(st).layer_s for st in parts)
                 links = tuple(p2p(parts[j], parts[j + 1]) for j in range(len(parts) - 1))
                 known = cache.piece_memo[shape] = (speeds, links, Summary.of(speeds, links))
-            found = cache.pieces[whole] = Piece(tuple(parts), *known)
+            found = cache.pieces[whole] = Piece(tuple(parts), *known, len(cache.pieces))
         return found  # type: ignore[return-value]
 
     def _pieces_of(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...]) -> list[Piece]:
@@ -100,8 +100,9 @@ class Trials:
         return tuple([stages[s] for s in keep]), keep
 
     def join(self, before: Piece, after: Piece) -> float:
-        """Transfer seconds from `before`'s last stage to `after`'s first (`CostCache.p2p`), memoised by piece."""
-        key = (id(before), id(after))  # pieces live as long as the cache (`CostCache.pieces`)
+        """Transfer seconds from `before`'s last stage to `after`'s first (`CostCache.p2p`), memoised by the
+        pieces' serial numbers (`CostCache.piece_joins`)."""
+        key = (before.serial, after.serial)
         joins = self.cache.piece_joins
         found = joins.get(key)
         if found is None:
@@ -115,7 +116,7 @@ class Trials:
         before = pieces[0]
         raw = list(before.links)
         for after in pieces[1:]:
-            key = (id(before), id(after))  # `join`, inlined (the hot path)
+            key = (before.serial, after.serial)  # `join`, inlined (the hot path)
             found = joins.get(key)
             if found is None:
                 found = joins[key] = p2p(before.stages[-1], after.stages[0])
@@ -268,7 +269,7 @@ class _Kept:
     """The stages of `pieces` (in order) kept when the slowest are dropped: those faster than `cut` (seconds
     per layer) and the first `room` at `cut`; their count, sums of 1 / t, of t and of the links between
     consecutive kept stages, largest one-stage and pair window, fastest t, first and last kept stage (devices,
-    t, and the piece when the stage starts / ends it, whose joins are memoised), and the room left."""
+    t, and the piece when the stage starts / ends it, for `Trials.join`'s memo), and the room left."""
 
     def __init__(self, cache: CostCache, pieces: list[Piece], cut: float, room: int) -> None:
         p2p = cache.p2p
@@ -350,10 +351,11 @@ class _Kept:
 
 def _link(cache: CostCache, before: tuple[Devs, float, Piece | None], after: tuple[Devs, float, Piece | None]
           ) -> float:
-    """`CostCache.p2p` from stage `before` to stage `after` (memoised by pieces when they end / start one)."""
+    """`CostCache.p2p` from stage `before` to stage `after` (memoised by the pieces when they end / start one,
+    as `Trials.join`)."""
     if before[2] is None or after[2] is None:
         return cache.p2p(before[0], after[0])
-    key = (id(before[2]), id(after[2]))
+    key = (before[2].serial, after[2].serial)
     found = cache.piece_joins.get(key)
     if found is None:
         found = cache.piece_joins[key] = cache.p2p(before[0], after[0])
@@ -390,7 +392,7 @@ class _Totals:
         before = pieces[order[0]]
         for b in order[1:]:
             after = pieces[b]
-            key = (id(before), id(after))  # `Trials.join`, inlined
+            key = (before.serial, after.serial)  # `Trials.join`, inlined
             p = joins.get(key)
             if p is None:
                 p = joins[key] = p2p(before.stages[-1], after.stages[0])

@@ -15,7 +15,8 @@ from flashflex_cli.planner import stages as st
 from flashflex_cli.planner.bounds import SAFETY, stages_lower_bound
 from flashflex_cli.planner.fastcost import CostCache
 from flashflex_cli.planner.graph import DeviceGraph
-from flashflex_cli.planner.trials import Trials, _Totals, _UnitBounds
+from flashflex_cli.planner.sweeps import Totals, UnitBounds
+from flashflex_cli.planner.trials import Trials
 
 TYPES = ("A100-80G-SXM", "A100-40G-SXM", "RTX-4090", "RTX-3090", "L40S", "V100-32G")
 NICS = ("ib", "roce", "eth")
@@ -117,8 +118,8 @@ def _stage_by_stage(cache: CostCache, trials: Trials, sizes: dict, order: tuple)
 
 @pytest.mark.parametrize("model", ["llama2-7b", "llama-small", "llama-tiny"])
 def test_the_summed_bounds_equal_the_stage_by_stage_bound(model: str) -> None:
-    """Unit sweeps (`_UnitBounds`: one block's piece varies), order sweeps (`_Totals`: the order varies) and
-    trials with dropped stages (`_Kept`) sum the same figures as the stage-by-stage bound, in another order."""
+    """Unit sweeps (`UnitBounds`: one block's piece varies), order sweeps (`Totals`: the order varies) and
+    trials with dropped stages (`Kept`) sum the same figures as the stage-by-stage bound, in another order."""
     rng = random.Random(3)
     compared = dropped = 0
     for _ in range(10):
@@ -131,8 +132,8 @@ def test_the_summed_bounds_equal_the_stage_by_stage_bound(model: str) -> None:
             block = rng.randrange(len(blocks))
             options = st.size_options(len(blocks[block][1]), degrees, 16)
             tried = [({**sizes, block: option}, order) for option in options]
-            unit = _UnitBounds(trials, sizes, order, block).bounds(tried, [trials.key(*t) for t in tried])
-            totals = _Totals(trials, sizes)
+            unit = UnitBounds(trials, sizes, order, block).bounds(tried, [trials.key(*t) for t in tried])
+            totals = Totals(trials, sizes)
             orders = st.block_orders(cache, blocks, every=True)[:24]
             ordered = [totals.bound(o) if totals.count <= cache.model.num_layers else trials._bound((), sizes, o)
                        for o in orders]

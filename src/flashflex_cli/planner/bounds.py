@@ -76,7 +76,7 @@ def runs_lower_bound(runs: Sequence[Summary], joins: Sequence[float], embed_s: f
         pair = (runs[i].last_t + runs[i + 1].first_t + 2.0 * p) / 2.0
         if pair > pace:
             pace = pair
-    return _combine(count, first.first_t, last.last_t, inverse, total, fastest, pace, hops, embed_s, head_s,
+    return combine(count, first.first_t, last.last_t, inverse, total, fastest, pace, hops, embed_s, head_s,
                     num_layers, micro)
 
 
@@ -93,11 +93,11 @@ def stages_lower_bound(per_layer: Sequence[float], links: Sequence[float], embed
         pair = (per_layer[s] + per_layer[s + 1] + 2.0 * p) / 2.0
         if pair > pace:
             pace = pair
-    return _combine(count, per_layer[0], per_layer[-1], sum([1.0 / t for t in per_layer]), sum(per_layer),
+    return combine(count, per_layer[0], per_layer[-1], sum([1.0 / t for t in per_layer]), sum(per_layer),
                     min(per_layer), pace, hops, embed_s, head_s, num_layers, micro)
 
 
-def _combine(count: int, first_t: float, last_t: float, inverse: float, total: float, fastest: float, pace: float,
+def combine(count: int, first_t: float, last_t: float, inverse: float, total: float, fastest: float, pace: float,
              hops: float, embed_s: float, head_s: float, num_layers: int, micro: int) -> float:
     """The bound from a pipeline's totals (see module docstring); `pace`: its windows' bound so far."""
     if count == 1:

@@ -38,6 +38,8 @@ class CostCache:
         self.shape_memo: dict[tuple, object] = {}  # the same, by pipeline shape (see evaluate_pipeline)
         self.structure_memo: dict[tuple, object] = {}  # stages.best_pipeline's structures by group signature
         self.piece_memo: dict[tuple, tuple] = {}  # trials.Trials.piece's figures by (block key, group sizes)
+        self.pieces: dict[tuple, object] = {}  # trials.Piece objects by (block devices, group sizes)
+        self.piece_joins: dict[tuple[int, int], float] = {}  # trials.Trials.join by the pieces' serial numbers
         self.stage_terms: dict[tuple, tuple[float, float, int]] = {}  # pipeline.evaluate_pipeline's per-stage memo
         self.dp_rows: dict[object, tuple] = {}  # dp_score: per-pipeline layer terms and bucket columns
         self._cap: list[float] | None = None

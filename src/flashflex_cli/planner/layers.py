@@ -38,7 +38,7 @@ def split_layers(
     per_layer_s[s]: seconds per layer per micro-batch on stage s (> 0); extra_s[s]: fixed seconds on
     stage s; max_layers[s]: memory cap of stage s in layers.
     """
-    t, e = list(per_layer_s), list(extra_s)
+    t, e = per_layer_s, extra_s
     c = [m if m < num_layers else num_layers for m in map(int, max_layers)]
     stages = len(t)
     if stages == 0 or stages > num_layers or min(c) < 1 or sum(c) < num_layers:
@@ -50,11 +50,21 @@ def split_layers(
                 (num_layers + sum([y / x for x, y in zip(t, e, strict=True)])) / inverse)
     floor, scale = math.floor, 1 + _EPS
     terms = list(zip(t, e, c, strict=True))
-    while True:  # _room inlined (the planner's hottest loop)
-        caps = [n if (n := floor((limit - es) / ts * scale + 1e-9)) < cs else cs for ts, es, cs in terms]
-        if sum(caps) >= num_layers:
+    while True:  # _room inlined (the planner's hottest loop): the room at `limit`, and the next breakpoint
+        room, step = 0, math.inf
+        for ts, es, cs in terms:
+            n = floor((limit - es) / ts * scale + 1e-9)
+            if n < cs:
+                room += n
+                nxt = (n + 1) * ts + es
+                if nxt < step:
+                    step = nxt
+            else:
+                room += cs
+        if room >= num_layers:
             break
-        limit = min([(caps[s] + 1) * t[s] + e[s] for s in range(stages) if caps[s] < c[s]])
+        limit = step
+    caps = [n if (n := floor((limit - es) / ts * scale + 1e-9)) < cs else cs for ts, es, cs in terms]
     counts = [1] * stages
     left = num_layers - stages
     for s in sorted(range(stages), key=t.__getitem__):  # stable: ties in stage order

@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 
 from .fastcost import CostCache, Devs
-from .layers import split_layers, stage_times
+from .layers import split_layers
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,21 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...],
     found = _memoised(cache, stages)
     if isinstance(found, PipeEval):
         return found
-    return _finish(cache, stages, found, *_terms(cache, stages), links)
+    pipe = _finish(cache, stages, found, *_terms(cache, stages), links)
+    assert pipe is not None
+    return pipe
+
+
+def evaluate_unless(cache: CostCache, stages: tuple[Devs, ...], links: Callable[[], list[float]],
+                    skip: Callable[[float, float, int], bool]) -> PipeEval | None:
+    """`evaluate_pipeline`, or None (nothing memoised) when `skip(pace_low, fill, stages)` says so once the layer
+    split is known: `fill` is the exact fill (seconds) and `pace_low` a lower bound on the pace (its slowest
+    stage and adjacent pairs of stages, the windows of at most two stages of `window_pace`), so a caller that
+    only wants pipelines below some cost learns early that this one is not (the window search is skipped)."""
+    found = _memoised(cache, stages)
+    if isinstance(found, PipeEval):
+        return found
+    return _finish(cache, stages, found, *_terms(cache, stages), links, skip)
 
 
 def _memoised(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval | tuple:
@@ -112,36 +126,45 @@ def _memoised(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval | tuple:
 
 def _terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float], list[float], list[int]]:
     """Per stage: one layer's seconds, the embedding / head seconds, and the layers that fit in memory."""
-    count = len(stages)
-    per_layer, extra, caps = [], [], []
+    count, end = len(stages), len(stages) - 1
+    rows = []
     terms = cache.stage_terms  # (layer_s, extra_s, cap) by (devs, first, last, in_flight), see below
+    get = terms.get
     for s, devs in enumerate(stages):
-        key = (devs, s == 0, s == count - 1, count - s)
-        found = terms.get(key)
+        found = get((devs, s == 0, s == end, count - s))
         if found is None:
             cost = cache.stage(devs)
-            first, last = key[1], key[2]
-            found = terms[key] = (cost.layer_s, (cost.embed_s if first else 0.0) + (cost.head_s if last else 0.0),
-                                  cache.max_layers(len(devs), first, last, count - s, cache.capacity(devs)))
-        per_layer.append(found[0])
-        extra.append(found[1])
-        caps.append(found[2])
-    return per_layer, extra, caps
+            first, last = s == 0, s == end
+            found = terms[(devs, first, last, count - s)] = (
+                cost.layer_s, (cost.embed_s if first else 0.0) + (cost.head_s if last else 0.0),
+                cache.max_layers(len(devs), first, last, count - s, cache.capacity(devs)))
+        rows.append(found)
+    return [row[0] for row in rows], [row[1] for row in rows], [row[2] for row in rows]
 
 
 def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple, per_layer: list[float], extra: list[float],
-            caps: list[int], known_links: Callable[[], list[float]] | None = None) -> PipeEval:
-    """The layer split and figures of `stages` from its stage terms; memoised by devices and by `shape`."""
+            caps: list[int], known_links: Callable[[], list[float]] | None = None,
+            skip: Callable[[float, float, int], bool] | None = None) -> PipeEval | None:
+    """The layer split and figures of `stages` from its stage terms; memoised by devices and by `shape`
+    (None, memoised nowhere, when `skip` says so: see `evaluate_unless`)."""
     count = len(stages)
     split = split_layers(per_layer, extra, caps, cache.model.num_layers)
     if split is None:
         hit = PipeEval(tuple(stages), (), _INFEASIBLE, _INFEASIBLE, _INFEASIBLE, False)
     else:
-        times = stage_times(per_layer, extra, split)
+        times = [n * t + e for t, e, n in zip(per_layer, extra, split, strict=True)]  # `stage_times`
         links = known_links() if known_links is not None else \
             [cache.p2p(stages[s], stages[s + 1]) for s in range(count - 1)]
         hops = 2 * sum(links)
         pace, fill = max(times), sum(times) + hops
+        if skip is not None:
+            low = pace
+            for s in range(count - 1):
+                pair = (times[s] + times[s + 1] + 2.0 * links[s]) / 2.0
+                if pair > low:
+                    low = pair
+            if skip(low, fill, count):
+                return None
         if count > 1 and hops > 0:
             pace = window_pace(times, links)
         grad = cache.layer_grad_bytes

@@ -222,6 +222,11 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
             before = current[0]
             # taking every strictly better option in turn ends at the first of the cheapest: `ranked` finds it
             for unit in units:
+                if len(unit) == 1:
+                    for value, trial in trials.unit_ranked(current[1], current[2], unit[0], options[unit[0]],
+                                                           current[0]):
+                        current = (value, trial, current[2])
+                    continue
                 tried = [({**current[1], **{b: option for b in unit}}, current[2]) for option in options[unit[0]]]
                 for value, j in trials.ranked(tried, 1, current[0]):
                     current = (value, *tried[j])

@@ -1,20 +1,29 @@
 """Trial structures of one pipeline's node blocks, evaluated only when they might win.
 
 A trial is a group-size choice per block and a block order (`stages.assemble`). Each block cut into
-groups of given sizes is a `Piece`, built once per search: its stages, their per-layer seconds, the
-transfer seconds between them and their `bounds.Summary`. A trial is then bounded from its pieces and the
-transfers where they join (O(blocks)); only a trial whose bound is below the best so far is assembled and
-evaluated exactly (`pipeline.evaluate_pipeline`). A trial with more stages than layers drops its slowest
-stages (as `stages.assemble` does) and is bounded stage by stage.
+groups of given sizes is a `Piece` (kept on the cache: the same blocks recur in many searches): its stages,
+their per-layer seconds, the transfer seconds between them and their `bounds.Summary`. A trial is bounded
+from its pieces and the transfers where they join (`bounds.runs_lower_bound`'s figures); the sweeps sum what
+their trials share once (`sweeps`): a unit sweep (one block's sizes vary) the other pieces' totals, an
+order sweep the order-free totals, so a trial costs O(1), resp. O(blocks) joins. A trial with
+more stages than layers drops its slowest stages (as `stages.assemble` does) and is bounded over the kept
+stages piece by piece (`sweeps.Kept`). Only a trial whose bound is below the best so far is evaluated: its layers
+are split exactly, and when its exact fill and slowest stage / adjacent pair of stages (a lower bound on
+the window pace) already show that it cannot win, the window search is skipped and nothing is memoised
+(`Trials.cost_below`, `pipeline.evaluate_unless`); otherwise it is evaluated in full
+(`pipeline.evaluate_pipeline`). All figures in seconds per micro-batch.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .bounds import Summary, cannot_beat, runs_lower_bound, stages_lower_bound
+from .bounds import INFEASIBLE, Summary, cannot_beat, runs_lower_bound
 from .fastcost import CostCache, Devs
-from .pipeline import PipeEval, evaluate_pipeline
+from .pipeline import PipeEval, evaluate_pipeline, evaluate_unless
+from .sweeps import Kept, Totals, UnitBounds
 
 Block = tuple[int, list[int]]
 
@@ -22,12 +31,13 @@ Block = tuple[int, list[int]]
 @dataclass(frozen=True)
 class Piece:
     """One block cut into TP groups: the groups (stage order), one layer's seconds on each, the transfer
-    seconds between consecutive groups, and their summary."""
+    seconds between consecutive groups, their summary and the piece's serial number."""
 
     stages: tuple[Devs, ...]
     speeds: tuple[float, ...]
     links: tuple[float, ...]
     summary: Summary
+    serial: int  # its number among the cache's pieces (`CostCache.pieces`), the key of its joins
 
 
 class Trials:
@@ -44,22 +54,31 @@ class Trials:
         """Block `block` (position in `blocks`) cut into consecutive groups of `sizes` (local-index order)."""
         found = self._pieces[block].get(sizes)
         if found is None:
-            devs, start, parts = self.blocks[block][1], 0, []
+            found = self._pieces[block][sizes] = self._new_piece(block, sizes)
+        return found
+
+    def _new_piece(self, block: int, sizes: tuple[int, ...]) -> Piece:
+        """`piece`, from the cache's pieces (the same block devices recur in many searches) or built."""
+        cache = self.cache
+        devs = self.blocks[block][1]
+        whole = (tuple(devs), sizes)
+        found = cache.pieces.get(whole)
+        if found is None:
+            start, parts = 0, []
             for size in sizes:
                 parts.append(tuple(devs[start:start + size]))
                 start += size
-            cache = self.cache
             # equal blocks (node class, local indices) cut equally cost the same, in every search of the cache
             node = self.blocks[block][0]
-            shape = (cache.stage_key(tuple(devs)), cache.graph.node_bw_rows[node][node], sizes)
+            shape = (cache.stage_key(whole[0]), cache.graph.node_bw_rows[node][node], sizes)
             known = cache.piece_memo.get(shape)
             if known is None:
                 stage, p2p = cache.stage, cache.p2p
                 speeds = tuple(stage(st).layer_s for st in parts)
                 links = tuple(p2p(parts[j], parts[j + 1]) for j in range(len(parts) - 1))
                 known = cache.piece_memo[shape] = (speeds, links, Summary.of(speeds, links))
-            found = self._pieces[block][sizes] = Piece(tuple(parts), *known)
-        return found
+            found = cache.pieces[whole] = Piece(tuple(parts), *known, len(cache.pieces))
+        return found  # type: ignore[return-value]
 
     def _pieces_of(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...]) -> list[Piece]:
         tables, out = self._pieces, []
@@ -78,36 +97,44 @@ class Trials:
         layers = self.cache.model.num_layers
         if len(stages) <= layers:
             return tuple(stages), None
-        speed = [t for piece in pieces for t in piece.speeds]
-        # the `layers` fastest, ties to the earlier, in pipeline order (as `stages.assemble`): every stage
-        # faster than the layers-th speed, then the first stages at that speed
-        cut_speed = sorted(speed)[layers - 1]
-        room = layers - sum(1 for t in speed if t < cut_speed)
-        keep = []
-        for s, t in enumerate(speed):
-            if t < cut_speed:
-                keep.append(s)
-            elif t == cut_speed and room > 0:
-                keep.append(s)
-                room -= 1
+        keep = _kept([t for piece in pieces for t in piece.speeds], layers)
         return tuple([stages[s] for s in keep]), keep
 
-    def _links(self, pieces: list[Piece], stages: tuple[Devs, ...], keep: list[int] | None) -> list[float]:
-        """Transfer seconds between consecutive `stages` (`CostCache.p2p`), the pieces' stages, or when some
-        were dropped (`keep` not None), the ones kept."""
-        p2p = self.cache.p2p
-        if keep is not None:
-            return [p2p(stages[s], stages[s + 1]) for s in range(len(stages) - 1)]
-        raw: list[float] = []
-        for i, piece in enumerate(pieces):
-            if i:
-                raw.append(p2p(pieces[i - 1].stages[-1], piece.stages[0]))
-            raw.extend(piece.links)
-        return raw
+    def join(self, before: Piece, after: Piece) -> float:
+        """Transfer seconds from `before`'s last stage to `after`'s first (`CostCache.p2p`), memoised by the
+        pieces' serial numbers (`CostCache.piece_joins`)."""
+        key = (before.serial, after.serial)
+        joins = self.cache.piece_joins
+        found = joins.get(key)
+        if found is None:
+            found = joins[key] = self.cache.p2p(before.stages[-1], after.stages[0])
+        return found
 
-    def cost(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...]) -> tuple[float, PipeEval]:
-        """The trial's exact amortised seconds per micro-batch (`amortised`) and its evaluation (memoised)."""
-        key = (tuple(sizes.items()), order)  # dicts in one key order: at worst a miss
+    def _links(self, pieces: list[Piece], stages: Sequence[Devs], keep: list[int] | None) -> list[float]:
+        """Transfer seconds between consecutive `stages` (`CostCache.p2p`), the pieces' stages, or when some
+        were dropped (`keep` not None), the ones kept (a pair that was adjacent keeps its link)."""
+        joins, p2p = self.cache.piece_joins, self.cache.p2p
+        before = pieces[0]
+        raw = list(before.links)
+        for after in pieces[1:]:
+            key = (before.serial, after.serial)  # `join`, inlined (the hot path)
+            found = joins.get(key)
+            if found is None:
+                found = joins[key] = p2p(before.stages[-1], after.stages[0])
+            raw.append(found)
+            raw.extend(after.links)
+            before = after
+        if keep is None:
+            return raw
+        return [raw[keep[s]] if keep[s + 1] == keep[s] + 1 else p2p(stages[s], stages[s + 1])
+                for s in range(len(stages) - 1)]
+
+    def cost(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], key: tuple | None = None
+             ) -> tuple[float, PipeEval]:
+        """The trial's exact amortised seconds per micro-batch (`amortised`) and its evaluation (memoised;
+        `key`: the trial's `key` where the caller has it)."""
+        if key is None:
+            key = self.key(sizes, order)
         hit = self._seen.get(key)
         if hit is None:
             pieces = self._pieces_of(sizes, order)
@@ -116,9 +143,42 @@ class Trials:
             hit = self._seen[key] = (amortised(pipe, self.micro, self.max_stages), pipe)
         return hit
 
-    def bound(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...]) -> float:
-        """A lower bound on `cost` (the exact figure when already known)."""
-        key = (tuple(sizes.items()), order)  # dicts in one key order: at worst a miss
+    def cost_below(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], key: tuple, limit: float
+                   ) -> float:
+        """`cost`, or inf when the trial's figures once its layers are split show that it cannot be below
+        `limit` (`pipeline.evaluate_unless`; a lower bound then goes to the bounds memo)."""
+        hit = self._seen.get(key)
+        if hit is not None:
+            return hit[0]
+        pieces = self._pieces_of(sizes, order)
+        stages, keep = self._assemble(pieces)
+        micro, most = self.micro, self.max_stages
+        low: list[float] = []
+
+        def skip(pace: float, fill: float, count: int) -> bool:
+            if count > most:
+                return False  # inf: evaluated, as `amortised` has it
+            m = max(micro, count)
+            low.append((fill + (m - 1) * pace) / m)
+            return cannot_beat(low[0], limit)
+
+        pipe = evaluate_unless(self.cache, stages, lambda: self._links(pieces, stages, keep), skip)
+        if pipe is None:
+            self._bounds[key] = low[0]
+            return float("inf")
+        hit = self._seen[key] = (amortised(pipe, micro, most), pipe)
+        return hit[0]
+
+    @staticmethod
+    def key(sizes: dict[int, tuple[int, ...]], order: tuple[int, ...]) -> tuple:
+        """The memo key of a trial (dicts in one key order: at worst a miss)."""
+        return tuple(sizes.items()), order
+
+    def bound(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], key: tuple | None = None) -> float:
+        """A lower bound on `cost` (the exact figure when already known; `key`: the trial's `key` where the
+        caller has it)."""
+        if key is None:
+            key = self.key(sizes, order)
         hit = self._seen.get(key)
         if hit is not None:
             return hit[0]
@@ -133,39 +193,92 @@ class Trials:
         layers = cache.model.num_layers
         embed_s, head_s = cache.stage(pieces[0].stages[0]).embed_s, cache.stage(pieces[-1].stages[-1]).head_s
         if sum(piece.summary.count for piece in pieces) <= layers:
-            joins = [cache.p2p(pieces[i].stages[-1], pieces[i + 1].stages[0]) for i in range(len(pieces) - 1)]
+            join = self.join
+            joins = [join(pieces[i], pieces[i + 1]) for i in range(len(pieces) - 1)]
             return runs_lower_bound([piece.summary for piece in pieces], joins, embed_s, head_s, layers, self.micro,
                                     self.max_stages)
-        # the slowest stages are dropped: many trials keep the same stages (memoised), else bound them
-        stages, keep = self._assemble(pieces)
-        hit = cache.pipe_memo.get(stages)
-        if hit is not None:
-            self._seen[key] = (amortised(hit, self.micro, self.max_stages), hit)  # type: ignore[arg-type]
-            return self._seen[key][0]
-        assert keep is not None
-        speed = [t for piece in pieces for t in piece.speeds]
-        return stages_lower_bound([speed[s] for s in keep], self._links(pieces, stages, keep),
-                                  cache.stage(stages[0]).embed_s, cache.stage(stages[-1]).head_s, layers, self.micro,
-                                  self.max_stages)
+        return self._dropped_bound(pieces)
 
-    def ranked(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keep: int, bar: float
-               ) -> list[tuple[float, int]]:
+    def _dropped_bound(self, pieces: list[Piece]) -> float:
+        """`bounds.stages_lower_bound` of the stages kept when the slowest are dropped (as `_assemble` keeps
+        them: the L fastest, ties to the earlier), summed piece by piece (`Kept`)."""
+        layers = self.cache.model.num_layers
+        if layers > self.max_stages:
+            return INFEASIBLE
+        speed = sorted([t for piece in pieces for t in piece.speeds])
+        cut = speed[layers - 1]
+        return Kept(self.cache, pieces, cut, layers - bisect_left(speed, cut)).bound(self)
+
+    def _bounds_of(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keys: list[tuple]
+                   ) -> list[float]:
+        """`bound` of each trial; trials that share their group sizes (the same dict) and differ in block order
+        share the order-free totals (`Totals`)."""
+        seen, memo, totals = self._seen, self._bounds, {}
+        layers = self.cache.model.num_layers
+        out: list[float] = []
+        for (sizes, order), key in zip(trials, keys, strict=True):
+            hit = seen.get(key)
+            if hit is not None:
+                out.append(hit[0])
+                continue
+            known = memo.get(key)
+            if known is None:
+                found = totals.get(id(sizes))
+                if found is None:
+                    found = totals[id(sizes)] = Totals(self, sizes)
+                known = memo[key] = found.bound(order) if found.count <= layers else self._bound(key, sizes, order)
+            out.append(known)
+        return out
+
+    def unit_ranked(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], block: int,
+                    options: list[tuple[int, ...]], bar: float) -> list[tuple[float, dict[int, tuple[int, ...]]]]:
+        """`ranked` (keep 1) of the trials that give block `block` each of `options` in the trial (`sizes`,
+        `order`), as (cost, sizes); their bounds come from the other blocks' totals, summed once."""
+        trials = [({**sizes, block: option}, order) for option in options]
+        keys = [(tuple(trial.items()), order) for trial, _ in trials]
+        bounds = UnitBounds(self, sizes, order, block).bounds(trials, keys)
+        return [(value, trials[j][0]) for value, j in self.ranked(trials, 1, bar, bounds, keys)]
+
+    def ranked(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keep: int, bar: float,
+               bounds: list[float] | None = None, keys: list[tuple] | None = None) -> list[tuple[float, int]]:
         """The `keep` best trials strictly below `bar` as (cost, position), by (cost, position).
 
-        Trials are evaluated best-first by lower bound; once a bound shows that a trial costs more than the
-        keep-th best found so far (or `bar`), it and every trial after it in that order are skipped."""
-        bounds = [self.bound(sizes, order) for sizes, order in trials]
+        Trials are evaluated best-first by lower bound (`bounds`, else `bound`); once a bound shows that a trial
+        costs more than the keep-th best found so far (or `bar`), it and every trial after it in that order
+        are skipped; a trial whose figures once its layers are split show the same is not evaluated further
+        (`cost_below`). `keys`: the trials' `key`s where the caller has them."""
+        if keys is None:
+            keys = [self.key(sizes, order) for sizes, order in trials]
+        if bounds is None:
+            bounds = self._bounds_of(trials, keys)
         found: list[tuple[float, int]] = []
+        inf = float("inf")
         for j in sorted(range(len(trials)), key=lambda j: (bounds[j], j)):
             limit = found[keep - 1][0] if len(found) >= keep else bar
-            if limit < float("inf") and cannot_beat(bounds[j], limit):
-                break  # (with nothing below inf yet, every trial is evaluated: `search._nothing_fits` reads them)
-            value = self.cost(*trials[j])[0]
+            if limit < inf:  # (with nothing below inf yet, every trial is evaluated: `search._nothing_fits` reads them)
+                if cannot_beat(bounds[j], limit):
+                    break
+            value = self.cost(*trials[j], keys[j])[0] if limit == inf else \
+                self.cost_below(*trials[j], keys[j], limit)
             if value < bar:
                 found.append((value, j))
                 found.sort()
         return found[:keep]
 
+
+def _kept(speed: list[float], layers: int) -> list[int]:
+    """Positions of the `layers` fastest stages (per-layer seconds `speed`), ties to the earlier, in pipeline
+    order (as `stages.assemble`): every stage faster than the layers-th speed, then the first at that speed."""
+    cut_speed = sorted(speed)[layers - 1]
+    room = layers - sum(1 for t in speed if t < cut_speed)
+    keep = []
+    for s, t in enumerate(speed):
+        if t < cut_speed:
+            keep.append(s)
+        elif t == cut_speed and room > 0:
+            keep.append(s)
+            room -= 1
+    return keep
 
 
 def amortised(pipe: PipeEval, micro: int, max_stages: int) -> float:

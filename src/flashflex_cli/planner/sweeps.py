@@ -1,0 +1,267 @@
+"""Summed lower bounds of the structure search's sweeps (`trials.Trials.ranked`'s first bounds).
+
+A sweep's trials share most of their pieces, so what they share is summed once: a unit sweep (one block's
+group sizes vary, `UnitBounds`) sums the other pieces and the joins between them, each trial adds its piece
+and its two joins (O(1) a trial); an order sweep (`Totals`, the same sizes in several block orders) sums the
+order-free totals, each order adds its joins. A trial with more stages than layers keeps its L fastest
+(`Kept`), summed piece by piece: a piece kept whole adds its summary, one kept in part its kept stages; in a
+unit sweep the pieces before and after the varying block are summed once per cut speed. Every figure is the
+one `bounds.runs_lower_bound` / `bounds.stages_lower_bound` sums stage by stage, in another order of
+summation (tests/test_planner_bounds.py), so every bound is the same valid lower bound. Seconds per
+micro-batch.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import TYPE_CHECKING
+
+from .bounds import INFEASIBLE, combine
+from .fastcost import CostCache, Devs
+
+if TYPE_CHECKING:
+    from .trials import Piece, Trials
+
+
+class Kept:
+    """The stages of `pieces` (in order) kept when the slowest are dropped: those faster than `cut` (seconds
+    per layer) and the first `room` at `cut`; their count, sums of 1 / t, of t and of the links between
+    consecutive kept stages, largest one-stage and pair window, fastest t, first and last kept stage (devices,
+    t, and the piece when the stage starts / ends it, for `Trials.join`'s memo), and the room left."""
+
+    def __init__(self, cache: CostCache, pieces: list[Piece], cut: float, room: int) -> None:
+        p2p = cache.p2p
+        count, inverse, total, hops, pace, fastest = 0, 0.0, 0.0, 0.0, 0.0, float("inf")
+        first: tuple[Devs, float, Piece | None] | None = None
+        last: tuple[Devs, float, Piece | None] | None = None
+        for piece in pieces:
+            run = piece.summary
+            if run.fastest > cut:
+                continue
+            if run.slowest < cut:  # kept whole
+                kept: range | list[int] = range(run.count)
+                count += run.count
+                inverse += run.inverse
+                total += run.total
+                hops += run.hops
+                pace = max(pace, run.slowest, run.pair)
+                fastest = min(fastest, run.fastest)
+            else:
+                kept = []
+                for i, t in enumerate(piece.speeds):
+                    if t < cut or (t == cut and room > 0):
+                        room -= t == cut
+                        kept.append(i)
+                if not kept:
+                    continue
+                for j, i in enumerate(kept):
+                    t = piece.speeds[i]
+                    count += 1
+                    inverse += 1.0 / t
+                    total += t
+                    pace = max(pace, t)
+                    fastest = min(fastest, t)
+                    if j:
+                        before = kept[j - 1]
+                        p = piece.links[before] if before == i - 1 else p2p(piece.stages[before], piece.stages[i])
+                        hops += p
+                        pace = max(pace, (piece.speeds[before] + t + 2.0 * p) / 2.0)
+            head = (piece.stages[kept[0]], piece.speeds[kept[0]], piece if kept[0] == 0 else None)
+            if last is None:
+                first = head
+            else:
+                p = link(cache, last, head)
+                hops += p
+                pace = max(pace, (last[1] + head[1] + 2.0 * p) / 2.0)
+            end = kept[-1]
+            last = (piece.stages[end], piece.speeds[end], piece if end == run.count - 1 else None)
+        self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
+            count, inverse, total, hops, pace, fastest
+        self.first, self.last, self.room = first, last, room
+
+    def bound(self, owner: Trials, *more: Kept) -> float:
+        """`Trials._dropped_bound` of these kept stages followed by those of `more` (in order)."""
+        count, inverse, total, hops, pace, fastest = \
+            self.count, self.inverse, self.total, self.hops, self.pace, self.fastest
+        first, last = self.first, self.last
+        cache = owner.cache
+        for part in more:
+            if part.first is None:
+                continue
+            if last is not None:
+                p = link(cache, last, part.first)
+                hops += p
+                pace = max(pace, (last[1] + part.first[1] + 2.0 * p) / 2.0)
+            else:
+                first = part.first
+            last = part.last
+            count += part.count
+            inverse += part.inverse
+            total += part.total
+            hops += part.hops
+            pace = max(pace, part.pace)
+            fastest = min(fastest, part.fastest)
+        assert first is not None and last is not None
+        layers = cache.model.num_layers
+        return combine(count, first[1], last[1], inverse, total, fastest, pace, hops, cache.stage(first[0]).embed_s,
+                       cache.stage(last[0]).head_s, layers, owner.micro)
+
+
+def link(cache: CostCache, before: tuple[Devs, float, Piece | None], after: tuple[Devs, float, Piece | None]
+          ) -> float:
+    """`CostCache.p2p` from stage `before` to stage `after` (memoised by the pieces when they end / start one,
+    as `Trials.join`)."""
+    if before[2] is None or after[2] is None:
+        return cache.p2p(before[0], after[0])
+    key = (before[2].serial, after[2].serial)
+    found = cache.piece_joins.get(key)
+    if found is None:
+        found = cache.piece_joins[key] = cache.p2p(before[0], after[0])
+    return found
+
+
+class Totals:
+    """The order-free totals of one group-size choice (every block's piece): stage count, sums of 1 / t, of t
+    and of the pieces' inner links, their largest one-stage and pair windows and fastest stage; `bound` adds
+    a block order's joins (as `bounds.runs_lower_bound`, in another order of summation)."""
+
+    def __init__(self, trials: Trials, sizes: dict[int, tuple[int, ...]]) -> None:
+        self.trials = trials
+        self.pieces = pieces = [trials.piece(b, sizes[b]) for b in range(len(trials.blocks))]
+        count, inverse, total, hops, pace, fastest = 0, 0.0, 0.0, 0.0, 0.0, float("inf")
+        for piece in pieces:
+            run = piece.summary
+            count += run.count
+            inverse += run.inverse
+            total += run.total
+            hops += run.hops
+            pace = max(pace, run.slowest, run.pair)
+            fastest = min(fastest, run.fastest)
+        self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
+            count, inverse, total, hops, pace, fastest
+
+    def bound(self, order: tuple[int, ...]) -> float:
+        """`Trials._bound` of these sizes in block order `order` (at most as many stages as layers)."""
+        owner, pieces = self.trials, self.pieces
+        if self.count > owner.max_stages:
+            return INFEASIBLE
+        pace, hops = self.pace, self.hops
+        joins, p2p = owner.cache.piece_joins, owner.cache.p2p
+        before = pieces[order[0]]
+        for b in order[1:]:
+            after = pieces[b]
+            key = (before.serial, after.serial)  # `Trials.join`, inlined
+            p = joins.get(key)
+            if p is None:
+                p = joins[key] = p2p(before.stages[-1], after.stages[0])
+            hops += p
+            pair = (before.summary.last_t + after.summary.first_t + 2.0 * p) / 2.0
+            if pair > pace:
+                pace = pair
+            before = after
+        head, tail = pieces[order[0]], pieces[order[-1]]
+        stage = owner.cache.stage
+        return combine(self.count, head.summary.first_t, tail.summary.last_t, self.inverse, self.total,
+                       self.fastest, pace, hops, stage(head.stages[0]).embed_s, stage(tail.stages[-1]).head_s,
+                       owner.cache.model.num_layers, owner.micro)
+
+
+class UnitBounds:
+    """`Trials.bound` of trials that differ from (`sizes`, `order`) only in block `block`'s group sizes: the
+    other pieces' totals and the joins between them are summed once, each trial adds its piece and its two
+    joins (O(1) a trial instead of O(blocks))."""
+
+    def __init__(self, trials: Trials, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], block: int) -> None:
+        self.trials, self.order = trials, order
+        pieces = trials._pieces_of(sizes, order)
+        self.at = at = order.index(block)
+        self.block, self.pieces = block, pieces
+        count, inverse, total, hops, pace, fastest = 0, 0.0, 0.0, 0.0, 0.0, float("inf")
+        for k, piece in enumerate(pieces):
+            if k == at:
+                continue
+            run = piece.summary
+            count += run.count
+            inverse += run.inverse
+            total += run.total
+            hops += run.hops
+            pace = max(pace, run.slowest, run.pair)
+            fastest = min(fastest, run.fastest)
+        for k in range(len(pieces) - 1):
+            if k != at - 1 and k != at:
+                p = trials.join(pieces[k], pieces[k + 1])
+                hops += p
+                pace = max(pace, (pieces[k].summary.last_t + pieces[k + 1].summary.first_t + 2.0 * p) / 2.0)
+        self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
+            count, inverse, total, hops, pace, fastest
+        self.speeds: list[float] | None = None  # the other pieces' per-layer seconds, for dropped stages
+        self.kept: dict[tuple[int, float, int], Kept] = {}  # `_side` by (side, cut speed, room)
+
+    def bounds(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keys: list[tuple]
+               ) -> list[float]:
+        """The bound of each trial (`keys`: their `Trials.key`s; memoised in the Trials object, as
+        `Trials.bound`)."""
+        owner, pieces = self.trials, self.pieces
+        cache, seen, memo = owner.cache, owner._seen, owner._bounds
+        layers, last = cache.model.num_layers, len(pieces) - 1
+        out: list[float] = []
+        for (sizes, _), key in zip(trials, keys, strict=True):
+            hit = seen.get(key)
+            if hit is not None:
+                out.append(hit[0])
+                continue
+            known = memo.get(key)
+            if known is None:
+                known = memo[key] = self._one(owner.piece(self.block, sizes[self.block]), key, sizes, cache, layers,
+                                              last)
+            out.append(known)
+        return out
+
+    def _dropped(self, piece: Piece, layers: int) -> float:
+        """`Trials._dropped_bound` of the trial with `piece` at the block's place: the kept stages before and
+        after it are summed once per cut speed and room (`Kept`)."""
+        owner = self.trials
+        if layers > owner.max_stages:
+            return INFEASIBLE
+        if self.speeds is None:
+            self.speeds = [t for k, other in enumerate(self.pieces) if k != self.at for t in other.speeds]
+        speed = sorted(self.speeds + list(piece.speeds))
+        cut = speed[layers - 1]
+        before = self._side(0, cut, layers - bisect_left(speed, cut))
+        middle = Kept(owner.cache, [piece], cut, before.room)
+        return before.bound(owner, middle, self._side(1, cut, middle.room))
+
+    def _side(self, side: int, cut: float, room: int) -> Kept:
+        """The kept stages of the pieces before (side 0) or after (side 1) the block's place (memoised)."""
+        key = (side, cut, room)
+        found = self.kept.get(key)
+        if found is None:
+            pieces = self.pieces[:self.at] if side == 0 else self.pieces[self.at + 1:]
+            found = self.kept[key] = Kept(self.trials.cache, pieces, cut, room)
+        return found
+
+    def _one(self, piece: Piece, key: tuple, sizes: dict[int, tuple[int, ...]], cache: CostCache, layers: int,
+             last: int) -> float:
+        owner, at, pieces = self.trials, self.at, self.pieces
+        run = piece.summary
+        count = self.count + run.count
+        if count > layers:  # stages dropped
+            return self._dropped(piece, layers)
+        if count > owner.max_stages:
+            return INFEASIBLE
+        pace, hops = max(self.pace, run.slowest, run.pair), self.hops + run.hops
+        if at > 0:
+            before = pieces[at - 1]
+            p = owner.join(before, piece)
+            hops += p
+            pace = max(pace, (before.summary.last_t + run.first_t + 2.0 * p) / 2.0)
+        if at < last:
+            after = pieces[at + 1]
+            p = owner.join(piece, after)
+            hops += p
+            pace = max(pace, (run.last_t + after.summary.first_t + 2.0 * p) / 2.0)
+        head = piece if at == 0 else pieces[0]
+        tail = piece if at == last else pieces[last]
+        return combine(count, head.summary.first_t, tail.summary.last_t, self.inverse + run.inverse,
+                       self.total + run.total, min(self.fastest, run.fastest), pace, hops,
+                       cache.stage(head.stages[0]).embed_s, cache.stage(tail.stages[-1]).head_s, layers, owner.micro)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import TYPE_CHECKING
 
-from .bounds import INFEASIBLE, combine
+from .bounds import INFEASIBLE, Summary, combine
 from .fastcost import CostCache, Devs
 
 if TYPE_CHECKING:
@@ -40,12 +40,7 @@ class Kept:
                 continue
             if run.slowest < cut:  # kept whole
                 kept: range | list[int] = range(run.count)
-                count += run.count
-                inverse += run.inverse
-                total += run.total
-                hops += run.hops
-                pace = max(pace, run.slowest, run.pair)
-                fastest = min(fastest, run.fastest)
+                count, inverse, total, hops, pace, fastest = _plus((count, inverse, total, hops, pace, fastest), run)
             else:
                 kept = []
                 for i, t in enumerate(piece.speeds):
@@ -120,6 +115,24 @@ def link(cache: CostCache, before: tuple[Devs, float, Piece | None], after: tupl
     return found
 
 
+Sums = tuple[int, float, float, float, float, float]  # count, sum 1 / t, sum t, inner links, largest window, fastest
+
+
+def _plus(sums: Sums, run: Summary) -> Sums:
+    """`sums` with one more run of stages added (its count, 1 / t, t and links summed, windows and t compared)."""
+    count, inverse, total, hops, pace, fastest = sums
+    return (count + run.count, inverse + run.inverse, total + run.total, hops + run.hops,
+            max(pace, run.slowest, run.pair), min(fastest, run.fastest))
+
+
+def _summed(pieces: list[Piece]) -> Sums:
+    """The `Sums` of the pieces' summaries, in order."""
+    sums: Sums = (0, 0.0, 0.0, 0.0, 0.0, float("inf"))
+    for piece in pieces:
+        sums = _plus(sums, piece.summary)
+    return sums
+
+
 class Totals:
     """The order-free totals of one group-size choice (every block's piece): stage count, sums of 1 / t, of t
     and of the pieces' inner links, their largest one-stage and pair windows and fastest stage; `bound` adds
@@ -128,17 +141,7 @@ class Totals:
     def __init__(self, trials: Trials, sizes: dict[int, tuple[int, ...]]) -> None:
         self.trials = trials
         self.pieces = pieces = [trials.piece(b, sizes[b]) for b in range(len(trials.blocks))]
-        count, inverse, total, hops, pace, fastest = 0, 0.0, 0.0, 0.0, 0.0, float("inf")
-        for piece in pieces:
-            run = piece.summary
-            count += run.count
-            inverse += run.inverse
-            total += run.total
-            hops += run.hops
-            pace = max(pace, run.slowest, run.pair)
-            fastest = min(fastest, run.fastest)
-        self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
-            count, inverse, total, hops, pace, fastest
+        self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = _summed(pieces)
 
     def bound(self, order: tuple[int, ...]) -> float:
         """`Trials._bound` of these sizes in block order `order` (at most as many stages as layers)."""
@@ -176,17 +179,7 @@ class UnitBounds:
         pieces = trials._pieces_of(sizes, order)
         self.at = at = order.index(block)
         self.block, self.pieces = block, pieces
-        count, inverse, total, hops, pace, fastest = 0, 0.0, 0.0, 0.0, 0.0, float("inf")
-        for k, piece in enumerate(pieces):
-            if k == at:
-                continue
-            run = piece.summary
-            count += run.count
-            inverse += run.inverse
-            total += run.total
-            hops += run.hops
-            pace = max(pace, run.slowest, run.pair)
-            fastest = min(fastest, run.fastest)
+        count, inverse, total, hops, pace, fastest = _summed([piece for k, piece in enumerate(pieces) if k != at])
         for k in range(len(pieces) - 1):
             if k != at - 1 and k != at:
                 p = trials.join(pieces[k], pieces[k + 1])
@@ -201,21 +194,11 @@ class UnitBounds:
                ) -> list[float]:
         """The bound of each trial (`keys`: their `Trials.key`s; memoised in the Trials object, as
         `Trials.bound`)."""
-        owner, pieces = self.trials, self.pieces
-        cache, seen, memo = owner.cache, owner._seen, owner._bounds
-        layers, last = cache.model.num_layers, len(pieces) - 1
-        out: list[float] = []
-        for (sizes, _), key in zip(trials, keys, strict=True):
-            hit = seen.get(key)
-            if hit is not None:
-                out.append(hit[0])
-                continue
-            known = memo.get(key)
-            if known is None:
-                known = memo[key] = self._one(owner.piece(self.block, sizes[self.block]), key, sizes, cache, layers,
-                                              last)
-            out.append(known)
-        return out
+        owner = self.trials
+        cache = owner.cache
+        layers, last = cache.model.num_layers, len(self.pieces) - 1
+        return owner.memo_bounds(trials, keys, lambda sizes, _order, key: self._one(
+            owner.piece(self.block, sizes[self.block]), key, sizes, cache, layers, last))
 
     def _dropped(self, piece: Piece, layers: int) -> float:
         """`Trials._dropped_bound` of the trial with `piece` at the block's place: the kept stages before and

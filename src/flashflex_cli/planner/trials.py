@@ -17,7 +17,7 @@ the window pace) already show that it cannot win, the window search is skipped a
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .bounds import INFEASIBLE, Summary, cannot_beat, runs_lower_bound
@@ -213,8 +213,22 @@ class Trials:
                    ) -> list[float]:
         """`bound` of each trial; trials that share their group sizes (the same dict) and differ in block order
         share the order-free totals (`Totals`)."""
-        seen, memo, totals = self._seen, self._bounds, {}
+        totals: dict[int, Totals] = {}
         layers = self.cache.model.num_layers
+
+        def compute(sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], key: tuple) -> float:
+            found = totals.get(id(sizes))
+            if found is None:
+                found = totals[id(sizes)] = Totals(self, sizes)
+            return found.bound(order) if found.count <= layers else self._bound(key, sizes, order)
+
+        return self.memo_bounds(trials, keys, compute)
+
+    def memo_bounds(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keys: list[tuple],
+                    compute: Callable[[dict[int, tuple[int, ...]], tuple[int, ...], tuple], float]) -> list[float]:
+        """Each trial's bound (`keys`: their `key`s): its exact cost when already evaluated, else its memoised
+        bound, else `compute(sizes, order, key)`, memoised."""
+        seen, memo = self._seen, self._bounds
         out: list[float] = []
         for (sizes, order), key in zip(trials, keys, strict=True):
             hit = seen.get(key)
@@ -223,10 +237,7 @@ class Trials:
                 continue
             known = memo.get(key)
             if known is None:
-                found = totals.get(id(sizes))
-                if found is None:
-                    found = totals[id(sizes)] = Totals(self, sizes)
-                known = memo[key] = found.bound(order) if found.count <= layers else self._bound(key, sizes, order)
+                known = memo[key] = compute(sizes, order, key)
             out.append(known)
         return out
 

@@ -124,10 +124,9 @@ NOTHING: Column = (0.0, 0.0, ())
 
 
 def _layer_columns(cache: CostCache, terms: Sequence[PipeTerms], merged: bool = False
-                   ) -> tuple[list[Column], list[bool], list[bool], np.ndarray]:
-    """Per layer: its bucket's column; whether it shares a holder with the layer above, and whether all its
-    holders are those of the layer above (entry l for layers l and l + 1, L - 1 each); every pipeline's stage
-    index per layer (int64 [k, L]). `merged`: one bucket per segment (layers of the same holders), charged on
+                   ) -> tuple[list[Column], list[bool], np.ndarray]:
+    """Per layer: its bucket's column; whether it shares a holder with the layer above (entry l for layers l
+    and l + 1, L - 1 of them); every pipeline's stage index per layer (int64 [k, L]). `merged`: one bucket per segment (layers of the same holders), charged on
     its first layer, the others get `NOTHING`."""
     rows = np.stack([t.rows for t in terms])  # [k, 3, L]
     firsts, tps, owner = rows[:, 0], rows[:, 1], rows[:, 2]
@@ -144,7 +143,7 @@ def _layer_columns(cache: CostCache, terms: Sequence[PipeTerms], merged: bool = 
         while merged and layer + size < len(by_layer) and whole[layer + size - 1]:
             size += 1
         columns.append(_column(cache, devices, least[layer], size * cache.layer_grad_bytes))
-    return columns, same.any(axis=0).tolist(), whole, owner
+    return columns, same.any(axis=0).tolist(), owner
 
 
 def _end_columns(cache: CostCache, pipes: Sequence[PipeEval]) -> tuple[Column, Column]:
@@ -167,14 +166,14 @@ def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]
     if not cache.params.dp_overlap:
         return slowest + _sequential(cache, pipes)
     terms = [pipe_terms(c, pipe) for c, pipe in zip(caches or [cache] * len(pipes), pipes, strict=True)]
-    columns, shares, whole, _ = _layer_columns(cache, terms)
+    columns, shares, _ = _layer_columns(cache, terms)
     embed, head = _end_columns(cache, pipes)
     at = np.asarray(ends, dtype=np.float64)
     layer_ready = (np.stack([t.ready for t in terms]) + at[:, None]).max(axis=0).tolist()
     head_ready = max(e + t.head_s for e, t in zip(ends, terms, strict=True))
     nic: dict[int, float] = {}  # when each node's NIC is next free
     # head, then layers top-down, then the embedding, each after the one before where they share a holder;
-    # the cross-node part of a segment's first bucket also waits for its NICs (later ones follow on them)
+    # the cross-node part also waits for its NICs
     end = _bucket(nic, head, head_ready)
     latest = end
     top = len(columns) - 1
@@ -183,12 +182,7 @@ def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]
         begin = layer_ready[layer]
         if layer == top or shares[layer]:
             begin = max(begin, end)
-        if layer == top or not whole[layer]:
-            end = _bucket(nic, col, begin)
-        else:
-            end = begin + col[0] + col[1]
-            for n in col[2]:
-                nic[n] = end - col[0] / 2
+        end = _bucket(nic, col, begin)
         latest = max(latest, end)
     end = _bucket(nic, embed, max(slowest, end))
     return max(latest, end, slowest)
@@ -208,18 +202,18 @@ def _bucket(nic: dict[int, float], col: Column, begin: float) -> float:
     return done + col[0] / 2
 
 
-def _load(nic: dict[int, float], col: Column, times: int) -> None:
-    """Add `times` x the cross-node part of `col` to the NIC load of every node it uses."""
+def _load(nic: dict[int, float], col: Column) -> None:
+    """Add the cross-node part of `col` to the NIC load of every node it uses."""
     if col[1] > 0:
         for n in col[2]:
-            nic[n] = nic.get(n, 0.0) + col[1] * times
+            nic[n] = nic.get(n, 0.0) + col[1]
 
 
 def _sequential(cache: CostCache, pipes: Sequence[PipeEval]) -> float:
     """Without overlap: the longest reduction of one stage (one bucket per segment of its layers, the
     embedding on first stages, the head on last stages, one after another) or of one node's NIC (every
     cross-node part of every bucket that node is in), seconds."""
-    columns, _, _, owner = _layer_columns(cache, [pipe_terms(cache, pipe) for pipe in pipes], merged=True)
+    columns, _, owner = _layer_columns(cache, [pipe_terms(cache, pipe) for pipe in pipes], merged=True)
     embed, head = _end_columns(cache, pipes)
     stages = np.array([len(pipe.stages) for pipe in pipes], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(stages)[:-1]])
@@ -230,10 +224,8 @@ def _sequential(cache: CostCache, pipes: Sequence[PipeEval]) -> float:
     sums[offsets] += embed[0] + embed[1]
     sums[offsets + stages - 1] += head[0] + head[1]
     nic: dict[int, float] = {}
-    for col in columns:
-        _load(nic, col, 1)
-    _load(nic, embed, 1)
-    _load(nic, head, 1)
+    for col in (*columns, embed, head):
+        _load(nic, col)
     node = cache.graph.node_list
     heads = [st[0] for pipe in pipes for st in pipe.stages]
     busiest = np.array([nic.get(node[i], 0.0) for i in heads])

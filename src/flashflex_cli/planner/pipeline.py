@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 
 from .fastcost import CostCache, Devs
-from .layers import split_layers
+from .layers import split_layers, stage_times
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple, per_layer:
     if split is None:
         hit = PipeEval(tuple(stages), (), _INFEASIBLE, _INFEASIBLE, _INFEASIBLE, False)
     else:
-        times = [n * t + e for t, e, n in zip(per_layer, extra, split, strict=True)]  # `stage_times`
+        times = stage_times(per_layer, extra, split)
         links = known_links() if known_links is not None else \
             [cache.p2p(stages[s], stages[s + 1]) for s in range(count - 1)]
         hops = 2 * sum(links)

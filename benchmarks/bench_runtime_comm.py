@@ -39,20 +39,18 @@ import dataclasses
 import json
 import math
 import os
-import resource
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # tests/infra/netns.py
+sys.path.insert(0, str(REPO))  # tests/infra/netns.py, benchmarks/commands.py
+
+from benchmarks.commands import CommandFailed, run, run_all, usage  # noqa: E402
 
 from flashflex_cli.model.spec import ModelSpec, resolve_model  # noqa: E402
 
@@ -66,8 +64,8 @@ RUN_TIMEOUT_S = 600.0
 Device = tuple[int, int]  # (host index, device index on that host)
 
 
-class BenchError(Exception):
-    """A run or a setup step failed: the benchmark exits 1 with this message."""
+class BenchError(CommandFailed):
+    """A run or a setup step failed: the benchmark exits 1 with this message (as with a failed command)."""
 
 
 @dataclass(frozen=True)
@@ -201,47 +199,6 @@ def last_line(p2p: float, dp: float, step: float, predicted: float, ratio: float
 
 
 # ---- running ------------------------------------------------------------------------------------------------
-def children_cpu_s() -> float:
-    """User + system CPU seconds of this process's waited-for descendants so far."""
-    used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return used.ru_utime + used.ru_stime
-
-
-def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """Run a command; BenchError with its output's tail when it fails."""
-    done = subprocess.run(command, capture_output=True, text=True, **kwargs)
-    if done.returncode != 0:
-        raise BenchError(f"failed ({done.returncode}): {shlex.join(command)}\n{done.stdout[-2000:]}"
-                         f"{done.stderr[-4000:]}")
-    return done
-
-
-def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout_s: float) -> None:
-    """Start every command at once (one per namespace host), wait for all; kill every one if one fails or the
-    time runs out."""
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for cmd, env in commands]
-    deadline = time.monotonic() + timeout_s
-    failed: str | None = None
-    try:
-        outputs = []
-        for proc in procs:
-            try:
-                outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                raise BenchError(f"a host did not finish within {timeout_s:g} s") from None
-            if proc.returncode != 0 and failed is None:
-                failed = f"a host failed ({proc.returncode}):\n{outputs[-1][-4000:]}"
-                break
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    if failed:
-        raise BenchError(failed)
-
-
 def synthetic_cluster(exp: Experiment, work: Path) -> Path:
     """A cluster file of `exp.hosts` nodes of emulated CPU devices (no probes: (a) and (c) compare two runs)."""
     path = work / f"cluster-{exp.key}.json"
@@ -291,10 +248,9 @@ def launch(net: Any, plan: Path, cluster: Path, out: Path, steps: int, flags: li
     if len(lines) != len(net.hosts):
         raise BenchError(f"flashflex launch rendered {len(lines)} command lines for {len(net.hosts)} hosts")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    load, cpu, start = os.getloadavg()[0], children_cpu_s(), time.perf_counter()
-    run_all([([*net.prefix_cmd(i), *shlex.split(line)], env) for i, line in enumerate(lines)], RUN_TIMEOUT_S)
-    return {"wall_s": time.perf_counter() - start, "cpu_s": children_cpu_s() - cpu, "load_before": load,
-            "load_after": os.getloadavg()[0]}
+    with usage() as figures:
+        run_all([([*net.prefix_cmd(i), *shlex.split(line)], env) for i, line in enumerate(lines)], RUN_TIMEOUT_S)
+    return figures
 
 
 def read_rows(out: Path) -> list[dict[str, Any]]:
@@ -460,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"all-reduce) {on.across_s * 1e3:.1f} ms, model {across * 1e3:.1f} ms; inside nodes (reduce "
                       f"+ broadcast, the rest) {(on.dp_s - on.across_s) * 1e3:.1f} ms, model {inside * 1e3:.1f} ms",
                       flush=True)
-    except BenchError as exc:
+    except CommandFailed as exc:
         print(f"bench_runtime_comm: {exc}", file=sys.stderr, flush=True)
         return 1
     print(last_line(p2p, dp, step, predicted, ratio), flush=True)

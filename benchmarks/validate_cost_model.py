@@ -31,20 +31,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO))  # tests/infra/netns.py, benchmarks/commands.py
+
+from benchmarks.commands import CommandFailed, run, run_all, usage  # noqa: E402
 
 from flashflex_cli.hardware.cluster import load_cluster  # noqa: E402
 from flashflex_cli.model.spec import resolve_model  # noqa: E402
@@ -122,20 +120,6 @@ class Result:
 
 
 # ---- running commands -----------------------------------------------------------------------------
-def children_cpu_s() -> float:
-    """User + system CPU seconds of this process's finished children so far."""
-    used = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return used.ru_utime + used.ru_stime
-
-
-def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    """Run a command; on failure print its output and stop."""
-    done = subprocess.run(command, capture_output=True, text=True, **kwargs)
-    if done.returncode != 0:
-        sys.exit(f"failed ({done.returncode}): {shlex.join(command)}\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
-    return done
-
-
 def measured(run_dir: Path) -> tuple[float, float]:
     """(median step seconds after the warm-up, largest rank's peak RSS growth in bytes) of a finished run."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -200,11 +184,10 @@ def training_bytes(stage: dict[str, Any]) -> float:
 # ---- launching ----------------------------------------------------------------------------------------
 def launch_local(plan: Path, cluster: Path, out: Path, steps: int) -> dict[str, float]:
     """`flashflex launch` on this host; wall and CPU seconds, load before and after."""
-    load, cpu, start = os.getloadavg()[0], children_cpu_s(), time.perf_counter()
-    run([FLASHFLEX, "launch", str(plan), "--cluster", str(cluster), "--out", str(out), "--steps", str(steps),
-         "--timeout", "120"], timeout=900)
-    return {"wall_s": time.perf_counter() - start, "cpu_s": children_cpu_s() - cpu, "load_before": load,
-            "load_after": os.getloadavg()[0]}
+    with usage() as figures:
+        run([FLASHFLEX, "launch", str(plan), "--cluster", str(cluster), "--out", str(out), "--steps", str(steps),
+             "--timeout", "120"], timeout=900)
+    return figures
 
 
 def launch_hosts(net: Any, plan: Path, cluster: Path, out: Path, steps: int, run_id: str) -> dict[str, float]:
@@ -214,38 +197,21 @@ def launch_hosts(net: Any, plan: Path, cluster: Path, out: Path, steps: int, run
                     "--ifname", ",".join(h.ifname for h in net.hosts), "--run-id", run_id, "--timeout", "120",
                     "--torchrun", str(BIN / "torchrun")])
     lines = [x for x in rendered.stdout.splitlines() if x.strip() and not x.startswith("#")]
-    load, cpu, start = os.getloadavg()[0], children_cpu_s(), time.perf_counter()
-    procs = [subprocess.Popen([*net.prefix_cmd(i), *shlex.split(line)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for i, line in enumerate(lines)]
-    try:
-        outputs = [proc.communicate(timeout=900)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    for proc, text in zip(procs, outputs, strict=True):
-        if proc.returncode != 0:
-            sys.exit(f"a host failed ({proc.returncode}):\n{text[-4000:]}")
-    return {"wall_s": time.perf_counter() - start, "cpu_s": children_cpu_s() - cpu, "load_before": load,
-            "load_after": os.getloadavg()[0]}
+    with usage() as figures:
+        run_all([([*net.prefix_cmd(i), *shlex.split(line)], None) for i, line in enumerate(lines)], 900)
+    return figures
 
 
 def profile_hosts(net: Any, out: Path) -> Path:
     """`flashflex profile --distributed` across the namespace hosts (one emulated device each)."""
-    procs = []
+    commands = []
     for i in range(len(net.hosts)):
         command = [*net.prefix_cmd(i), sys.executable, "-m", "torch.distributed.run",
                    *net.torchrun_args(i, port=29611, rdzv_id="validate-profile"), "-m", "flashflex_cli.cli",
                    "profile", "--distributed", "--quick", "--node-name", f"h{i}", "--slowdown", str(NETNS_SLOWDOWN[i]),
                    "--out", str(out)]
-        procs.append(subprocess.Popen(command, env=net.torchrun_env(i), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    for proc in procs:
-        text = proc.communicate(timeout=300)[0]
-        if proc.returncode != 0:
-            sys.exit(f"distributed profile failed:\n{text[-4000:]}")
+        commands.append((command, net.torchrun_env(i)))
+    run_all(commands, 300, label="distributed profile")
     return out
 
 
@@ -329,11 +295,11 @@ def calibrated_profile(work: Path, cluster: Path, steps: int) -> Path:
     """`flashflex profile --model` on this machine, then `flashflex calibrate` of one short run (the
     CALIBRATION plan, not validated) that scales it: the calibrated layer profile."""
     measured_layers, layers = work / "cpu.measured.layers.json", work / "cpu.layers.json"
-    start_cpu, start = children_cpu_s(), time.perf_counter()
-    run([FLASHFLEX, "profile", "--model", MODEL, "--seq-len", str(SEQ), "--micro-batch", "1,2,4,8", "--tp", "1,2",
-         "--dtype", DTYPE, "--attention", "sdpa", "--repeats", "7", "--out", str(measured_layers)], timeout=1200)
-    print(f"profiled {MODEL} layers in {time.perf_counter() - start:.1f} s wall, "
-          f"{children_cpu_s() - start_cpu:.1f} s CPU", flush=True)
+    with usage() as spent:
+        run([FLASHFLEX, "profile", "--model", MODEL, "--seq-len", str(SEQ), "--micro-batch", "1,2,4,8", "--tp",
+             "1,2", "--dtype", DTYPE, "--attention", "sdpa", "--repeats", "7", "--out", str(measured_layers)],
+            timeout=1200)
+    print(f"profiled {MODEL} layers in {spent['wall_s']:.1f} s wall, {spent['cpu_s']:.1f} s CPU", flush=True)
     plan = write_plan(CALIBRATION, cluster, work)
     launch_local(plan, cluster, work / "run-calibration", steps)
     done = run([FLASHFLEX, "calibrate", str(work / "run-calibration"), "--layers", str(measured_layers),
@@ -410,4 +376,7 @@ def report(results: list[Result]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CommandFailed as exc:  # a failed command: its output, exit 1
+        sys.exit(str(exc))

@@ -74,11 +74,8 @@ class DPPool(WorkerPool):
 @pytest.fixture(scope="module")
 def dp_pool() -> Iterator[DPPool]:
     """Six reusable worker processes."""
-    pool = DPPool(6)
-    try:
+    with DPPool(6) as pool:
         yield pool
-    finally:
-        pool.close()
 
 
 def assert_matches_reference(plan: Plan, outputs: list[dict[str, Any]]) -> None:

@@ -142,11 +142,8 @@ def _any_job(*job: Any) -> None:
 @pytest.fixture(scope="module")
 def pool() -> Iterator[WorkerPool]:
     """Four reusable worker processes (the asymmetric plan has 4 ranks)."""
-    workers = WorkerPool(4, _any_job)
-    try:
+    with WorkerPool(4, _any_job) as workers:
         yield workers
-    finally:
-        workers.close()
 
 
 def _assemble_logits(outputs: list[dict[str, Any]], plan: Plan) -> torch.Tensor:

@@ -210,11 +210,8 @@ def _worker(rank: int, world: int, plan_json: str, init_file: str, out_dir: str,
 @pytest.fixture(scope="module")
 def pool() -> Iterator[WorkerPool]:
     """Five reusable worker processes (the largest plan has 5 ranks)."""
-    workers = WorkerPool(5, _worker)
-    try:
+    with WorkerPool(5, _worker) as workers:
         yield workers
-    finally:
-        workers.close()
 
 
 def _run(plan: Plan, tmp_path: Path, pool: WorkerPool, lean: bool, transfer_dtype: str = "") -> list[dict[str, Any]]:

@@ -96,11 +96,8 @@ def _worker(rank: int, world: int, plan_json: str, init_file: str, out_dir: str,
 @pytest.fixture(scope="module")
 def pool() -> Iterator[WorkerPool]:
     """Seven reusable worker processes (the largest plan below has 7 ranks)."""
-    workers = WorkerPool(7, _worker)
-    try:
+    with WorkerPool(7, _worker) as workers:
         yield workers
-    finally:
-        workers.close()
 
 
 def run_plan(plan: Plan, tmp_path: Path, pool: WorkerPool, steps: tuple[int, int] = (0, STEPS),

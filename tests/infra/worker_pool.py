@@ -53,7 +53,7 @@ def _serve(job_fn: Callable[..., None], inbox: Any, outbox: Any) -> None:
 
 
 class WorkerPool:
-    """`size` spawned processes running `job_fn` jobs."""
+    """`size` spawned processes running `job_fn` jobs; a context manager that closes them."""
 
     def __init__(self, size: int, job_fn: Callable[..., None]) -> None:
         self.size, self.job_fn = size, job_fn
@@ -67,6 +67,12 @@ class WorkerPool:
                       for q in self.inboxes]
         for proc in self.procs:
             proc.start()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop every process (politely, then by force)."""

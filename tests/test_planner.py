@@ -132,3 +132,58 @@ def test_too_few_micro_batches_for_the_stages_memory_needs_is_infeasible() -> No
     with pytest.raises(InfeasibleError, match=r"gives 2 micro-batches .* 1F1B needs a micro-batch per stage; "
                                               r"use a global batch of at least \d+"):
         plan_layout(cluster, PRESETS["llama2-7b"], TrainConfig(global_batch=2, seq_len=1024), time_budget_s=30)
+
+
+def test_pipeline_counts_leave_each_pipeline_the_memory_for_the_model_state() -> None:
+    """llama2-7b's weights, gradients and optimizer state need two 80 GB devices, so 16 of them make at most 8
+    pipelines (counting one device per pipeline, as rounding the ratio down did, offered 16)."""
+    import math
+
+    from flashflex_cli.cost.params import CostParams
+    from flashflex_cli.planner.fastcost import CostCache
+    from flashflex_cli.planner.feasibility import model_state_bytes
+    from flashflex_cli.planner.graph import DeviceGraph
+    from flashflex_cli.planner.search import pipeline_counts
+
+    train = TrainConfig(global_batch=1024, seq_len=4096)
+    cache = CostCache(DeviceGraph(build_cluster("2x8xA100-80G-SXM:nic=ib"), train.dtype), PRESETS["llama2-7b"], train,
+                      CostParams())
+    usable = cache.capacity((0,)) - cache.params.memory_reserve_bytes
+    assert math.ceil(model_state_bytes(cache) / usable) == 2
+    assert pipeline_counts(cache, 1024) == list(range(1, 9))
+
+
+def test_the_tail_of_pipeline_counts_stops_where_it_cannot_pay_and_goes_on_where_it_does(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond DENSE_KS pipelines, k grows in batches of TAIL_BATCH until a batch's best new candidate is TAIL_STOP
+    times slower than the best found. llama2-7b on 128 mixed devices: the batch of 24 and 36 pipelines is far
+    slower, so 54 is not searched, and the whole tail finds nothing better. llama-tiny on 64 H100s: the tail pays
+    (the plan runs more than DENSE_KS pipelines), so every tail k is searched."""
+    from flashflex_cli.cost.params import CostParams
+    from flashflex_cli.planner import search
+    from flashflex_cli.planner.fastcost import CostCache
+    from flashflex_cli.planner.graph import DeviceGraph
+    from flashflex_cli.planner.pool import SearchPool
+
+    ran: list[int] = []
+    unit = search._unit
+    monkeypatch.setattr(search, "_unit", lambda cache, item: ran.append(item[2]) or unit(cache, item))
+    spec = ("1x8xA100-80G-SXM:nic=ib:link=nvlink,1x8xRTX-4090:nic=eth,1x8xRTX-3090:nic=eth,1x8xA100-40G-SXM:nic=roce,"
+            * 4).rstrip(",")
+    cluster, train = build_cluster(spec), TrainConfig(global_batch=256, seq_len=4096)
+    cache = CostCache(DeviceGraph(cluster, train.dtype), PRESETS["llama2-7b"], train, CostParams())
+    assert [k for k in search.pipeline_counts(cache, 256) if k > search.DENSE_KS] == [24, 36, 54]
+    found = {}
+    for whole in (True, False):
+        ran.clear()
+        with SearchPool(cache, 1) as pool:
+            cands = search._collect(pool, 256, 0, float("inf"), search.SearchStats(), whole_tail=whole)
+        found[whole] = (list(ran), min(c.score_s for c in cands))
+    assert 54 in found[True][0] and 54 not in found[False][0] and {24, 36} <= set(found[False][0])
+    assert found[False][1] == found[True][1]
+
+    ran.clear()
+    small = plan_layout(build_cluster("8x8xH100-SXM:nic=ib"), PRESETS["llama-tiny"],
+                        TrainConfig(global_batch=512, seq_len=512), time_budget_s=600)
+    assert len(small.pipelines) > search.DENSE_KS
+    assert {24, 36, 54} <= set(ran)

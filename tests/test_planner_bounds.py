@@ -132,11 +132,14 @@ def test_the_summed_bounds_equal_the_stage_by_stage_bound(model: str) -> None:
             block = rng.randrange(len(blocks))
             options = st.size_options(len(blocks[block][1]), degrees, 16)
             tried = [({**sizes, block: option}, order) for option in options]
-            unit = UnitBounds(trials, sizes, order, block).bounds(tried, [trials.key(*t) for t in tried])
+            unit = UnitBounds(trials, sizes, order, block).bounds(options, [trials.key(*t) for t in tried])
             totals = Totals(trials, sizes)
             orders = st.block_orders(cache, blocks, every=True)[:24]
             ordered = [totals.bound(o) if totals.count <= cache.model.num_layers else trials._bound((), sizes, o)
                        for o in orders]
+            by_order = [(sizes, o) for o in orders]  # the order sweep's own path: shared totals and cut speed
+            swept = trials._bounds_of(by_order, [trials.key(*t) for t in by_order])  # (memo: the unit sweep's too)
+            assert swept == pytest.approx(ordered, rel=1e-12)
             for (trial, got) in [*zip(tried, unit, strict=True),
                                  *zip([(sizes, o) for o in orders], ordered, strict=True)]:
                 want = _stage_by_stage(cache, trials, *trial)
@@ -215,3 +218,25 @@ def test_the_bounded_search_picks_what_the_unbounded_descent_picks(model: str, d
                     assert got[1] == want, (spec, group, micro, max_stages)
                     compared += 1
     assert compared > 10
+
+
+def test_a_trials_stage_terms_from_its_pieces_equal_the_pipelines() -> None:
+    """`Trials._terms` (per stage: one layer's seconds, embedding / head seconds, the layers that fit, read from
+    the pieces and their shared memory-cap rows) gives exactly `pipeline._terms` of the assembled stages."""
+    from flashflex_cli.planner.pipeline import _terms
+
+    rng = random.Random(5)
+    compared = 0
+    for _ in range(12):
+        cache = _cache(_cluster(rng, rng.randint(1, 6), 8), rng.choice(["llama2-7b", "llama-small"]))
+        blocks = st.node_blocks(cache, range(cache.graph.size))
+        trials = Trials(cache, blocks, 8, 64)
+        for _ in range(10):
+            sizes, order = _random_trial(rng, cache, blocks)
+            pieces = trials._pieces_of(sizes, order)
+            stages, keep = trials._assemble(pieces)
+            if keep is not None:
+                continue
+            assert trials._terms(pieces, len(stages)) == _terms(cache, stages)
+            compared += 1
+    assert compared > 60

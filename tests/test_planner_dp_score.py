@@ -95,3 +95,28 @@ def test_fast_score_ranks_search_candidates_as_the_cost_model_does() -> None:
     assert len(errors) >= 10
     assert max(errors) < 0.05
     assert max(before) > 0.2
+
+
+def test_the_cheap_floor_never_exceeds_the_fast_score_and_lets_refinement_skip_it() -> None:
+    """`dp_finish_floor` (the embedding's bucket after the slowest pipeline), for every candidate of a 32-GPU 10 GbE
+    search: never above `dp_finish` (compared exactly: it is the same sums in the same order) and, with two or
+    more pipelines, above the slowest pipeline's end (else it would prune nothing the plain bound does not);
+    `score` with a bound at or below that floor gives None without computing the data-parallel term."""
+    from flashflex_cli.planner.batch import pipeline_time, split_batch
+
+    train = TrainConfig(global_batch=64, seq_len=4096)
+    cache, cands = scored_candidates(build_cluster(_eth10(32)), PRESETS["llama2-7b"], train)
+    above = 0
+    for cand in cands:
+        pipes = cand.pipes
+        micro = split_batch(train.global_batch, [p.pace_s for p in pipes], [p.fill_s - p.pace_s for p in pipes],
+                            [p.num_stages for p in pipes])
+        assert micro is not None
+        ends = [pipeline_time(p.pace_s, p.fill_s, m) for p, m in zip(pipes, micro, strict=True)]
+        floor = dp_score.dp_finish_floor(cache, pipes, ends)
+        assert max(ends) <= floor <= dp_score.dp_finish(cache, pipes, ends) == cand.score_s
+        if len(pipes) > 1:
+            assert floor > max(ends)
+            above += 1
+            assert score(cache, pipes, train.global_batch, bound=floor) is None
+    assert above >= 10

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from flashflex_cli.cost.params import CostParams
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model.spec import PRESETS
@@ -51,14 +53,19 @@ def test_map_keeps_the_order_and_runs_in_workers() -> None:
     assert usable_cores() >= 1
 
 
-def test_plans_are_byte_identical_with_one_or_two_workers() -> None:
-    cluster = build_cluster(MIXED)
-    train = TrainConfig(global_batch=64, seq_len=4096)
+@pytest.mark.parametrize(("spec", "model", "batch", "seq", "most"), [
+    (MIXED, "llama2-7b", 64, 4096, 4),
+    ("8x8xH100-SXM:nic=ib", "llama-tiny", 512, 512, None),  # the tail of pipeline counts: searched two at a time
+])
+def test_plans_are_byte_identical_with_one_or_two_workers(spec: str, model: str, batch: int, seq: int,
+                                                          most: int | None) -> None:
+    cluster = build_cluster(spec)
+    train = TrainConfig(global_batch=batch, seq_len=seq)
     runs = []
     for jobs in (1, 2):
         stats = SearchStats()
-        plan = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=120, jobs=jobs, stats=stats,
-                           max_micro_batch=4)
+        plan = plan_layout(cluster, PRESETS[model], train, time_budget_s=120, jobs=jobs, stats=stats,
+                           max_micro_batch=most)
         runs.append((plan.to_json(), stats.candidates, stats.budget_hit))
     assert runs[0] == runs[1]
     assert not runs[0][2]

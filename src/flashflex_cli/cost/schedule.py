@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import chain, repeat
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,10 @@ def stage_order(stage: int, num_stages: int, num_micro_batches: int) -> list[tup
     """The 1F1B operation order of one stage: (is_forward, micro-batch index) pairs."""
     m = num_micro_batches
     warmup = min(num_stages - stage - 1, m)
-    order = [(True, i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order.append((True, warmup + i))
-        order.append((False, i))
-    order.extend((False, i) for i in range(m - warmup, m))
+    order = list(zip(repeat(True, warmup), range(warmup)))
+    # steady state: forward warmup + i, then backward i
+    order.extend(chain.from_iterable(zip(zip(repeat(True), range(warmup, m)), zip(repeat(False), range(m - warmup)))))
+    order.extend(zip(repeat(False), range(m - warmup, m)))
     return order
 
 
@@ -57,45 +57,60 @@ def simulate_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequenc
                      tuple(map(float, back)), int(num_micro_batches))
 
 
+@lru_cache(maxsize=256)
+def _orders(stages: int, m: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
+    """`stage_order` of every stage of a pipeline of `stages` stages and `m` micro-batches (shared, read-only)."""
+    return tuple(tuple(stage_order(s, stages, m)) for s in range(stages))
+
+
 @lru_cache(maxsize=8192)
 def _simulate(fwd: tuple[float, ...], bwd: tuple[float, ...], p2p: tuple[float, ...], back: tuple[float, ...],
               m: int) -> ScheduleResult:
     stages = len(fwd)
-    orders = [stage_order(s, stages, m) for s in range(stages)]
+    orders = _orders(stages, m)
     f_end: list[list[float | None]] = [[None] * m for _ in range(stages)]
     b_end: list[list[float | None]] = [[None] * m for _ in range(stages)]
     clock = [0.0] * stages
     pos = [0] * stages
     remaining = stages * 2 * m
+    last = stages - 1
     while remaining:
         progressed = False
         for s in range(stages):
+            # run stage s's operations in order until one waits for a neighbour (locals: the hot loop)
             order, f_row, b_row = orders[s], f_end[s], b_end[s]
-            while pos[s] < len(order):
-                forward, i = order[pos[s]]
+            upstream_row = f_end[s - 1] if s else f_row
+            downstream_row = b_end[s + 1] if s < last else b_row
+            step_in, step_back = (p2p[s - 1] if s else 0.0), (back[s] if s < last else 0.0)
+            f_s, b_s = fwd[s], bwd[s]
+            at, count, now = pos[s], len(order), clock[s]
+            start = at
+            while at < count:
+                forward, i = order[at]
                 if forward:
                     if s == 0:
                         ready = 0.0
                     else:
-                        upstream = f_end[s - 1][i]
+                        upstream = upstream_row[i]
                         if upstream is None:
                             break
-                        ready = upstream + p2p[s - 1]
-                    end = max(clock[s], ready) + fwd[s]
-                    f_row[i] = end
+                        ready = upstream + step_in
+                    now = max(now, ready) + f_s
+                    f_row[i] = now
                 else:
-                    if s == stages - 1:
+                    if s == last:
                         ready = f_row[i]  # type: ignore[assignment]
                     else:
-                        downstream = b_end[s + 1][i]
+                        downstream = downstream_row[i]
                         if downstream is None:
                             break
-                        ready = downstream + back[s]
-                    end = max(clock[s], ready) + bwd[s]
-                    b_row[i] = end
-                clock[s] = end
-                pos[s] += 1
-                remaining -= 1
+                        ready = downstream + step_back
+                    now = max(now, ready) + b_s
+                    b_row[i] = now
+                at += 1
+            if at != start:
+                pos[s], clock[s] = at, now
+                remaining -= at - start
                 progressed = True
         if not progressed:  # cannot happen for a valid 1F1B order; guard against an endless loop
             raise RuntimeError("1F1B simulation made no progress")

@@ -14,7 +14,7 @@ from functools import cached_property
 from ..cost.estimate import estimate
 from ..plan.schema import PipelinePlan, Plan, PlanInputs, StagePlan, UnusedDevice
 from .batch import pipeline_time, split_batch
-from .dp_score import dp_finish
+from .dp_score import dp_finish, dp_finish_floor
 from .fastcost import CostCache
 from .pipeline import PipeEval
 
@@ -43,17 +43,17 @@ class Candidate:
 def score(cache: CostCache, pipes: list[PipeEval] | tuple[PipeEval, ...], total_micro: int,
           bound: float = float("inf")) -> Candidate | None:
     """Batch-split `pipes` and score them; None when a pipeline does not fit or the batch is too small, or
-    when the slowest pipeline alone already takes `bound` seconds or more (the score can only be larger, so
-    the data-parallel term is not computed)."""
+    when a lower bound (the slowest pipeline, then `dp_score.dp_finish_floor`) already reaches `bound` seconds
+    (the score can only be larger, so the data-parallel term is not computed)."""
     if not pipes or not all(pipe.ok for pipe in pipes):
         return None
-    ordered = tuple(sorted(pipes, key=lambda pipe: min(pipe.devices)))
+    ordered = tuple(sorted(pipes, key=lambda pipe: pipe.first_device))
     micro = split_batch(total_micro, [p.pace_s for p in ordered], [p.fill_s - p.pace_s for p in ordered],
                         [p.num_stages for p in ordered])
     if micro is None:
         return None
     ends = [pipeline_time(p.pace_s, p.fill_s, m) for p, m in zip(ordered, micro, strict=True)]
-    if max(ends) >= bound:
+    if max(ends) >= bound or (bound < float("inf") and dp_finish_floor(cache, ordered, ends) >= bound):
         return None
     return Candidate(ordered, tuple(micro), dp_finish(cache, ordered, ends))
 

@@ -148,11 +148,26 @@ def _layer_columns(cache: CostCache, terms: Sequence[PipeTerms], merged: bool = 
 
 def _end_columns(cache: CostCache, pipes: Sequence[PipeEval]) -> tuple[Column, Column]:
     """The embedding's column (first stages) and the head's (last stages)."""
-    firsts = [pipe.stages[0] for pipe in pipes]
     lasts = [pipe.stages[-1] for pipe in pipes]
-    embed = _column(cache, [st[0] for st in firsts], min(len(st) for st in firsts), cache.embed_grad_bytes)
     head = _column(cache, [st[0] for st in lasts], min(len(st) for st in lasts), cache.head_grad_bytes)
-    return embed, head
+    return _embed_column(cache, pipes), head
+
+
+def _embed_column(cache: CostCache, pipes: Sequence[PipeEval]) -> Column:
+    """The embedding's column (its holders: the first stages)."""
+    firsts = [pipe.stages[0] for pipe in pipes]
+    return _column(cache, [st[0] for st in firsts], min(len(st) for st in firsts), cache.embed_grad_bytes)
+
+
+def dp_finish_floor(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]) -> float:
+    """A lower bound on `dp_finish` (seconds), cheap: with overlap, the embedding's bucket alone after the
+    slowest pipeline (it begins no earlier and lasts at least its column; the same sums in the same order as
+    `_Nics.bucket`, so never above `dp_finish` in floating point either); else the slowest pipeline."""
+    slowest = max(ends)
+    if len(pipes) < 2 or not cache.params.dp_overlap:
+        return slowest
+    embed = _embed_column(cache, pipes)
+    return slowest + embed[0] / 2 + embed[1] + embed[0] / 2
 
 
 def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float],
@@ -171,10 +186,10 @@ def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]
     at = np.asarray(ends, dtype=np.float64)
     layer_ready = (np.stack([t.ready for t in terms]) + at[:, None]).max(axis=0).tolist()
     head_ready = max(e + t.head_s for e, t in zip(ends, terms, strict=True))
-    nic: dict[int, float] = {}  # when each node's NIC is next free
+    nics = _Nics()
     # head, then layers top-down, then the embedding, each after the one before where they share a holder;
     # the cross-node part also waits for its NICs
-    end = _bucket(nic, head, head_ready)
+    end = nics.bucket(head, head_ready)
     latest = end
     top = len(columns) - 1
     for layer in range(top, -1, -1):
@@ -182,24 +197,43 @@ def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]
         begin = layer_ready[layer]
         if layer == top or shares[layer]:
             begin = max(begin, end)
-        end = _bucket(nic, col, begin)
+        end = nics.bucket(col, begin)
         latest = max(latest, end)
-    end = _bucket(nic, embed, max(slowest, end))
+    end = nics.bucket(embed, max(slowest, end))
     return max(latest, end, slowest)
 
 
-def _bucket(nic: dict[int, float], col: Column, begin: float) -> float:
-    """End (s) of one bucket that may begin at `begin`: the intra-node half, the cross-node part once its
-    NICs are free (which it then holds), the other intra-node half; updates `nic`."""
-    across = begin + col[0] / 2
-    for n in col[2]:
-        free = nic.get(n, 0.0)
-        if free > across:
-            across = free
-    done = across + col[1]
-    for n in col[2]:
-        nic[n] = done
-    return done + col[0] / 2
+class _Nics:
+    """When each node's NIC is next free (seconds), for buckets run one after another. The NICs of the last
+    cross-node bucket are written back only when a bucket with other nodes comes: layers of one segment share a
+    column, whose NICs the bucket before has just freed, all at once."""
+
+    def __init__(self) -> None:
+        self.free: dict[int, float] = {}
+        self.last: Column | None = None  # the last bucket with a cross-node part, its NICs not yet written
+        self.done = 0.0  # when it freed them
+
+    def bucket(self, col: Column, begin: float) -> float:
+        """End (s) of one bucket that may begin at `begin`: the intra-node half, the cross-node part once its NICs
+        are free (which it then holds), the other intra-node half."""
+        across = begin + col[0] / 2
+        if col[2]:
+            if col is self.last:
+                if self.done > across:
+                    across = self.done
+            else:
+                free = self.free
+                if self.last is not None:
+                    for n in self.last[2]:
+                        free[n] = self.done
+                for n in col[2]:
+                    wait = free.get(n, 0.0)
+                    if wait > across:
+                        across = wait
+                self.last = col
+            self.done = across + col[1]
+            return self.done + col[0] / 2
+        return across + col[1] + col[0] / 2
 
 
 def _load(nic: dict[int, float], col: Column) -> None:

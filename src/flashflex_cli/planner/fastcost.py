@@ -43,6 +43,7 @@ class CostCache:
         self.stage_terms: dict[tuple, tuple[float, float, int]] = {}  # pipeline.evaluate_pipeline's per-stage memo
         self.dp_rows: dict[object, tuple] = {}  # dp_score: per-pipeline layer terms and bucket columns
         self._cap: list[float] | None = None
+        self._cap_rows: dict[tuple[int, float], list[int | None]] = {}
         grad = params.grad_reduce_bytes  # what the DP all-reduce moves per element, as cost/dp.py
         self.layer_grad_bytes = float(layer_params(model) * grad)
         self.embed_grad_bytes = float(embedding_params(model) * grad)
@@ -135,6 +136,22 @@ class CostCache:
             n += 1
         self._fit[(tp, first, last, in_flight, capacity)] = n
         return n
+
+    def cap_row(self, tp: int, capacity: float) -> list[int | None]:
+        """A middle stage's `max_layers(tp, False, False, f, capacity)` at index f (in-flight micro-batches,
+        1..L), filled on demand by `middle_cap`: one shared list per (degree, capacity bytes)."""
+        key = (tp, capacity)
+        row = self._cap_rows.get(key)
+        if row is None:
+            row = self._cap_rows[key] = [None] * (self.model.num_layers + 1)
+        return row
+
+    def middle_cap(self, row: list[int | None], tp: int, capacity: float, in_flight: int) -> int:
+        """`row[in_flight]` of `cap_row(tp, capacity)`, computed (`max_layers`) and stored when missing."""
+        found = row[in_flight]
+        if found is None:
+            found = row[in_flight] = self.max_layers(tp, False, False, in_flight, capacity)
+        return found
 
     def stage_bytes_breakdown(self, tp: int, layers: int, first: bool, last: bool, in_flight: int):  # noqa: ANN201
         """The cost model's MemoryBreakdown of a stage (bytes per device)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -137,52 +138,57 @@ class DeviceGraph:
 
     def _build_csr(self) -> tuple[list[int], list[int], list[int]]:
         """(xadj, adjncy, eweights) of the METIS graph (see module docstring); integer weights >= 1."""
-        node, local = self.node, self.local
+        node_of, local = self.node_list, self.local_list
         by_node: dict[int, list[int]] = {}
-        for i in range(self.size):
-            by_node.setdefault(int(node[i]), []).append(i)
         by_local: dict[int, list[int]] = {}
         for i in range(self.size):
-            by_local.setdefault(int(local[i]), []).append(i)
+            by_node.setdefault(node_of[i], []).append(i)
+            by_local.setdefault(local[i], []).append(i)
         finite = self.node_bw[np.isfinite(self.node_bw)]
         scale = float(finite.min()) if finite.size else 1.0
+        # the weight of an edge between a device of node a and one of node b (the same values as Python scalars)
+        table = [[max(1, int(round(100 * (bw if math.isfinite(bw) else scale * 1e4) / scale))) for bw in row]
+                 for row in self.node_bw_rows]
         xadj, adjncy, weights = [0], [], []
-        node_of, rows = self.node_list, self.node_bw_rows  # the same values as Python scalars
         for i in range(self.size):
             a = node_of[i]
-            neighbours = [j for j in by_node[a] if j != i] + [j for j in by_local[int(local[i])] if node_of[j] != a]
-            for j in neighbours:
-                bw = rows[a][node_of[j]]
-                bw = bw if math.isfinite(bw) else scale * 1e4
-                adjncy.append(j)
-                weights.append(max(1, int(round(100 * bw / scale))))
+            neighbours = [j for j in by_node[a] if j != i] + [j for j in by_local[local[i]] if node_of[j] != a]
+            adjncy.extend(neighbours)
+            row = table[a]
+            weights.extend([row[node_of[j]] for j in neighbours])
             xadj.append(len(adjncy))
         return xadj, adjncy, weights
 
     @cached_property
-    def _sub_csr_memo(self) -> dict[tuple[int, ...], tuple[list[int], list[int], list[int], list[int]]]:
+    def _csr_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return tuple(np.asarray(x, dtype=np.int64) for x in self.csr())  # type: ignore[return-value]
+
+    @cached_property
+    def _sub_csr_memo(self) -> dict[tuple[int, ...], tuple[array, array, array, array]]:
         return {}
 
-    def sub_csr(self, active: tuple[int, ...]) -> tuple[list[int], list[int], list[int], list[int]]:
+    def sub_csr(self, active: tuple[int, ...]) -> tuple[array, array, array, array]:
         """(xadj, adjncy, eweights, vweights) of the METIS graph restricted to the `active` vertices
-        (renumbered 0.. in the order given); memoised per active set (every k partitions the same one)."""
+        (renumbered 0.. in the order given), as int64 arrays (pymetis reads them without a conversion);
+        memoised per active set (every k partitions the same one)."""
         memo = self._sub_csr_memo
         hit = memo.get(active)
         if hit is None:
-            xadj_full, adjncy_full, weights_full = self.csr()
-            position = {v: n for n, v in enumerate(active)}
-            xadj, adjncy, weights = [0], [], []
-            for v in active:
-                for e in range(xadj_full[v], xadj_full[v + 1]):
-                    u = position.get(adjncy_full[e])
-                    if u is not None:
-                        adjncy.append(u)
-                        weights.append(weights_full[e])
-                xadj.append(len(adjncy))
-            weights_all = self.compute_weights()
-            hit = (xadj, adjncy, weights, [weights_all[v] for v in active])
-            memo[active] = hit
-        return hit
+            xadj_full, adjncy_full, weights_full = self._csr_arrays
+            chosen = np.asarray(active, dtype=np.int64)
+            position = np.full(self.size, -1, dtype=np.int64)
+            position[chosen] = np.arange(len(active))
+            # every edge of the chosen vertices, vertex by vertex in the order given, edges in CSR order
+            starts, lengths = xadj_full[chosen], xadj_full[chosen + 1] - xadj_full[chosen]
+            before = np.concatenate(([0], np.cumsum(lengths)))
+            edges = np.repeat(starts - before[:-1], lengths) + np.arange(before[-1])
+            ends = position[adjncy_full[edges]]
+            kept = ends >= 0  # the other end is chosen too
+            xadj = np.concatenate(([0], np.cumsum(kept)))[before]
+            vweights = np.asarray(self.compute_weights(), dtype=np.int64)[chosen]
+            hit = tuple(_int64(x) for x in (xadj, ends[kept], weights_full[edges][kept], vweights))
+            memo[active] = hit  # type: ignore[assignment]
+        return hit  # type: ignore[return-value]
 
     @cached_property
     def _weights(self) -> list[int]:
@@ -192,3 +198,10 @@ class DeviceGraph:
     def compute_weights(self) -> list[int]:
         """Vertex weights for METIS: FLOP/s scaled so the fastest device weighs 1000; each >= 1."""
         return self._weights
+
+
+def _int64(values: np.ndarray) -> array:
+    """A numpy integer vector as a Python int64 `array` (its buffer read as is)."""
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(values, dtype=np.int64).tobytes())
+    return out

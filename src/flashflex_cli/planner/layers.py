@@ -51,20 +51,21 @@ def split_layers(
     floor, scale = math.floor, 1 + _EPS
     terms = list(zip(t, e, c, strict=True))
     while True:  # _room inlined (the planner's hottest loop): the room at `limit`, and the next breakpoint
-        room, step = 0, math.inf
+        room, step, caps = 0, math.inf, []  # caps: each stage's room at `limit`
         for ts, es, cs in terms:
             n = floor((limit - es) / ts * scale + 1e-9)
             if n < cs:
                 room += n
+                caps.append(n)
                 nxt = (n + 1) * ts + es
                 if nxt < step:
                     step = nxt
             else:
                 room += cs
+                caps.append(cs)
         if room >= num_layers:
             break
         limit = step
-    caps = [n if (n := floor((limit - es) / ts * scale + 1e-9)) < cs else cs for ts, es, cs in terms]
     counts = [1] * stages
     left = num_layers - stages
     for s in sorted(range(stages), key=t.__getitem__):  # stable: ties in stage order

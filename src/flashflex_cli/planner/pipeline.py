@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -39,10 +39,15 @@ class PipeEval:
         """Number of stages."""
         return len(self.stages)
 
-    @property
+    @cached_property
     def devices(self) -> tuple[int, ...]:
         """Every device of the pipeline in stage order."""
         return tuple(i for stage in self.stages for i in stage)
+
+    @cached_property
+    def first_device(self) -> int:
+        """The pipeline's smallest device index (candidates order their pipelines by it)."""
+        return min(min(stage) for stage in self.stages)
 
 
 _INFEASIBLE = float("inf")
@@ -89,15 +94,18 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...],
 
 
 def evaluate_unless(cache: CostCache, stages: tuple[Devs, ...], links: Callable[[], list[float]],
-                    skip: Callable[[float, float, int], bool]) -> PipeEval | None:
+                    skip: Callable[[float, float, int], bool],
+                    terms: tuple[list[float], list[float], list[int]] | None = None) -> PipeEval | None:
     """`evaluate_pipeline`, or None (nothing memoised) when `skip(pace_low, fill, stages)` says so once the layer
     split is known: `fill` is the exact fill (seconds) and `pace_low` a lower bound on the pace (its slowest
     stage and adjacent pairs of stages, the windows of at most two stages of `window_pace`), so a caller that
-    only wants pipelines below some cost learns early that this one is not (the window search is skipped)."""
-    found = _memoised(cache, stages)
-    if isinstance(found, PipeEval):
-        return found
-    return _finish(cache, stages, found, *_terms(cache, stages), links, skip)
+    only wants pipelines below some cost learns early that this one is not (the window search is skipped).
+    `terms`: `_terms(cache, stages)` where the caller has them."""
+    hit = cache.pipe_memo.get(tuple(stages))
+    if hit is not None:
+        return hit  # type: ignore[return-value]
+    # the shape memo is consulted only for a pipeline not skipped (the figures are the same either way)
+    return _finish(cache, stages, None, *(terms or _terms(cache, stages)), links, skip)
 
 
 def _memoised(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval | tuple:
@@ -142,11 +150,12 @@ def _terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float], lis
     return [row[0] for row in rows], [row[1] for row in rows], [row[2] for row in rows]
 
 
-def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple, per_layer: list[float], extra: list[float],
-            caps: list[int], known_links: Callable[[], list[float]] | None = None,
+def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per_layer: list[float],
+            extra: list[float], caps: list[int], known_links: Callable[[], list[float]] | None = None,
             skip: Callable[[float, float, int], bool] | None = None) -> PipeEval | None:
-    """The layer split and figures of `stages` from its stage terms; memoised by devices and by `shape`
-    (None, memoised nowhere, when `skip` says so: see `evaluate_unless`)."""
+    """The layer split and figures of `stages` from its stage terms; memoised by devices and by `shape` (None:
+    looked up first when not skipped, see `_memoised`); None, memoised nowhere, when `skip` says so (see
+    `evaluate_unless`)."""
     count = len(stages)
     split = split_layers(per_layer, extra, caps, cache.model.num_layers)
     if split is None:
@@ -165,6 +174,11 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple, per_layer:
                     low = pair
             if skip(low, fill, count):
                 return None
+        if shape is None:
+            found = _memoised(cache, stages)
+            if isinstance(found, PipeEval):
+                return found
+            shape = found
         if count > 1 and hops > 0:
             pace = window_pace(times, links)
         grad = cache.layer_grad_bytes
@@ -174,6 +188,11 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple, per_layer:
         shard = max(0.0, max([size / len(devs) for size, devs in zip(sizes, stages, strict=True)]))
         whole = max(0.0, max(sizes))
         hit = PipeEval(tuple(stages), tuple(split), pace, fill, shard, True, whole)
+    if shape is None:  # infeasible, not looked up yet
+        found = _memoised(cache, stages)
+        if isinstance(found, PipeEval):
+            return found
+        shape = found
     cache.pipe_memo[tuple(stages)] = hit
     cache.shape_memo[shape] = hit
     return hit

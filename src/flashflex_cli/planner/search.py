@@ -26,6 +26,7 @@ finish far inside their budgets.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -50,6 +51,9 @@ STRATEGIES = ("flashflex", "uniform", "exhaustive")
 FINALISTS = 6
 REFINED = 2
 PHASE2_KS = 3
+DENSE_KS = 16  # every k up to this; beyond it, steps of about x1.5 (the tail)
+TAIL_BATCH = 2  # tail k values searched together (whatever the number of workers: the result does not depend on it)
+TAIL_STOP = 2.0  # the tail stops after a batch whose best candidate is this many times slower than the best so far
 
 
 class SearchStats:
@@ -63,33 +67,50 @@ class SearchStats:
 
 
 def pipeline_counts(cache: CostCache, total_micro: int, devices: int | None = None) -> list[int]:
-    """k values to try for `devices` devices (default all): every k up to 16, then about x1.5 steps, up
-    to what memory and the batch allow."""
+    """k values to try for `devices` devices (default all): every k up to `DENSE_KS`, then about x1.5 steps, up
+    to what memory (at least the devices whose usable memory can hold the model's state, each pipeline) and the
+    batch allow."""
     g = cache.graph
     need = model_state_bytes(cache)
     biggest = max(cache.capacity((i,)) - cache.params.memory_reserve_bytes for i in range(g.size))
-    fewest = max(1, int(need // max(biggest, 1.0)))  # devices one pipeline needs at least
+    fewest = max(1, math.ceil(need / max(biggest, 1.0)))  # devices one pipeline needs at least
     top = max(1, min((devices or g.size) // fewest, total_micro))
     ks, k = [], 1
     while k <= top:
         ks.append(k)
-        k = k + 1 if k < 16 else int(k * 1.5)
+        k = k + 1 if k < DENSE_KS else int(k * 1.5)
     return ks
 
 
-def _collect(pool: SearchPool, total_micro: int, seed: int, deadline: float, stats: SearchStats) -> list[Candidate]:
-    """Phase 1: every k on the whole cluster. Phase 2: the subsets without the slowest kinds of device,
-    for the k values near the best phase-1 candidates (scaled to the subset's size). Every (k, devices)
-    is one unit of `pool`; results are merged in the units' order."""
+def _collect(pool: SearchPool, total_micro: int, seed: int, deadline: float, stats: SearchStats,
+             whole_tail: bool = False) -> list[Candidate]:
+    """Phase 1: every k on the whole cluster up to `DENSE_KS`, then the tail's k values `TAIL_BATCH` at a time
+    until a batch's best candidate is `TAIL_STOP` times slower than the best found (more, smaller pipelines only
+    add data-parallel traffic from there; `whole_tail`: the whole tail). Phase 2: the subsets without the
+    slowest kinds of device, for the k values near the best phase-1 candidates (scaled to the subset's size).
+    Every (k, devices) is one unit of `pool`; results are merged in the units' order."""
     cache = pool.cache
     g = cache.graph
     found: list[Candidate] = []
     subsets = device_subsets(g)
     full = tuple(subsets[0])
     ks = pipeline_counts(cache, total_micro, len(full))
-    units = [(total_micro, seed, k, full, deadline, n > 0) for n, k in enumerate(ks)]
+    dense = [k for k in ks if k <= DENSE_KS]
+    units = [(total_micro, seed, k, full, deadline, n > 0) for n, k in enumerate(dense)]
     if _merge(cache, units, pool.map(_unit, units), found, stats):
         return found
+    tail = ks[len(dense):]
+    for start in range(0, len(tail), TAIL_BATCH):
+        units = [(total_micro, seed, k, full, deadline, True) for k in tail[start:start + TAIL_BATCH]]
+        before = min((c.score_s for c in found), default=float("inf"))
+        seen = {c.signature() for c in found}
+        count = len(found)
+        if _merge(cache, units, pool.map(_unit, units), found, stats):
+            return found
+        # (a partition repeated at a larger k, e.g. striped past the devices per node, is not news)
+        best = min((c.score_s for c in found[count:] if c.signature() not in seen), default=float("inf"))
+        if not whole_tail and best >= TAIL_STOP * before:
+            break
     best_ks = []
     for cand in sorted(found, key=lambda c: (c.score_s, c.signature())):
         if len(cand.pipes) not in best_ks:
@@ -346,5 +367,5 @@ def scored_candidates(cluster: Cluster, model: ModelSpec, train: TrainConfig, se
     check_feasible(cache, total)
     resplit, _ = _uniform_seeds(cache, total)
     with SearchPool(cache, 1) as pool:
-        found = _collect(pool, total, seed, float("inf"), SearchStats())
+        found = _collect(pool, total, seed, float("inf"), SearchStats(), whole_tail=True)
     return cache, _ranked(found + resplit)

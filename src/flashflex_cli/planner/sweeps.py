@@ -38,11 +38,17 @@ class Kept:
             run = piece.summary
             if run.fastest > cut:
                 continue
-            if run.slowest < cut:  # kept whole
-                kept: range | list[int] = range(run.count)
-                count, inverse, total, hops, pace, fastest = _plus((count, inverse, total, hops, pace, fastest), run)
+            if run.slowest < cut:  # kept whole: its summary (`_plus`, inlined: the hot path)
+                count += run.count
+                inverse += run.inverse
+                total += run.total
+                hops += run.hops
+                pace = max(pace, run.slowest, run.pair)
+                if run.fastest < fastest:
+                    fastest = run.fastest
+                head, tail = (piece.stages[0], run.first_t, piece), (piece.stages[-1], run.last_t, piece)
             else:
-                kept = []
+                kept: list[int] = []
                 for i, t in enumerate(piece.speeds):
                     if t < cut or (t == cut and room > 0):
                         room -= t == cut
@@ -61,15 +67,16 @@ class Kept:
                         p = piece.links[before] if before == i - 1 else p2p(piece.stages[before], piece.stages[i])
                         hops += p
                         pace = max(pace, (piece.speeds[before] + t + 2.0 * p) / 2.0)
-            head = (piece.stages[kept[0]], piece.speeds[kept[0]], piece if kept[0] == 0 else None)
+                start, end = kept[0], kept[-1]
+                head = (piece.stages[start], piece.speeds[start], piece if start == 0 else None)
+                tail = (piece.stages[end], piece.speeds[end], piece if end == run.count - 1 else None)
             if last is None:
                 first = head
             else:
                 p = link(cache, last, head)
                 hops += p
                 pace = max(pace, (last[1] + head[1] + 2.0 * p) / 2.0)
-            end = kept[-1]
-            last = (piece.stages[end], piece.speeds[end], piece if end == run.count - 1 else None)
+            last = tail
         self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
             count, inverse, total, hops, pace, fastest
         self.first, self.last, self.room = first, last, room
@@ -142,6 +149,13 @@ class Totals:
         self.trials = trials
         self.pieces = pieces = [trials.piece(b, sizes[b]) for b in range(len(trials.blocks))]
         self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = _summed(pieces)
+        self._cut_room: tuple[float, int] | None = None
+
+    def cut_room(self) -> tuple[float, int]:
+        """`Trials.cut_room` of these pieces (order-free), computed once."""
+        if self._cut_room is None:
+            self._cut_room = self.trials.cut_room(self.pieces)
+        return self._cut_room
 
     def bound(self, order: tuple[int, ...]) -> float:
         """`Trials._bound` of these sizes in block order `order` (at most as many stages as layers)."""
@@ -187,18 +201,17 @@ class UnitBounds:
                 pace = max(pace, (pieces[k].summary.last_t + pieces[k + 1].summary.first_t + 2.0 * p) / 2.0)
         self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
             count, inverse, total, hops, pace, fastest
-        self.speeds: list[float] | None = None  # the other pieces' per-layer seconds, for dropped stages
+        self.speeds: list[float] | None = None  # the other pieces' per-layer seconds, sorted, for dropped stages
         self.kept: dict[tuple[int, float, int], Kept] = {}  # `_side` by (side, cut speed, room)
 
-    def bounds(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keys: list[tuple]
-               ) -> list[float]:
-        """The bound of each trial (`keys`: their `Trials.key`s; memoised in the Trials object, as
-        `Trials.bound`)."""
+    def bounds(self, options: list[tuple[int, ...]], keys: list[tuple]) -> list[float]:
+        """The bound of the trial with each of `options` as the block's group sizes (`keys`: their `Trials.key`s;
+        memoised in the Trials object, as `Trials.bound`)."""
         owner = self.trials
         cache = owner.cache
-        layers, last = cache.model.num_layers, len(self.pieces) - 1
-        return owner.memo_bounds(trials, keys, lambda sizes, _order, key: self._one(
-            owner.piece(self.block, sizes[self.block]), key, sizes, cache, layers, last))
+        layers, last, block = cache.model.num_layers, len(self.pieces) - 1, self.block
+        return owner.memo_bounds(options, keys, lambda option, _key: self._one(
+            owner.piece(block, option), cache, layers, last))
 
     def _dropped(self, piece: Piece, layers: int) -> float:
         """`Trials._dropped_bound` of the trial with `piece` at the block's place: the kept stages before and
@@ -207,12 +220,17 @@ class UnitBounds:
         if layers > owner.max_stages:
             return INFEASIBLE
         if self.speeds is None:
-            self.speeds = [t for k, other in enumerate(self.pieces) if k != self.at for t in other.speeds]
-        speed = sorted(self.speeds + list(piece.speeds))
-        cut = speed[layers - 1]
-        before = self._side(0, cut, layers - bisect_left(speed, cut))
-        middle = Kept(owner.cache, [piece], cut, before.room)
-        return before.bound(owner, middle, self._side(1, cut, middle.room))
+            self.speeds = sorted([t for k, other in enumerate(self.pieces) if k != self.at for t in other.speeds])
+        # the layers-th smallest per-layer time of all stages lies among the other pieces' `layers` smallest and
+        # this piece's; the stages faster than it: the others' (bisect) and this piece's
+        cut = sorted(self.speeds[:layers] + list(piece.speeds))[layers - 1]
+        faster = bisect_left(self.speeds, cut) + sum(1 for t in piece.speeds if t < cut)
+        before = self._side(0, cut, layers - faster)
+        run = piece.summary
+        if run.fastest > cut:  # none of its stages kept
+            return before.bound(owner, self._side(1, cut, before.room))
+        middle = owner.whole(piece) if run.slowest < cut else Kept(owner.cache, [piece], cut, before.room)
+        return before.bound(owner, middle, self._side(1, cut, before.room if run.slowest < cut else middle.room))
 
     def _side(self, side: int, cut: float, room: int) -> Kept:
         """The kept stages of the pieces before (side 0) or after (side 1) the block's place (memoised)."""
@@ -223,8 +241,7 @@ class UnitBounds:
             found = self.kept[key] = Kept(self.trials.cache, pieces, cut, room)
         return found
 
-    def _one(self, piece: Piece, key: tuple, sizes: dict[int, tuple[int, ...]], cache: CostCache, layers: int,
-             last: int) -> float:
+    def _one(self, piece: Piece, cache: CostCache, layers: int, last: int) -> float:
         owner, at, pieces = self.trials, self.at, self.pieces
         run = piece.summary
         count = self.count + run.count

@@ -19,6 +19,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .bounds import INFEASIBLE, Summary, cannot_beat, runs_lower_bound
 from .fastcost import CostCache, Devs
@@ -26,6 +27,7 @@ from .pipeline import PipeEval, evaluate_pipeline, evaluate_unless
 from .sweeps import Kept, Totals, UnitBounds
 
 Block = tuple[int, list[int]]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class Piece:
     speeds: tuple[float, ...]
     links: tuple[float, ...]
     summary: Summary
+    groups: tuple[tuple[list[int | None], int, float], ...]  # per stage: `CostCache.cap_row`, degree, capacity
+    embed_s: float  # the embedding's seconds on its first stage, the head's on its last
+    head_s: float
     serial: int  # its number among the cache's pieces (`CostCache.pieces`), the key of its joins
 
 
@@ -49,6 +54,7 @@ class Trials:
         self._pieces: list[dict[tuple[int, ...], Piece]] = [{} for _ in blocks]  # by block, by group sizes
         self._seen: dict[tuple, tuple[float, PipeEval]] = {}
         self._bounds: dict[tuple, float] = {}
+        self._whole: dict[int, Kept] = {}  # `whole` by piece serial
 
     def piece(self, block: int, sizes: tuple[int, ...]) -> Piece:
         """Block `block` (position in `blocks`) cut into consecutive groups of `sizes` (local-index order)."""
@@ -73,10 +79,12 @@ class Trials:
             shape = (cache.stage_key(whole[0]), cache.graph.node_bw_rows[node][node], sizes)
             known = cache.piece_memo.get(shape)
             if known is None:
-                stage, p2p = cache.stage, cache.p2p
+                stage, p2p, capacity = cache.stage, cache.p2p, cache.capacity
                 speeds = tuple(stage(st).layer_s for st in parts)
                 links = tuple(p2p(parts[j], parts[j + 1]) for j in range(len(parts) - 1))
-                known = cache.piece_memo[shape] = (speeds, links, Summary.of(speeds, links))
+                groups = tuple((cache.cap_row(len(st), capacity(st)), len(st), capacity(st)) for st in parts)
+                known = cache.piece_memo[shape] = (speeds, links, Summary.of(speeds, links), groups,
+                                                   stage(parts[0]).embed_s, stage(parts[-1]).head_s)
             found = cache.pieces[whole] = Piece(tuple(parts), *known, len(cache.pieces))
         return found  # type: ignore[return-value]
 
@@ -162,12 +170,38 @@ class Trials:
             low.append((fill + (m - 1) * pace) / m)
             return cannot_beat(low[0], limit)
 
-        pipe = evaluate_unless(self.cache, stages, lambda: self._links(pieces, stages, keep), skip)
+        terms = None if keep is not None else self._terms(pieces, len(stages))
+        pipe = evaluate_unless(self.cache, stages, lambda: self._links(pieces, stages, keep), skip, terms)
         if pipe is None:
             self._bounds[key] = low[0]
             return float("inf")
         hit = self._seen[key] = (amortised(pipe, micro, most), pipe)
         return hit[0]
+
+    def _terms(self, pieces: list[Piece], count: int) -> tuple[list[float], list[float], list[int]]:
+        """`pipeline._terms` of the stages of `pieces` (all kept, `count` of them) from the pieces' figures."""
+        cache = self.cache
+        per_layer: list[float] = []
+        caps: list[int] = []
+        in_flight = count
+        for piece in pieces:
+            per_layer.extend(piece.speeds)
+            for row, tp, capacity in piece.groups:
+                found = row[in_flight]
+                caps.append(cache.middle_cap(row, tp, capacity, in_flight) if found is None else found)
+                in_flight -= 1
+        extra = [0.0] * count
+        first, last = pieces[0], pieces[-1]
+        _, tp, capacity = first.groups[0]
+        if count == 1:
+            extra[0] = first.embed_s + last.head_s
+            caps[0] = cache.max_layers(tp, True, True, 1, capacity)
+        else:
+            extra[0], extra[-1] = first.embed_s, last.head_s
+            caps[0] = cache.max_layers(tp, True, False, count, capacity)
+            _, tp, capacity = last.groups[-1]
+            caps[-1] = cache.max_layers(tp, False, True, 1, capacity)
+        return per_layer, extra, caps
 
     @staticmethod
     def key(sizes: dict[int, tuple[int, ...]], order: tuple[int, ...]) -> tuple:
@@ -199,15 +233,30 @@ class Trials:
                                     self.max_stages)
         return self._dropped_bound(pieces)
 
-    def _dropped_bound(self, pieces: list[Piece]) -> float:
+    def _dropped_bound(self, pieces: list[Piece], cut_room: tuple[float, int] | None = None) -> float:
         """`bounds.stages_lower_bound` of the stages kept when the slowest are dropped (as `_assemble` keeps
-        them: the L fastest, ties to the earlier), summed piece by piece (`Kept`)."""
+        them: the L fastest, ties to the earlier), summed piece by piece (`Kept`). `cut_room`: `cut_room(pieces)`
+        where the caller has it (it does not depend on the pieces' order)."""
         layers = self.cache.model.num_layers
         if layers > self.max_stages:
             return INFEASIBLE
+        cut, room = cut_room or self.cut_room(pieces)
+        return Kept(self.cache, pieces, cut, room).bound(self)
+
+    def whole(self, piece: Piece) -> Kept:
+        """`Kept` of `piece` alone when every stage of it is kept (the same whatever the cut speed; memoised)."""
+        found = self._whole.get(piece.serial)
+        if found is None:
+            found = self._whole[piece.serial] = Kept(self.cache, [piece], float("inf"), 0)
+        return found
+
+    def cut_room(self, pieces: Sequence[Piece]) -> tuple[float, int]:
+        """The per-layer seconds of the L-th fastest stage of `pieces` (L layers) and how many stages at exactly
+        that speed are kept (the L fastest, ties to the earlier)."""
+        layers = self.cache.model.num_layers
         speed = sorted([t for piece in pieces for t in piece.speeds])
         cut = speed[layers - 1]
-        return Kept(self.cache, pieces, cut, layers - bisect_left(speed, cut)).bound(self)
+        return cut, layers - bisect_left(speed, cut)
 
     def _bounds_of(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keys: list[tuple]
                    ) -> list[float]:
@@ -216,28 +265,31 @@ class Trials:
         totals: dict[int, Totals] = {}
         layers = self.cache.model.num_layers
 
-        def compute(sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], key: tuple) -> float:
+        def compute(trial: tuple[dict[int, tuple[int, ...]], tuple[int, ...]], key: tuple) -> float:
+            sizes, order = trial
             found = totals.get(id(sizes))
             if found is None:
                 found = totals[id(sizes)] = Totals(self, sizes)
-            return found.bound(order) if found.count <= layers else self._bound(key, sizes, order)
+            if found.count <= layers:
+                return found.bound(order)
+            return self._dropped_bound([found.pieces[b] for b in order], found.cut_room())
 
         return self.memo_bounds(trials, keys, compute)
 
-    def memo_bounds(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keys: list[tuple],
-                    compute: Callable[[dict[int, tuple[int, ...]], tuple[int, ...], tuple], float]) -> list[float]:
+    def memo_bounds(self, trials: Sequence[T], keys: list[tuple], compute: Callable[[T, tuple], float]
+                    ) -> list[float]:
         """Each trial's bound (`keys`: their `key`s): its exact cost when already evaluated, else its memoised
-        bound, else `compute(sizes, order, key)`, memoised."""
+        bound, else `compute(trial, key)`, memoised (a trial: whatever `compute` needs to tell it apart)."""
         seen, memo = self._seen, self._bounds
         out: list[float] = []
-        for (sizes, order), key in zip(trials, keys, strict=True):
+        for trial, key in zip(trials, keys, strict=True):
             hit = seen.get(key)
             if hit is not None:
                 out.append(hit[0])
                 continue
             known = memo.get(key)
             if known is None:
-                known = memo[key] = compute(sizes, order, key)
+                known = memo[key] = compute(trial, key)
             out.append(known)
         return out
 
@@ -245,12 +297,15 @@ class Trials:
                     options: list[tuple[int, ...]], bar: float) -> list[tuple[float, dict[int, tuple[int, ...]]]]:
         """`ranked` (keep 1) of the trials that give block `block` each of `options` in the trial (`sizes`,
         `order`), as (cost, sizes); their bounds come from the other blocks' totals, summed once."""
-        trials = [({**sizes, block: option}, order) for option in options]
-        keys = [(tuple(trial.items()), order) for trial, _ in trials]
-        bounds = UnitBounds(self, sizes, order, block).bounds(trials, keys)
+        items = tuple(sizes.items())
+        at = list(sizes).index(block)
+        head, tail = items[:at], items[at + 1:]
+        keys = [(head + ((block, option),) + tail, order) for option in options]  # `key`, without a dict each
+        bounds = UnitBounds(self, sizes, order, block).bounds(options, keys)
+        trials = _OptionTrials(sizes, order, block, options)
         return [(value, trials[j][0]) for value, j in self.ranked(trials, 1, bar, bounds, keys)]
 
-    def ranked(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keep: int, bar: float,
+    def ranked(self, trials: Sequence[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keep: int, bar: float,
                bounds: list[float] | None = None, keys: list[tuple] | None = None) -> list[tuple[float, int]]:
         """The `keep` best trials strictly below `bar` as (cost, position), by (cost, position).
 
@@ -264,7 +319,7 @@ class Trials:
             bounds = self._bounds_of(trials, keys)
         found: list[tuple[float, int]] = []
         inf = float("inf")
-        for j in sorted(range(len(trials)), key=lambda j: (bounds[j], j)):
+        for j in sorted(range(len(trials)), key=bounds.__getitem__):  # stable: ties in position order
             limit = found[keep - 1][0] if len(found) >= keep else bar
             if limit < inf:  # (with nothing below inf yet, every trial is evaluated: `search._nothing_fits` reads them)
                 if cannot_beat(bounds[j], limit):
@@ -275,6 +330,21 @@ class Trials:
                 found.append((value, j))
                 found.sort()
         return found[:keep]
+
+
+class _OptionTrials(Sequence[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]]):
+    """The trials of a unit sweep, (sizes, order) with block `block` at each of `options`, each dict built only
+    when asked for (most are bounded away without one)."""
+
+    def __init__(self, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], block: int,
+                 options: list[tuple[int, ...]]) -> None:
+        self.sizes, self.order, self.block, self.options = sizes, order, block, options
+
+    def __len__(self) -> int:
+        return len(self.options)
+
+    def __getitem__(self, j: int) -> tuple[dict[int, tuple[int, ...]], tuple[int, ...]]:  # type: ignore[override]
+        return {**self.sizes, self.block: self.options[j]}, self.order
 
 
 def _kept(speed: list[float], layers: int) -> list[int]:

@@ -153,12 +153,13 @@ def test_pipeline_counts_leave_each_pipeline_the_memory_for_the_model_state() ->
     assert pipeline_counts(cache, 1024) == list(range(1, 9))
 
 
-def test_the_tail_of_pipeline_counts_stops_where_it_cannot_pay_and_goes_on_where_it_does(
+def test_pipeline_counts_past_the_sure_ones_stop_where_they_cannot_pay_and_go_on_where_they_do(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Beyond DENSE_KS pipelines, k grows in batches of TAIL_BATCH until a batch's best new candidate is TAIL_STOP
-    times slower than the best found. llama2-7b on 128 mixed devices: the batch of 24 and 36 pipelines is far
-    slower, so 54 is not searched, and the whole tail finds nothing better. llama-tiny on 64 H100s: the tail pays
-    (the plan runs more than DENSE_KS pipelines), so every tail k is searched."""
+    """Past SURE_KS pipelines, k grows TAIL_BATCH at a time until a batch's best new candidate is TAIL_STOP times
+    slower than the best found. llama2-7b on 128 mixed devices: 9 and 10 pipelines are far slower, so 11..54 are
+    left out, and the whole search finds nothing better: the same plan (the idle devices' reasons compare with
+    the candidates scored, so they are left out of the comparison). llama-tiny on 64 H100s: more pipelines pay
+    (the plan runs more than DENSE_KS), so every k is searched."""
     from flashflex_cli.cost.params import CostParams
     from flashflex_cli.planner import search
     from flashflex_cli.planner.fastcost import CostCache
@@ -172,18 +173,28 @@ def test_the_tail_of_pipeline_counts_stops_where_it_cannot_pay_and_goes_on_where
             * 4).rstrip(",")
     cluster, train = build_cluster(spec), TrainConfig(global_batch=256, seq_len=4096)
     cache = CostCache(DeviceGraph(cluster, train.dtype), PRESETS["llama2-7b"], train, CostParams())
-    assert [k for k in search.pipeline_counts(cache, 256) if k > search.DENSE_KS] == [24, 36, 54]
+    ks = search.pipeline_counts(cache, 256)
+    assert ks == [*range(1, search.DENSE_KS + 1), 24, 36, 54]
     found = {}
-    for whole in (True, False):
+    for every in (True, False):
         ran.clear()
         with SearchPool(cache, 1) as pool:
-            cands = search._collect(pool, 256, 0, float("inf"), search.SearchStats(), whole_tail=whole)
-        found[whole] = (list(ran), min(c.score_s for c in cands))
-    assert 54 in found[True][0] and 54 not in found[False][0] and {24, 36} <= set(found[False][0])
+            cands = search._collect(pool, 256, 0, float("inf"), search.SearchStats(), every_k=every)
+        found[every] = (ran[:ran.index(1, 1)], min(c.score_s for c in cands))  # (phase 2 starts again at k = 1)
+    assert found[True][0] == ks and found[False][0] == list(range(1, 11))
     assert found[False][1] == found[True][1]
 
+    def layout(plan: Plan) -> list:
+        return [[(s.devices, s.layers) for s in p.stages] + [p.num_micro_batches] for p in plan.pipelines]
+
+    plan = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=600)
+    monkeypatch.setattr(search, "TAIL_STOP", float("inf"))
+    every = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=600)
+    assert layout(plan) == layout(every) and plan.predicted == every.predicted
+
     ran.clear()
-    small = plan_layout(build_cluster("8x8xH100-SXM:nic=ib"), PRESETS["llama-tiny"],
-                        TrainConfig(global_batch=512, seq_len=512), time_budget_s=600)
+    cluster, train = build_cluster("8x8xH100-SXM:nic=ib"), TrainConfig(global_batch=512, seq_len=512)
+    small = plan_layout(cluster, PRESETS["llama-tiny"], train, time_budget_s=600)
     assert len(small.pipelines) > search.DENSE_KS
-    assert {24, 36, 54} <= set(ran)
+    cache = CostCache(DeviceGraph(cluster, train.dtype), PRESETS["llama-tiny"], train, CostParams())
+    assert set(search.pipeline_counts(cache, 512)) <= set(ran) and max(ran) > search.DENSE_KS

@@ -1,7 +1,8 @@
 """`plan_layout`: the planner's entry point, one code path for every strategy.
 
 flashflex (default): for the whole cluster and for subsets without its slowest kinds of device
-(`partition.device_subsets`), for k = 1, 2, ... pipelines (up to what memory and the batch allow), each
+(`partition.device_subsets`), for k = 1, 2, ... pipelines (up to what memory and the batch allow; on the whole
+cluster, k past `SURE_KS` only while it may pay: `_collect`), each
 level-1 partition (`partition.generators`: pymetis, contiguous, typed, striped) is turned into pipelines
 by level 2
 (`stages.best_pipeline`: TP degrees per node class, stage order, exact layer split) and the batch is
@@ -51,9 +52,10 @@ STRATEGIES = ("flashflex", "uniform", "exhaustive")
 FINALISTS = 6
 REFINED = 2
 PHASE2_KS = 3
-DENSE_KS = 16  # every k up to this; beyond it, steps of about x1.5 (the tail)
+DENSE_KS = 16  # every k up to this, then steps of about x1.5
+SURE_KS = 8  # k values up to this are always searched; larger ones (the tail) while they may pay
 TAIL_BATCH = 2  # tail k values searched together (whatever the number of workers: the result does not depend on it)
-TAIL_STOP = 2.0  # the tail stops after a batch whose best candidate is this many times slower than the best so far
+TAIL_STOP = 2.0  # the tail stops after a batch whose best new candidate is this many times slower than the best
 
 
 class SearchStats:
@@ -83,25 +85,26 @@ def pipeline_counts(cache: CostCache, total_micro: int, devices: int | None = No
 
 
 def _collect(pool: SearchPool, total_micro: int, seed: int, deadline: float, stats: SearchStats,
-             whole_tail: bool = False) -> list[Candidate]:
-    """Phase 1: every k on the whole cluster up to `DENSE_KS`, then the tail's k values `TAIL_BATCH` at a time
-    until a batch's best candidate is `TAIL_STOP` times slower than the best found (more, smaller pipelines only
-    add data-parallel traffic from there; `whole_tail`: the whole tail). Phase 2: the subsets without the
-    slowest kinds of device, for the k values near the best phase-1 candidates (scaled to the subset's size).
-    Every (k, devices) is one unit of `pool`; results are merged in the units' order."""
+             every_k: bool = False) -> list[Candidate]:
+    """Phase 1: every k on the whole cluster up to `SURE_KS`, then the larger k values (`pipeline_counts`)
+    `TAIL_BATCH` at a time until a batch's best new candidate is `TAIL_STOP` times slower than the best found
+    (more, smaller pipelines only add data-parallel traffic and cuts across nodes from there; `every_k`: all of
+    them). Phase 2: the subsets without the slowest kinds of device, for the k values near the best phase-1
+    candidates (scaled to the subset's size). Every (k, devices) is one unit of `pool`; results are merged in
+    the units' order."""
     cache = pool.cache
     g = cache.graph
     found: list[Candidate] = []
     subsets = device_subsets(g)
     full = tuple(subsets[0])
     ks = pipeline_counts(cache, total_micro, len(full))
-    dense = [k for k in ks if k <= DENSE_KS]
-    units = [(total_micro, seed, k, full, deadline, n > 0) for n, k in enumerate(dense)]
+    sure = [k for k in ks if k <= SURE_KS]
+    units = [(total_micro, seed, k, full, deadline, n > 0) for n, k in enumerate(sure)]
     if _merge(cache, units, pool.map(_unit, units), found, stats):
         return found
-    tail = ks[len(dense):]
+    tail = [(total_micro, seed, k, full, deadline, True) for k in ks[len(sure):]]
     for start in range(0, len(tail), TAIL_BATCH):
-        units = [(total_micro, seed, k, full, deadline, True) for k in tail[start:start + TAIL_BATCH]]
+        units = tail[start:start + TAIL_BATCH]
         before = min((c.score_s for c in found), default=float("inf"))
         seen = {c.signature() for c in found}
         count = len(found)
@@ -109,7 +112,7 @@ def _collect(pool: SearchPool, total_micro: int, seed: int, deadline: float, sta
             return found
         # (a partition repeated at a larger k, e.g. striped past the devices per node, is not news)
         best = min((c.score_s for c in found[count:] if c.signature() not in seen), default=float("inf"))
-        if not whole_tail and best >= TAIL_STOP * before:
+        if not every_k and best >= TAIL_STOP * before:
             break
     best_ks = []
     for cand in sorted(found, key=lambda c: (c.score_s, c.signature())):
@@ -367,5 +370,5 @@ def scored_candidates(cluster: Cluster, model: ModelSpec, train: TrainConfig, se
     check_feasible(cache, total)
     resplit, _ = _uniform_seeds(cache, total)
     with SearchPool(cache, 1) as pool:
-        found = _collect(pool, total, seed, float("inf"), SearchStats(), whole_tail=True)
+        found = _collect(pool, total, seed, float("inf"), SearchStats(), every_k=True)
     return cache, _ranked(found + resplit)

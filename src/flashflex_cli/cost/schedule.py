@@ -36,10 +36,13 @@ def stage_order(stage: int, num_stages: int, num_micro_batches: int) -> list[tup
     """The 1F1B operation order of one stage: (is_forward, micro-batch index) pairs."""
     m = num_micro_batches
     warmup = min(num_stages - stage - 1, m)
-    order = list(zip(repeat(True, warmup), range(warmup)))
+    steady = m - warmup
+    order = list(zip(repeat(True, warmup), range(warmup), strict=True))
     # steady state: forward warmup + i, then backward i
-    order.extend(chain.from_iterable(zip(zip(repeat(True), range(warmup, m)), zip(repeat(False), range(m - warmup)))))
-    order.extend(zip(repeat(False), range(m - warmup, m)))
+    forwards = zip(repeat(True, steady), range(warmup, m), strict=True)
+    order.extend(chain.from_iterable(zip(forwards, zip(repeat(False, steady), range(steady), strict=True),
+                                         strict=True)))
+    order.extend(zip(repeat(False, warmup), range(steady, m), strict=True))
     return order
 
 

@@ -161,13 +161,12 @@ def _embed_column(cache: CostCache, pipes: Sequence[PipeEval]) -> Column:
 
 def dp_finish_floor(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]) -> float:
     """A lower bound on `dp_finish` (seconds), cheap: with overlap, the embedding's bucket alone after the
-    slowest pipeline (it begins no earlier and lasts at least its column; the same sums in the same order as
-    `_Nics.bucket`, so never above `dp_finish` in floating point either); else the slowest pipeline."""
+    slowest pipeline, on free NICs (in `dp_finish` it begins no earlier and waits for no less: the same sums,
+    so never above it in floating point either); else the slowest pipeline."""
     slowest = max(ends)
     if len(pipes) < 2 or not cache.params.dp_overlap:
         return slowest
-    embed = _embed_column(cache, pipes)
-    return slowest + embed[0] / 2 + embed[1] + embed[0] / 2
+    return _Nics().bucket(_embed_column(cache, pipes), slowest)
 
 
 def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float],

@@ -158,9 +158,7 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per
     `evaluate_unless`)."""
     count = len(stages)
     split = split_layers(per_layer, extra, caps, cache.model.num_layers)
-    if split is None:
-        hit = PipeEval(tuple(stages), (), _INFEASIBLE, _INFEASIBLE, _INFEASIBLE, False)
-    else:
+    if split is not None:
         times = stage_times(per_layer, extra, split)
         links = known_links() if known_links is not None else \
             [cache.p2p(stages[s], stages[s + 1]) for s in range(count - 1)]
@@ -174,11 +172,14 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per
                     low = pair
             if skip(low, fill, count):
                 return None
-        if shape is None:
-            found = _memoised(cache, stages)
-            if isinstance(found, PipeEval):
-                return found
-            shape = found
+    if shape is None:
+        found = _memoised(cache, stages)
+        if isinstance(found, PipeEval):
+            return found
+        shape = found
+    if split is None:
+        hit = PipeEval(tuple(stages), (), _INFEASIBLE, _INFEASIBLE, _INFEASIBLE, False)
+    else:
         if count > 1 and hops > 0:
             pace = window_pace(times, links)
         grad = cache.layer_grad_bytes
@@ -188,11 +189,6 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per
         shard = max(0.0, max([size / len(devs) for size, devs in zip(sizes, stages, strict=True)]))
         whole = max(0.0, max(sizes))
         hit = PipeEval(tuple(stages), tuple(split), pace, fill, shard, True, whole)
-    if shape is None:  # infeasible, not looked up yet
-        found = _memoised(cache, stages)
-        if isinstance(found, PipeEval):
-            return found
-        shape = found
     cache.pipe_memo[tuple(stages)] = hit
     cache.shape_memo[shape] = hit
     return hit

@@ -70,8 +70,7 @@ class SearchStats:
 
 def pipeline_counts(cache: CostCache, total_micro: int, devices: int | None = None) -> list[int]:
     """k values to try for `devices` devices (default all): every k up to `DENSE_KS`, then about x1.5 steps, up
-    to what memory (at least the devices whose usable memory can hold the model's state, each pipeline) and the
-    batch allow."""
+    to what memory (each pipeline needs enough devices to hold the model's state) and the batch allow."""
     g = cache.graph
     need = model_state_bytes(cache)
     biggest = max(cache.capacity((i,)) - cache.params.memory_reserve_bytes for i in range(g.size))

@@ -177,10 +177,8 @@ class Totals:
                 pace = pair
             before = after
         head, tail = pieces[order[0]], pieces[order[-1]]
-        stage = owner.cache.stage
         return combine(self.count, head.summary.first_t, tail.summary.last_t, self.inverse, self.total,
-                       self.fastest, pace, hops, stage(head.stages[0]).embed_s, stage(tail.stages[-1]).head_s,
-                       owner.cache.model.num_layers, owner.micro)
+                       self.fastest, pace, hops, head.embed_s, tail.head_s, owner.cache.model.num_layers, owner.micro)
 
 
 class UnitBounds:
@@ -263,5 +261,5 @@ class UnitBounds:
         head = piece if at == 0 else pieces[0]
         tail = piece if at == last else pieces[last]
         return combine(count, head.summary.first_t, tail.summary.last_t, self.inverse + run.inverse,
-                       self.total + run.total, min(self.fastest, run.fastest), pace, hops,
-                       cache.stage(head.stages[0]).embed_s, cache.stage(tail.stages[-1]).head_s, layers, owner.micro)
+                       self.total + run.total, min(self.fastest, run.fastest), pace, hops, head.embed_s, tail.head_s,
+                       layers, owner.micro)

@@ -222,15 +222,13 @@ class Trials:
         return known
 
     def _bound(self, key: tuple, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...]) -> float:
-        cache = self.cache
         pieces = self._pieces_of(sizes, order)
-        layers = cache.model.num_layers
-        embed_s, head_s = cache.stage(pieces[0].stages[0]).embed_s, cache.stage(pieces[-1].stages[-1]).head_s
+        layers = self.cache.model.num_layers
         if sum(piece.summary.count for piece in pieces) <= layers:
             join = self.join
             joins = [join(pieces[i], pieces[i + 1]) for i in range(len(pieces) - 1)]
-            return runs_lower_bound([piece.summary for piece in pieces], joins, embed_s, head_s, layers, self.micro,
-                                    self.max_stages)
+            return runs_lower_bound([piece.summary for piece in pieces], joins, pieces[0].embed_s, pieces[-1].head_s,
+                                    layers, self.micro, self.max_stages)
         return self._dropped_bound(pieces)
 
     def _dropped_bound(self, pieces: list[Piece], cut_room: tuple[float, int] | None = None) -> float:
@@ -253,10 +251,7 @@ class Trials:
     def cut_room(self, pieces: Sequence[Piece]) -> tuple[float, int]:
         """The per-layer seconds of the L-th fastest stage of `pieces` (L layers) and how many stages at exactly
         that speed are kept (the L fastest, ties to the earlier)."""
-        layers = self.cache.model.num_layers
-        speed = sorted([t for piece in pieces for t in piece.speeds])
-        cut = speed[layers - 1]
-        return cut, layers - bisect_left(speed, cut)
+        return _cut_room([t for piece in pieces for t in piece.speeds], self.cache.model.num_layers)
 
     def _bounds_of(self, trials: list[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]], keys: list[tuple]
                    ) -> list[float]:
@@ -347,11 +342,18 @@ class _OptionTrials(Sequence[tuple[dict[int, tuple[int, ...]], tuple[int, ...]]]
         return {**self.sizes, self.block: self.options[j]}, self.order
 
 
+def _cut_room(speed: list[float], layers: int) -> tuple[float, int]:
+    """The `layers`-th smallest of `speed` (per-layer seconds) and how many stages at exactly that speed are
+    kept when the `layers` fastest are (ties to the earlier)."""
+    ordered = sorted(speed)
+    cut = ordered[layers - 1]
+    return cut, layers - bisect_left(ordered, cut)
+
+
 def _kept(speed: list[float], layers: int) -> list[int]:
     """Positions of the `layers` fastest stages (per-layer seconds `speed`), ties to the earlier, in pipeline
     order (as `stages.assemble`): every stage faster than the layers-th speed, then the first at that speed."""
-    cut_speed = sorted(speed)[layers - 1]
-    room = layers - sum(1 for t in speed if t < cut_speed)
+    cut_speed, room = _cut_room(speed, layers)
     keep = []
     for s, t in enumerate(speed):
         if t < cut_speed:

@@ -99,7 +99,8 @@ def test_local_launch_starts_its_workers_with_the_switches(tmp_path: Path) -> No
     assert seen and all(set(SWITCHES) <= set(argv) for argv in seen)
     # the run records which paths ran
     assert json.loads((tmp_path / "run" / "runtime.json").read_text()) == {
-        "lean_p2p": False, "overlap_dp": False, "hierarchical_dp": False}
+        "lean_p2p": False, "overlap_dp": False, "hierarchical_dp": False, "compile": False, "chunked_loss": True,
+        "optimizer": "foreach", "compute_dtype": "fp32"}
 
 
 # ---- benchmarks/bench_runtime_comm.py: its pure helpers (the benchmark itself needs namespaces and minutes) ----

@@ -105,7 +105,7 @@ class RankEngine:
         if not 0 <= rank < plan.world_size or groups.rank != rank:
             raise InputError(f"rank {rank} does not match the plan (world size {plan.world_size}) or its groups")
         self.plan, self.rank, self.groups, self.device, self.optim = plan, rank, groups, device, optim
-        self.options = options or RuntimeOptions()
+        self.options = (options or RuntimeOptions()).resolved(device.type == "cuda")
         me = plan.ranks()[rank]
         self.pipe = plan.pipelines[me.pipeline]
         self.stage_plan = self.pipe.stages[me.stage]

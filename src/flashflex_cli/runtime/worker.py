@@ -21,7 +21,6 @@ start of step K.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import logging
@@ -254,9 +253,10 @@ def run(args: argparse.Namespace) -> int:
         # what `flashflex show --run` and `flashflex calibrate` read back next to metrics.jsonl
         atomic_write_text(os.path.join(args.out, "plan.json"), plan.to_json())
         atomic_write_text(os.path.join(args.out, "cluster.json"), cluster.to_json())
-        # which communication paths ran (the launch switches), for comparing runs
+        # which runtime paths ran (the launch switches, resolved for the device): the cost model charges the
+        # run by them (semantics/runtime_paths.py)
         atomic_write_text(os.path.join(args.out, "runtime.json"),
-                          json.dumps(dataclasses.asdict(engine.options), indent=2, sort_keys=True) + "\n")
+                          json.dumps(engine.options.to_record(train.dtype), indent=2, sort_keys=True) + "\n")
     timeline: list[dict] = []
     flag = torch.zeros(1, device=device)  # NCCL reduces only device tensors
     step = start

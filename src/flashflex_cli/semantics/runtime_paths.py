@@ -1,0 +1,95 @@
+"""Which code paths the runtime takes, as one torch-free record both the runtime and the cost model read.
+
+The runtime runs with a `RuntimeOptions` (its switches, `flashflex launch --no-...`), resolves it for its device
+(`resolved`), and writes the resolved record to `RUN/runtime.json`. The cost model charges a run by the same
+record (`from_record`), so a run recorded before a path existed is charged by the behaviour it really had: a key
+absent from an older record means the path that existed then (`LEGACY`).
+
+Paths:
+- lean_p2p, overlap_dp, hierarchical_dp: the communication paths (runtime/pipeline.py, runtime/grad_sync.py).
+- compile: each decoder layer compiled with torch.compile (default: on CUDA devices only).
+- chunked_loss: the output projection and cross-entropy computed in chunks of tokens (`loss_chunk_tokens`), so no
+  [tokens, vocab] fp32 logits are ever held; False: the whole logits tensor, upcast to fp32 for the loss.
+- optimizer: "fused" (torch.optim.AdamW(fused=True), one kernel) or "foreach" (multi-tensor kernels, several
+  passes and a temporary as large as the parameters); "auto": fused on CUDA, foreach on CPU.
+- compute_dtype: the dtype matmuls run in: the plan's bf16/fp16 under autocast on every device, fp32 for fp32
+  plans (tf32: fp32 tensors; on CUDA with TF32 matmuls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Literal
+
+OptimizerPath = Literal["auto", "fused", "foreach"]
+OPTIMIZER_PATHS: tuple[str, ...] = ("auto", "fused", "foreach")
+
+# Bytes of fp32 logits one chunk of the chunked loss may hold ([chunk tokens, vocab / tp] x 4 bytes).
+LOSS_CHUNK_BYTES = 256 * 2**20
+
+
+def loss_chunk_tokens(vocab_per_device: int) -> int:
+    """Tokens per chunk of the chunked loss on a device holding `vocab_per_device` vocabulary rows: as many as
+    keep one chunk's fp32 logits within LOSS_CHUNK_BYTES (at least 1)."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * max(1, vocab_per_device)))
+
+
+def compute_dtype(plan_dtype: str) -> str:
+    """The dtype the runtime's matmuls run in for a plan trained in `plan_dtype` ("bf16", "fp16", "fp32",
+    "tf32"): bf16 and fp16 under autocast over fp32 weights, fp32 otherwise (tf32 keeps fp32 tensors)."""
+    return plan_dtype if plan_dtype in ("bf16", "fp16") else "fp32"
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """The runtime's switches (module docstring). `compile` None and `optimizer` "auto" are resolved per device
+    by `resolved`; every other field is already concrete."""
+
+    lean_p2p: bool = True
+    overlap_dp: bool = True
+    hierarchical_dp: bool = True
+    compile: bool | None = None
+    chunked_loss: bool = True
+    optimizer: OptimizerPath = "auto"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZER_PATHS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_PATHS)}, got {self.optimizer!r}")
+
+    def resolved(self, on_cuda: bool) -> RuntimeOptions:
+        """These options with the device-dependent defaults decided for a CUDA (`on_cuda`) or CPU device."""
+        return replace(self, compile=on_cuda if self.compile is None else self.compile,
+                       optimizer=("fused" if on_cuda else "foreach") if self.optimizer == "auto" else self.optimizer)
+
+    def to_record(self, plan_dtype: str) -> dict[str, Any]:
+        """The runtime.json object of a resolved run (keys sorted by the writer)."""
+        return {**asdict(self), "compute_dtype": compute_dtype(plan_dtype)}
+
+
+# What a run did where its runtime.json lacks a key: the paths that existed before the key was recorded.
+LEGACY: dict[str, Any] = {"lean_p2p": True, "overlap_dp": True, "hierarchical_dp": True, "compile": False,
+                          "chunked_loss": False, "optimizer": "foreach"}
+
+
+@dataclass(frozen=True)
+class RecordedPaths:
+    """A run's paths as its runtime.json says (legacy values for absent keys), and its compute dtype."""
+
+    options: RuntimeOptions
+    compute_dtype: str
+
+
+def from_record(record: dict[str, Any], plan_dtype: str, on_cuda: bool) -> RecordedPaths:
+    """The paths of a recorded run from its runtime.json object `record`; a key it lacks takes the behaviour of
+    the runtime before that key was recorded (`LEGACY`; the compute dtype: the plan's on CUDA, fp32 on CPU)."""
+    values = {f.name: record.get(f.name, LEGACY[f.name]) for f in fields(RuntimeOptions)}
+    for name in ("lean_p2p", "overlap_dp", "hierarchical_dp", "compile", "chunked_loss"):
+        if not isinstance(values[name], bool):
+            raise ValueError(f"{name} must be true or false, got {values[name]!r}")
+    if values["optimizer"] not in ("fused", "foreach"):
+        raise ValueError(f"optimizer must be fused or foreach, got {values['optimizer']!r}")
+    legacy_dtype = compute_dtype(plan_dtype) if on_cuda else "fp32"
+    dtype = record.get("compute_dtype", legacy_dtype)
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"compute_dtype must be bf16, fp16 or fp32, got {dtype!r}")
+    return RecordedPaths(RuntimeOptions(**values), dtype)

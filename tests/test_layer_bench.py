@@ -15,6 +15,7 @@ from flashflex_cli.cli import main
 from flashflex_cli.commands.profile import parse_int_list
 from flashflex_cli.errors import InputError
 from flashflex_cli.layers.schema import LayerProfile, load_layer_profile
+from flashflex_cli.model.flops import layer_matmul_params
 from flashflex_cli.model.spec import resolve_model
 from flashflex_cli.runtime.attention import EAGER, SDPA, attention_fn
 from flashflex_cli.runtime.layer_bench import BenchConfig, devices_available, measure
@@ -185,12 +186,26 @@ def test_out_that_is_a_folder_or_the_input_is_refused(tmp_path, capsys):
     assert (tmp_path / "config.json").read_text() == before and sorted(tmp_path.iterdir()) == [tmp_path / "config.json"]
 
 
-@pytest.mark.skipif(devices_available()[0] != "cpu", reason="half precision is refused on CPU only")
-def test_half_precision_on_cpu_is_refused(tmp_path, capsys):
+@pytest.mark.skipif(devices_available()[0] != "cpu", reason="tf32 is refused on CPU only")
+def test_tf32_on_cpu_is_refused(tmp_path, capsys):
     out = tmp_path / "out.json"
-    for dtype in ("bf16", "fp16", "tf32"):
-        assert main(["profile", "--model", "llama-tiny", "--seq-len", "8", "--dtype", dtype, "--out", str(out)]) == 2
-    assert capsys.readouterr().err.count("needs a GPU") == 3 and not out.exists()
+    assert main(["profile", "--model", "llama-tiny", "--seq-len", "8", "--dtype", "tf32", "--out", str(out)]) == 2
+    assert "needs a GPU" in capsys.readouterr().err and not out.exists()
+
+
+def test_half_precision_profiles_on_cpu_under_autocast(tmp_path):
+    """bf16 runs under CPU autocast as on a GPU: its layer keeps the 16-bit copies of its matmul weights that
+    autocast made for the backward (the fp32 layer saves its weights themselves, which were there before)."""
+    sizes = {}
+    for dtype in ("fp32", "bf16"):
+        out = tmp_path / f"{dtype}.json"
+        assert main(["profile", "--model", "llama-tiny", "--seq-len", "16", "--micro-batch", "2", "--dtype", dtype,
+                     "--repeats", "1", "--warmup", "0", "--out", str(out)]) == 0
+        profile = load_layer_profile(out)
+        assert profile.dtype == dtype
+        sizes[dtype] = profile.entries[0].layer.activation_bytes
+    weight_copies = 2 * layer_matmul_params(resolve_model("llama-tiny"))
+    assert sizes["fp32"] > 0 and sizes["bf16"] > weight_copies
 
 
 def test_without_model_the_layer_options_are_refused(tmp_path, capsys):

@@ -25,8 +25,9 @@ same global batch. `StepResult.loss` is that value, identical on every rank.
 State keys: "<name>" (fp32 master parameter shard), "<name>.exp_avg", "<name>.exp_avg_sq" (AdamW moments, same
 shard) and "step" (int64 scalar tensor). Global names are plan-independent (see runtime/model.py).
 
-Precision: fp32 parameters always; on CUDA the compute runs under autocast in the plan's dtype (bf16; fp16
-without loss scaling); on CPU everything is fp32.
+Precision: fp32 parameters always; the compute runs under autocast in the plan's dtype on every device (bf16, or
+fp16 without loss scaling; semantics/runtime_paths.compute_dtype); fp32 and tf32 plans compute in fp32 (tf32:
+TF32 matmuls on CUDA).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from .op_timer import OpTimer
 from .optimizer import OptimConfig, lr_at, make_optimizer, set_lr
 from .options import RuntimeOptions
 from .pipeline import PipelineRunner, PipelineTimes
+from .precision import autocast_dtype
 from .shards import ShardSpec
 from .slowdown import Slowdown
 
@@ -111,11 +113,9 @@ class RankEngine:
         self.stage_plan = self.pipe.stages[me.stage]
         first, last = me.stage == 0, me.stage == len(self.pipe.stages) - 1
         self.first, self.last = first, last
-        self.amp_dtype: torch.dtype | None = None
-        if device.type == "cuda" and train.dtype != "fp32":
-            self.amp_dtype = torch.bfloat16 if train.dtype == "bf16" else torch.float16
-            if train.dtype == "fp16":
-                LOG.warning("rank %d: fp16 autocast without loss scaling; prefer bf16 where supported", rank)
+        self.amp_dtype = autocast_dtype(train.dtype)
+        if train.dtype == "fp16":
+            LOG.warning("rank %d: fp16 autocast without loss scaling; prefer bf16 where supported", rank)
         if device.type == "cuda" and train.dtype == "tf32":  # fp32 tensors, TF32 tensor-core matmuls
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -152,7 +152,7 @@ class RankEngine:
     def _autocast(self) -> AbstractContextManager[object]:
         if self.amp_dtype is None:
             return nullcontext()
-        return torch.autocast(device_type="cuda", dtype=self.amp_dtype)
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
     def pipeline_slice(self, global_batch: int) -> slice:
         """Rows of the global batch (int64 [global_batch, seq_len + 1]) this rank's pipeline takes."""

@@ -35,7 +35,6 @@ import queue as queue_module
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,6 +47,7 @@ from ..model.spec import ModelSpec
 from .attention import EAGER, FLASH, SDPA, flash_attn_available
 from .cpu_share import pin_emulated_device, usable_cores
 from .model import StageModule
+from .precision import autocast
 from .slowdown import runqueue_seconds
 from .tensor_parallel import TPContext
 
@@ -143,8 +143,8 @@ def _check_dtype(config: BenchConfig, kind: str) -> None:
         raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
     if config.attention not in BACKENDS:
         raise InputError(f"--attention must be one of {', '.join(BACKENDS)}, got {config.attention!r}")
-    if kind == "cpu" and config.dtype != "fp32":
-        raise InputError(f"--dtype {config.dtype} needs a GPU: the runtime computes in fp32 on CPU")
+    if kind == "cpu" and config.dtype == "tf32":
+        raise InputError("--dtype tf32 needs a GPU: TF32 is a CUDA matmul mode (use fp32 on CPU)")
     if config.attention == "flash":
         if kind != "cuda" or not flash_attn_available():
             raise InputError("--attention flash needs a CUDA GPU and the flash_attn package")
@@ -168,13 +168,6 @@ def _align(tp: TPContext, device: torch.device) -> None:
     _sync(device)
     if tp.size > 1:
         dist.barrier(group=tp.group)
-
-
-def _autocast(device: torch.device, dtype: str) -> AbstractContextManager[object]:
-    """The runtime's precision: fp32 weights, autocast in bf16/fp16 on CUDA; plain fp32 (or tf32) otherwise."""
-    if device.type == "cuda" and dtype in ("bf16", "fp16"):
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
-    return nullcontext()
 
 
 def _init_weights(module: StageModule, seed: int) -> None:
@@ -308,7 +301,7 @@ def _measure_part(module: StageModule, part: str, config: BenchConfig, b: int, t
     args = _inputs(part, config.spec, b, config.seq_len, device)
 
     def forward() -> torch.Tensor:
-        with _autocast(device, config.dtype):
+        with autocast(device, config.dtype):
             return module(*args)
 
     fwd_s, bwd_s = _time_part(forward, tp, device, config.warmup, config.repeats)

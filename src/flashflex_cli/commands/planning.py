@@ -170,7 +170,12 @@ def show_command(
     if cluster_file is not None:
         cluster = load_cluster(cluster_file)
         prices = device_prices(prices_file, cluster)
-        result = validate_plan(plan, cluster, _cost_params(cost_params, layers, plan))
+        params = _cost_params(cost_params, layers, plan)
+        if run_dir is not None:  # predict the run by the runtime paths it took
+            from ..runs.paths import params_for_run
+
+            params = params_for_run(params, run_dir, plan, cluster)
+        result = validate_plan(plan, cluster, params)
         for line in result.warnings:
             console.print(f"[yellow]warning[/yellow]: {line}")
         if result.estimate is not None:

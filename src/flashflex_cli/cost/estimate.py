@@ -22,9 +22,9 @@ from .memory import (
     MemoryBreakdown,
     device_capacity,
     device_reserve,
+    is_cuda_group,
     stage_memory,
     stage_params_per_device,
-    with_dp_buffers,
 )
 from .params import CostParams
 from .schedule import simulate_1f1b
@@ -59,6 +59,7 @@ class StageEstimate:
     profile_sha256: str = ""
     num_micro_batches: int = 0
     dp_exposed_s: float = 0.0
+    on_cuda: bool = True
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,7 @@ def _stage_json(s: StageEstimate) -> dict[str, Any]:
         "optimizer_s": _r(s.optimizer_s),
         "end_s": _r(s.end_s),
         "memory_bytes": _r(s.memory.total),
+        "memory_phase": s.memory.phase,
         "memory": {name: _r(value) for name, value in s.memory.as_dict().items()},
         "memory_capacity_bytes": _r(s.memory_capacity),
         "headroom_bytes": _r(s.headroom_bytes),
@@ -171,14 +173,13 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
             lt = times[s]
             mem = stage_memory(model, train, stage.tp, stage.num_layers, s == 0, s == count - 1,
                                min(count - s, m), params, micro_batch_size=mbs, reserve_bytes=reserve,
-                               measured=lt.measured)
-            if partners.get((p, s)):
-                mem = with_dp_buffers(mem, params.dp_buffer_factor)
+                               measured=lt.measured, num_micro=m, on_cuda=is_cuda_group(cluster, stage.devices),
+                               dp_shared=bool(partners.get((p, s))), warmup=min(count - s - 1, m))
             capacity, tightest = min((device_capacity(cluster, d, params), d) for d in stage.devices)
             headroom = capacity - mem.total
             if headroom < 0:
-                problems.append(f"pipelines.{p}.stages.{s}: needs {mem.total / GIB:.1f} GiB, "
-                                f"{tightest} has {capacity / GIB:.1f} GiB")
+                problems.append(f"pipelines.{p}.stages.{s}: needs {mem.total / GIB:.1f} GiB at its peak "
+                                f"({mem.phase}), {tightest} allows {capacity / GIB:.1f} GiB")
             last_backward[(p, s)] = sched.last_backward_end_s[s]
             backward[(p, s)] = StageBackward(sched.last_backward_end_s[s] - bwd[s], sched.last_backward_end_s[s],
                                              lt.head_bwd_s if s == count - 1 else 0.0, lt.bwd_s,
@@ -188,7 +189,8 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
                 p2p[s] if s < len(p2p) else 0.0, sched.busy_s[s], mem, capacity, headroom,
                 source=lt.source, extrapolated=bool(lt.measured and lt.measured.extrapolated),
                 tp_comm_s=stage.num_layers * (lt.tp_fwd_s + lt.tp_bwd_s),
-                profile_sha256=lt.measured.sha256 if lt.measured else "", num_micro_batches=m))
+                profile_sha256=lt.measured.sha256 if lt.measured else "", num_micro_batches=m,
+                on_cuda=is_cuda_group(cluster, stage.devices)))
 
     final: list[StageEstimate] = []
     iteration = 0.0

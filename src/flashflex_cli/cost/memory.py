@@ -1,16 +1,29 @@
-"""Memory per device of a pipeline stage under 1F1B, and usable device capacity (bytes).
+"""Peak memory per device of a pipeline stage, counted the way the runtime allocates it (bytes).
 
-Model states follow ZeRO's accounting for mixed-precision Adam (Rajbhandari et al. 2020): 16-bit
-weights and gradients (2 + 2 bytes/param), fp32 master weights (4) and Adam m, v (8); in fp32 training
-weights and gradients take 4 bytes each and there is no separate master copy. Activations: see
-model/flops.py; 1F1B keeps at most min(S - s, m) micro-batches alive on stage s of S (Narayanan et al.
-2021). Full recompute keeps only each layer's input per micro-batch plus one layer's full activations
-while it is recomputed. A non-fused (eager) attention also keeps the [b, heads / t, s, s] probabilities
-of every layer (Korthikanti et al. 2022, sec. 4.1), dtype bytes + CostParams.eager_score_bytes each
-(with a sliding window w < s, its blocks of at most 2w - 1 keys per query: flops.score_pairs).
-Families: q/k/v biases are split with their rows (flops.layer_params_per_device); a tied embedding is
-held twice, by the first stage and (as the output projection) by the last, so both count it. With a matching layer profile (cost/measured.py) the measured activation bytes per layer, embedding and
-head and the measured fixed bytes replace the counted ones.
+The runtime keeps fp32 parameters (they are the master weights), fp32 gradients and AdamW's fp32 moments, and
+computes under autocast (runtime/precision.py); cost/activations.py counts what each part of a micro-batch keeps
+for its backward and its temporaries. The stage's allocated peak is the largest of these moments of a training
+step (1F1B order of semantics/schedule; w warm-up forwards, k = min(w + 1, m) micro-batches in flight of m):
+
+- the first backward, at its start (the head's loss gradient, or the top layer's): parameters and moments, the
+  k micro-batches in flight, the start's temporaries; no gradient yet;
+- the second backward (m >= 2), at its start: the same with every gradient allocated, min(k, m - 1) in flight,
+  and a weight-sized temporary where a gradient is accumulated into an existing one;
+- the embedding's backward (first stage), at the end of a backward: its dense weight-sized gradient;
+- a steady-state forward, at the top part's largest temporaries;
+- the data-parallel reduction (stages with DP partners): every gradient and its flat fp32 copy;
+- the optimizer step: parameters, gradients, moments, and the multi-tensor path's temporary as large as the
+  parameters (none for the fused kernel: semantics/runtime_paths).
+Sends of the pipeline's boundary tensors that no receive follows are waited for at the end of the step, so their
+buffers live until then (a copy in the compute dtype on the lean path, else a view that keeps the tensor).
+
+On top of the allocated peak: the caching allocator's slack (`memory_fragmentation` x the peak) and what lives
+outside the allocator (`memory_reserve_bytes` per GPU: CUDA context, library handles, NCCL buffers;
+`cpu_memory_reserve_bytes` for an emulated CPU device). A stage fits when that total stays within its device's
+memory less the planning margin (`device_capacity`).
+
+With a matching layer profile (cost/measured.py) its measured saved bytes per layer, embedding and head replace
+the counted ones, and its fixed bytes (tensors allocated beside the model) are added.
 """
 
 from __future__ import annotations
@@ -22,6 +35,8 @@ from ..hardware.cluster import Cluster
 from ..model import flops as F
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
+from ..semantics.runtime_paths import compute_dtype
+from . import activations as A
 from .measured import MeasuredCosts
 from .params import CostParams
 from .view import view
@@ -29,112 +44,195 @@ from .view import view
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per device of one stage.
+    """Bytes per device of one stage at its peak moment (`phase`).
 
-    weights, grads, master, optimizer: model states of the stage's transformer layers.
-    embedding_head: all model states (weights, grads, master, Adam) of the embedding (first stage) and
-    of the final norm and output head (last stage). activations: saved tensors of the in-flight
-    micro-batches. logits: one micro-batch's logits on the last stage. reserve: CUDA context, library
-    workspaces and communication buffers. dp_buffers: temporaries of the DP gradient reduction (a flat copy
-    of the reduced gradients, and the backend's own buffers). total: the sum of all of these.
-    embedding_head_weights: the weights' share of embedding_head (already in it and in total; for reports
-    that separate weights).
+    weights: fp32 parameters (transformer layers, embedding and head), with the step's token rows and the rotary
+    tables. grads: fp32 gradients allocated at that
+    moment. optimizer: AdamW's fp32 moments. activations: what the micro-batches in flight keep for their
+    backward (autocast weight copies and held send buffers included). weight_copies: of which the autocast
+    copies of the weights. transient: the temporaries of the operation at the peak. dp_buffers: flat fp32
+    copies of the gradients being reduced across pipelines. allocated: the sum of these tensor terms (what
+    torch.cuda.max_memory_allocated measures). fragmentation: the caching allocator's slack above it. reserve:
+    memory outside the allocator (CUDA context, libraries, communication buffers; RSS slack on a CPU device).
+    fixed: bytes a layer profile measured beside the model. total: allocated + fragmentation + reserve + fixed.
     """
 
     weights: float
     grads: float
-    master: float
     optimizer: float
     activations: float
-    embedding_head: float
-    logits: float
+    weight_copies: float
+    transient: float
+    dp_buffers: float
+    allocated: float
+    fragmentation: float
     reserve: float
+    fixed: float
     total: float
-    embedding_head_weights: float = 0.0
-    dp_buffers: float = 0.0
+    phase: str = "backward"
 
     def as_dict(self) -> dict[str, float]:
-        """Field name -> bytes, in declaration order."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
-
-
-def state_bytes_per_param(dtype: str, params: CostParams) -> tuple[float, float, float, float]:
-    """(weight, gradient, master, optimizer) bytes per parameter for training dtype `dtype`."""
-    width = F.dtype_bytes(dtype)
-    master = 4.0 if params.master_weights and dtype != "fp32" else 0.0
-    return float(width), float(width), master, params.optimizer_state_bytes
+        """Field name -> bytes, in declaration order (the phase left out)."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "phase"}
 
 
 def stage_params_per_device(model: ModelSpec, tp: int, num_layers: int, first: bool, last: bool) -> tuple[float, float]:
-    """(transformer-layer parameters, embedding/head parameters) one device of the stage holds."""
+    """(transformer-layer parameters, embedding/head parameters) one device of the stage holds. A stage that
+    is both first and last with tied embeddings holds the table once."""
     extra = 0.0
     if first:
         extra += F.embedding_params(model) / tp
     if last:
-        extra += model.hidden_size + F.embedding_params(model) / tp  # final norm + head
+        extra += model.hidden_size
+        if not (first and model.tie_embeddings):
+            extra += F.embedding_params(model) / tp  # the head, or the last stage's copy of a tied table
     return num_layers * F.layer_params_per_device(model, tp), extra
+
+
+def decay_params_per_device(model: ModelSpec, tp: int, num_layers: int, first: bool, last: bool) -> float:
+    """Parameters of the optimizer's weight-decay group (every matrix) one device of the stage holds."""
+    layers, extra = stage_params_per_device(model, tp, num_layers, first, last)
+    norms = num_layers * 2 * model.hidden_size + (model.hidden_size if last else 0)
+    biases = num_layers * F.layer_bias_params(model) / tp
+    return layers + extra - norms - biases
+
+
+@dataclass(frozen=True)
+class _MicroBatch:
+    """One micro-batch's bytes on the stage: kept for the backward (saved), of which autocast weight copies, the
+    temporaries at the start of its backward (with and without gradients already allocated), at the embedding's
+    backward, and the forward's largest temporaries above what it keeps."""
+
+    saved: float
+    copies: float
+    bwd_start: float
+    bwd_start_accumulating: float
+    embedding_bwd: float
+    fwd: float
+
+
+def _micro_batch(p: A.PartShape, num_layers: int, first: bool, last: bool, recompute: bool,
+                 measured: MeasuredCosts | None, activation_factor: float) -> _MicroBatch:
+    """The per-micro-batch terms of a stage (see `_MicroBatch`)."""
+    if measured is not None:
+        layer = measured.layer.activation_bytes
+        embedding = measured.embedding.activation_bytes if first else 0.0
+        head = measured.head.activation_bytes if last else 0.0
+        copies = 0.0  # inside the measured bytes
+    else:
+        layer = A.recompute_saved_bytes(p) if recompute else A.layer_saved_bytes(p) + A.layer_weight_copies(p)
+        embedding = A.embedding_saved_bytes(p) if first else 0.0
+        head = A.head_saved_bytes(p) + A.head_weight_copies(p) if last else 0.0
+        copies = (0.0 if recompute else num_layers * A.layer_weight_copies(p)) + \
+            (A.head_weight_copies(p) if last else 0.0)
+    output = 0.0 if last else p.tokens * p.h * A.FP32  # the stage output, held until its backward
+    saved = activation_factor * (num_layers * layer + embedding + head) + output
+    if recompute and num_layers:
+        layer_again = A.layer_saved_bytes(p) + A.layer_weight_copies(p) - A.recompute_saved_bytes(p)
+    else:
+        layer_again = 0.0
+    layer_start = layer_again + A.layer_backward_transient_bytes(p)
+    layer_accumulating = layer_again + A.layer_backward_transient_bytes(p, accumulating=True)
+    if last:
+        head_start = A.head_backward_transient_bytes(p)
+        below = A.head_saved_bytes(p) if num_layers else float("inf")  # released before the layers' backward
+        start = max(head_start, layer_start - below)
+        accumulating = max(head_start, layer_accumulating - below)
+    else:
+        start, accumulating = layer_start, layer_accumulating
+    fwd_top = A.head_forward_transient_bytes(p) if last else A.layer_forward_transient_bytes(p)
+    if recompute and measured is None:  # autocast's cache keeps every layer's weight copies until the forward ends
+        fwd_top += num_layers * A.layer_weight_copies(p)
+    return _MicroBatch(saved=saved, copies=copies * activation_factor, bwd_start=start,
+                       bwd_start_accumulating=accumulating,
+                       embedding_bwd=A.embedding_backward_transient_bytes(p) if first else 0.0, fwd=fwd_top)
 
 
 @lru_cache(maxsize=65536)
 def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int, first: bool, last: bool,
                  in_flight: int, params: CostParams, micro_batch_size: int | None = None,
-                 reserve_bytes: float | None = None, measured: MeasuredCosts | None = None) -> MemoryBreakdown:
-    """Peak bytes per device of a stage of `num_layers` layers at TP degree `tp`.
+                 reserve_bytes: float | None = None, measured: MeasuredCosts | None = None,
+                 num_micro: int | None = None, on_cuda: bool = True, dp_shared: bool = False,
+                 warmup: int | None = None) -> MemoryBreakdown:
+    """Peak bytes per device of a stage of `num_layers` layers at TP degree `tp` (module docstring).
 
-    in_flight: micro-batches whose activations are alive at once (1F1B: min(S - s, m) on stage s).
-    micro_batch_size: the pipeline's own (default train.micro_batch_size).
-    reserve_bytes: the device's reserve (default params.memory_reserve_bytes, the GPU figure).
-    measured: the group's layer-profile costs at this micro-batch size and TP degree, if any.
+    in_flight: k, micro-batches alive at once (1F1B: min(S - s, m) on stage s of S). num_micro: m, the
+    pipeline's micro-batches (None: more than k, the steady state). warmup: forwards before the first backward
+    (None: k - 1). micro_batch_size: the pipeline's own (default train.micro_batch_size). reserve_bytes: memory
+    outside the allocator (default params.memory_reserve_bytes, the GPU figure). measured: the group's layer
+    profile at this micro-batch size and TP degree, if any. on_cuda: a GPU stage (the runtime's paths and
+    autocast's softmax policy differ on CPU devices). dp_shared: the stage's gradients are reduced across
+    pipelines.
     """
+    paths = params.runtime.resolved(on_cuda)
     mbs = micro_batch_size or train.micro_batch_size
-    seq, dtype = train.seq_len, train.dtype
-    w, g, m, o = state_bytes_per_param(dtype, params)
-    per_param = w + g + m + o
+    m = num_micro if num_micro is not None else in_flight + 1
+    w = warmup if warmup is not None else in_flight - 1
+    dtype = params.compute_dtype or compute_dtype(train.dtype)
+    p = A.PartShape(model, tp, mbs, train.seq_len, dtype, train.attention, on_cuda, chunked_loss=paths.chunked_loss)
     layer_params, extra_params = stage_params_per_device(model, tp, num_layers, first, last)
+    n_params = layer_params + extra_params
+    weights, grads, moments = 4.0 * n_params, 4.0 * n_params, params.optimizer_state_bytes * n_params
+    mb = _micro_batch(p, num_layers, first, last, train.recompute, measured, params.activation_bytes_factor)
 
+    # boundary sends no receive follows: held until the step ends
+    send_bytes = p.tokens * p.h * (p.c if paths.lean_p2p else A.FP32)
+    lone_forward = 0 if last else min(w, m - 1)
+    copy_held = lone_forward * send_bytes if paths.lean_p2p and p.autocast else 0.0
+    # fp32 sends hold a view: the output of micro-batch 0 outlives its backward when its send was lone
+    view_held_after_first = send_bytes if (lone_forward and not copy_held) else 0.0
+    lone_backward_first = (not first) and m <= w + 1  # the first backward is followed by another backward
+    back_held = (p.tokens * p.h * (p.c if paths.lean_p2p and p.autocast else A.FP32)) if lone_backward_first else 0.0
+
+    # the step's token rows on the device (int64 [m * mbs, s + 1]) and the stage's rotary tables (2 x [s, head_dim])
+    buffers = m * mbs * (train.seq_len + 1) * A.INT64 + 2 * train.seq_len * model.head_dim * A.FP32
+    weights += buffers
+    candidates: list[tuple[float, str, float, float, float, float]] = []  # (total, phase, grads, acts, transient, dp)
+    acts_first = in_flight * mb.saved + copy_held
+    candidates.append((weights + moments + acts_first + mb.bwd_start, "backward", 0.0, acts_first, mb.bwd_start, 0.0))
+    if m >= 2:
+        alive = min(in_flight, m - 1)
+        acts = alive * mb.saved + copy_held + view_held_after_first + back_held
+        candidates.append((weights + grads + moments + acts + mb.bwd_start_accumulating, "backward", grads, acts,
+                           mb.bwd_start_accumulating, 0.0))
+        if first:
+            acts_end = (alive - 1) * mb.saved + copy_held + view_held_after_first + back_held
+            candidates.append((weights + grads + moments + acts_end + mb.embedding_bwd, "backward", grads, acts_end,
+                               mb.embedding_bwd, 0.0))
+    fwd_grads = grads if m > w + 1 else 0.0
+    acts_fwd = in_flight * mb.saved + copy_held
+    candidates.append((weights + fwd_grads + moments + acts_fwd + mb.fwd, "forward", fwd_grads, acts_fwd, mb.fwd, 0.0))
+    if dp_shared:
+        flat = params.dp_buffer_factor * grads
+        candidates.append((weights + grads + moments + flat, "data-parallel reduction", grads, 0.0, 0.0, flat))
+    optimizer_temp = 4.0 * n_params if paths.optimizer == "foreach" else 0.0
+    candidates.append((weights + grads + moments + optimizer_temp, "optimizer", grads, 0.0, optimizer_temp, 0.0))
+
+    allocated, phase, grads_at, acts_at, transient_at, dp_at = max(candidates, key=lambda c: c[0])
+    fixed = 0.0
+    if measured is not None and measured.fixed_bytes is not None:
+        fixed = measured.fixed_bytes
     reserve = params.memory_reserve_bytes if reserve_bytes is None else reserve_bytes
-    if measured is not None:
-        activations = in_flight * (num_layers * measured.layer.activation_bytes
-                                   + (measured.embedding.activation_bytes if first else 0.0))
-        logits = in_flight * measured.head.activation_bytes if last else 0.0
-        reserve = reserve if measured.fixed_bytes is None else measured.fixed_bytes
-    else:
-        activations = params.activation_bytes_factor * layer_activations(model, train, tp, num_layers, in_flight,
-                                                                         mbs, params)
-        logits = F.logits_bytes(model, mbs, seq, tp, dtype) if last else 0.0
-
-    parts = (layer_params * w, layer_params * g, layer_params * m, layer_params * o, activations,
-             extra_params * per_param, logits, reserve)
-    return MemoryBreakdown(*parts, total=sum(parts), embedding_head_weights=extra_params * w)
-
-
-def layer_activations(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int, in_flight: int, mbs: int,
-                      params: CostParams) -> float:
-    """Counted activation bytes per device of `num_layers` layers with `in_flight` micro-batches alive."""
-    seq, dtype = train.seq_len, train.dtype
-    full_layer = F.layer_activation_bytes(model, mbs, seq, tp, dtype)
-    if train.attention == "eager":
-        full_layer += F.attention_score_elements(model, mbs, seq, tp) * (F.dtype_bytes(dtype) + params.eager_score_bytes)
-    if train.recompute:
-        return in_flight * num_layers * F.layer_input_bytes(model, mbs, seq, dtype) + full_layer
-    return in_flight * num_layers * full_layer
-
-
-def with_dp_buffers(mem: MemoryBreakdown, factor: float) -> MemoryBreakdown:
-    """`mem` plus the DP reduction's temporaries: `factor` x the stage's gradient bytes (all of them are
-    reduced when the stage has DP partners: an upper bound where only some slices are shared)."""
-    extra = factor * (mem.grads + mem.embedding_head_weights)  # embedding/head gradients: as wide as weights
-    return replace(mem, dp_buffers=extra, total=mem.total + extra)
+    slack = params.memory_fragmentation * allocated
+    copies_at = min(acts_at, in_flight * mb.copies)
+    return MemoryBreakdown(weights=weights, grads=grads_at, optimizer=moments, activations=acts_at,
+                           weight_copies=copies_at, transient=transient_at, dp_buffers=dp_at, allocated=allocated,
+                           fragmentation=slack, reserve=reserve, fixed=fixed,
+                           total=allocated + slack + reserve + fixed, phase=phase)
 
 
 def device_reserve(cluster: Cluster, device: str, params: CostParams) -> float:
-    """Bytes a device holds outside the model: the GPU or the emulated-CPU reserve."""
+    """Bytes a device holds outside the allocator: the GPU or the emulated-CPU reserve."""
     return params.cpu_memory_reserve_bytes if view(cluster).info(device).is_cpu else params.memory_reserve_bytes
 
 
 def device_capacity(cluster: Cluster, device: str, params: CostParams) -> float:
-    """Usable bytes of a device: its memory less the allocator's fragmentation share.
+    """Bytes of a device a plan may use: its memory less the planning safety margin
+    (`memory_safety_margin`). A stage's total (allocated peak, allocator slack, reserve) must stay within it."""
+    return view(cluster).info(device).memory_bytes * (1.0 - params.memory_safety_margin)
 
-    The reserve is not subtracted here: it is a line of MemoryBreakdown.
-    """
-    return view(cluster).info(device).memory_bytes * (1.0 - params.memory_fragmentation)
+
+def is_cuda_group(cluster: Cluster, devices: tuple[str, ...] | list[str]) -> bool:
+    """True when the group's devices are GPUs (not emulated CPU devices)."""
+    cv = view(cluster)
+    return not all(cv.info(d).is_cpu for d in devices)

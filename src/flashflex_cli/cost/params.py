@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import InputError
 from ..hardware.catalog import CATALOG, canonical_name
 from ..layers.schema import LayerProfile
+from ..semantics.runtime_paths import RuntimeOptions
 from .reference_efficiency import REFERENCE_EFFICIENCY
 
 
@@ -84,27 +85,37 @@ class CostParams:
         a 16-bit gradient, writes master, m, v and the 16-bit weight (4+4+4+2 twice = 28).
     loss_passes: passes over the fp32 logits of one micro-batch in the loss (upcast, log-softmax,
         gradient: read and write), used for the memory-bound part of the head.
-    eager_score_bytes: bytes kept per element of the [b, heads, s, s] attention probabilities by a non-fused
-        (eager) attention, beyond the dtype's own bytes. 0.25: the measured gap of fp32 Megatron-DeepSpeed
-        runs fitted 4.25 bytes per stored score element (issue 8), i.e. 4 for the probabilities + 0.25.
+    eager_score_bytes: IGNORED since the attention's saved probabilities are counted from the runtime's operations
+        (cost/activations.py); still accepted so older cost-parameter files load.
     layer_profiles: measured layer profiles (flashflex.layers/1); a stage whose devices all match one is
         costed from it (cost/measured.py), else by the analytic model. Not settable from a cost-params file.
-    master_weights: keep fp32 master weights when training in bf16/fp16 (mixed precision, 4 bytes/param).
-    optimizer_state_bytes: Adam's m and v in fp32 (8 bytes/param).
-    activation_bytes_factor: multiplier on the counted saved tensors (1.0 = exactly the tensors listed in
-        model/flops.py; raise it to cover framework temporaries).
-    memory_reserve_bytes: per GPU, held outside the model's tensors as seen by nvidia-smi: CUDA context,
-        cuBLAS workspace, NCCL buffers, the caching allocator's slack. 3.3e9: the fixed part of the measured
-        memory of real Megatron-DeepSpeed runs (issue 8: 3.3 GB fixed per GPU); a layer profile's
-        fixed_bytes overrides it.
+    runtime: the runtime's paths the model charges (semantics/runtime_paths.RuntimeOptions: communication
+        switches, compile, chunked loss, optimizer); the launch defaults, or a recorded run's runtime.json
+        (`flashflex show --run`). Not settable from a cost-params file.
+    compute_dtype: the dtype the matmuls ran in, where it differs from the plan's rule (runs recorded on CPU
+        before the runtime honoured 16-bit plans there computed in fp32); None: the rule. Not settable from a file.
+    master_weights: IGNORED: the runtime's fp32 parameters are its master weights (cost/memory.py); still
+        accepted so older cost-parameter files load.
+    optimizer_state_bytes: Adam's m and v in fp32 (8 bytes/param), as torch.optim.AdamW keeps them.
+    activation_bytes_factor: multiplier on the counted saved tensors (1.0 = exactly what cost/activations.py
+        counts the runtime keeps; a calibration knob).
+    memory_reserve_bytes: per GPU, memory outside PyTorch's caching allocator: CUDA context, cuBLAS/cuDNN handles
+        and NCCL communicator buffers. 1.0e9: an H100 running out of memory (the recorded llama-1b run at
+        micro-batch 8, expandable segments) reported 71.66 GiB in use by the process of which 69.91 GiB allocated
+        by PyTorch, so context, libraries and the allocator's unused reserve together held 1.75 GiB; a CUDA 12/13
+        context with lazy module loading is about 0.5 GB, NCCL's buffers grow with the communicators (assumed
+        0.5 GB). A layer profile's fixed_bytes adds what it measured allocated beside the model.
     cpu_memory_reserve_bytes: the same for an emulated CPU device: its peak RSS growth during training beyond
-        the counted tensors (allocator and arena slack, backward temporaries, gloo buffers). 40 MiB: measured
+        the counted tensors (allocator and arena slack, gloo buffers). 40 MiB: measured
         here, the median over benchmarks/validate_cost_model.py's plans without DP reduction (19-62 MiB).
-    dp_buffer_factor: gradient-sized temporaries a stage holds while its gradients are reduced across
-        pipelines: 1.0, the flat bucket copy runtime/grad_sync.py packs (the collective reduces it in place);
-        on CPU, plans with DP grew by about their gradient bytes more than the same stages without (measured
-        here with benchmarks/validate_cost_model.py; RSS noise there is +-15 MiB).
-    memory_fragmentation: fraction of device memory the caching allocator cannot hand out; 0.05 assumed.
+    dp_buffer_factor: the flat fp32 copies of the gradients a stage packs for its reduction across pipelines, as a
+        multiple of its gradient bytes: 1.0 (runtime/grad_sync.py packs every shared slice, and the copies live
+        until the reduction finishes).
+    memory_fragmentation: the caching allocator's slack, as a fraction of the allocated peak (reserved but not
+        allocated bytes). 0.03: the recorded H100 out-of-memory (expandable segments) bounds it by 2.5%; without
+        expandable segments it can be larger (the launcher sets them).
+    memory_safety_margin: fraction of every device's memory the planner never plans into: a stage fits when its
+        total (allocated peak, allocator slack, reserve) stays within memory x (1 - margin). 0.05.
     """
 
     compute_efficiency: Mapping[str, float] = field(default_factory=_reference_table)
@@ -128,11 +139,14 @@ class CostParams:
     optimizer_state_bytes: float = 8.0
     activation_bytes_factor: float = 1.0
     eager_score_bytes: float = 0.25
-    memory_reserve_bytes: float = 3.3e9
+    memory_reserve_bytes: float = 1.0e9
     cpu_memory_reserve_bytes: float = 40 * 2**20
     dp_buffer_factor: float = 1.0
-    memory_fragmentation: float = 0.05
+    memory_fragmentation: float = 0.03
+    memory_safety_margin: float = 0.05
     layer_profiles: tuple[LayerProfile, ...] = ()
+    runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
+    compute_dtype: str | None = None
 
     def __hash__(self) -> int:
         cached = self.__dict__.get("_hash")
@@ -180,7 +194,7 @@ class CostParams:
         """Defaults with `overrides` applied; an unknown name or a bad value raises InputError."""
         if not isinstance(overrides, Mapping):
             raise InputError("cost parameters: expected a JSON object of name -> value")
-        names = {f.name: f for f in dataclasses.fields(cls) if f.name != "layer_profiles"}
+        names = {f.name: f for f in dataclasses.fields(cls) if f.name not in NOT_IN_FILES}
         base = cls()
         values: dict[str, Any] = {}
         for name, value in overrides.items():
@@ -199,6 +213,9 @@ class CostParams:
         return cls(**values)
 
 
+# fields a cost-params file cannot set: measured profiles, and what a run recorded (runs/, launch defaults)
+NOT_IN_FILES = ("layer_profiles", "runtime", "compute_dtype")
+
 _FRACTIONS = {"default_compute_efficiency", "measured_compute_efficiency", "tf32_compute_efficiency", "tp_comm_efficiency",
               "p2p_efficiency", "dp_comm_efficiency", "memory_bandwidth_efficiency"}
 
@@ -211,7 +228,7 @@ def _number(name: str, value: Any) -> float:
         raise InputError(f"cost parameters: {name} must be a finite number, got {value}")
     if name in _FRACTIONS and not 0.0 < value <= 1.0:
         raise InputError(f"cost parameters: {name} must be in (0, 1], got {value}")
-    if name in ("dp_overlap_fraction", "memory_fragmentation") and not 0.0 <= value < 1.0:
+    if name in ("dp_overlap_fraction", "memory_fragmentation", "memory_safety_margin") and not 0.0 <= value < 1.0:
         raise InputError(f"cost parameters: {name} must be in [0, 1), got {value}")
     if value < 0:
         raise InputError(f"cost parameters: {name} must not be negative, got {value}")

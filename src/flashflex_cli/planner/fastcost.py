@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..cost.comm import p2p_time
 from ..cost.compute import LayerTimes, layer_times
-from ..cost.memory import device_capacity, device_reserve, stage_memory
+from ..cost.memory import device_capacity, device_reserve, is_cuda_group, stage_memory
 from ..cost.params import CostParams
 from ..model.flops import embedding_params, head_params, layer_params
 from ..model.spec import ModelSpec
@@ -26,6 +26,8 @@ class CostCache:
 
     def __init__(self, graph: DeviceGraph, model: ModelSpec, train: TrainConfig, params: CostParams) -> None:
         self.graph, self.model, self.train, self.params = graph, model, train, params
+        # the runtime's memory paths differ on emulated CPU devices (a cluster is one or the other in practice)
+        self.on_cuda = is_cuda_group(graph.cluster, graph.ids)
         self._stage: dict[tuple, LayerTimes] = {}
         self._stage_by_devs: dict[Devs, LayerTimes] = {}  # the same answers, keyed by the devices themselves
         self._p2p: dict[tuple, float] = {}
@@ -113,7 +115,8 @@ class CostCache:
         return hit
 
     def _memory(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> float:
-        return float(stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params).total)
+        return float(stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params,
+                                  on_cuda=self.on_cuda).total)
 
     def max_layers(self, tp: int, first: bool, last: bool, in_flight: int, capacity: float) -> int:
         """Most layers (0..L) a stage of degree `tp` can hold within `capacity` bytes per device."""
@@ -155,7 +158,8 @@ class CostCache:
 
     def stage_bytes_breakdown(self, tp: int, layers: int, first: bool, last: bool, in_flight: int):  # noqa: ANN201
         """The cost model's MemoryBreakdown of a stage (bytes per device)."""
-        return stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params)
+        return stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params,
+                            on_cuda=self.on_cuda)
 
     def stage_bytes(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> float:
         """Bytes per device of a stage (the cost model's figure)."""

@@ -16,9 +16,10 @@ def human_bytes(nbytes: float) -> str:
 
 
 def model_state_bytes(cache: CostCache) -> float:
-    """Bytes of weights, gradients, master weights and optimizer state of the whole model."""
+    """Bytes of weights, gradients and optimizer state of the whole model (fp32 parameters and gradients,
+    AdamW's moments)."""
     full = cache.stage_bytes_breakdown(1, cache.model.num_layers, True, True, 0)
-    return full.weights + full.grads + full.master + full.optimizer + full.embedding_head
+    return 2 * full.weights + full.optimizer
 
 
 def usable_bytes(cache: CostCache) -> float:

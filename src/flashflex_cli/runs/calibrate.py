@@ -74,7 +74,7 @@ def _activation(plan: Plan, est: Estimate, run: RunRecord, p: int, s: int, on_cp
     peak = run.stage_value(p, s, "memory_bytes")
     in_flight = min(len(pipe.stages) - s, pipe.num_micro_batches)
     if not on_cpu and peak is not None and stage.num_layers > 0:
-        kept = peak - (st.memory.total - st.memory.activations)
+        kept = peak - (st.memory.allocated - st.memory.activations)
         if kept > 0:
             return kept / (in_flight * stage.num_layers), True
     act_dtype = "fp32" if train.dtype in ("fp32", "tf32") else train.dtype

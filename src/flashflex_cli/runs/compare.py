@@ -11,9 +11,10 @@ Terms, per stage (seconds per step unless named per micro-batch; memory in bytes
   dp                  the EXPOSED data-parallel gradient reduction: what runs on after the stage's schedule
                       (predicted: dp_exposed_s, the per-layer overlap simulated; measured: dp_s, the wait
                       after the schedule); optimizer: the optimizer step;
-  memory              peak per device (measured: CUDA max allocated, or max RSS on CPU: runtime included).
-  memory growth       what training adds to the built stage: predicted all but the weights; measured the peak
-                      above what the rank held before its first step (absent for runs recorded before).
+  memory              peak per device: on GPUs the allocated peak (measured: torch.cuda.max_memory_allocated),
+                      on CPU devices the total (measured: max RSS, the interpreter included);
+  memory growth       what training adds to the built stage: predicted the same less the weights; measured the
+                      peak above what the rank held before its first step (absent for runs recorded before).
 Measured values are medians over the run's steps, the first (warm-up) left out (runs/reader.py).
 """
 
@@ -115,6 +116,8 @@ def _stage_terms(st: StageEstimate, prev_p2p_s: float, pipeline_s: float, run: R
     else:
         bubble = _minus(run.step_time_s(), fwd, bwd, dp or 0.0, opt)
     per_mb = lambda x: None if x is None else x / m  # noqa: E731
+    # a GPU run records the caching allocator's peak (max_memory_allocated), a CPU run the process's RSS
+    memory = st.memory.allocated if st.on_cuda else st.memory.total
     return (
         Term("forward/mb", st.fwd_s, per_mb(fwd)),
         Term("backward/mb", st.bwd_s, per_mb(bwd)),
@@ -124,8 +127,8 @@ def _stage_terms(st: StageEstimate, prev_p2p_s: float, pipeline_s: float, run: R
         Term("bubble", max(0.0, pipeline_s - st.time_s), bubble),
         Term("dp", st.dp_exposed_s, dp),  # exposed: the runtime's dp_s is the wait after the schedule
         Term("optimizer", st.optimizer_s, opt),
-        Term("memory", st.memory.total, run.memory_bytes(st.pipeline, st.stage), unit="B"),
-        Term("memory growth", st.memory.total - st.memory.weights - st.memory.embedding_head_weights,
+        Term("memory", memory, run.memory_bytes(st.pipeline, st.stage), unit="B"),
+        Term("memory growth", memory - st.memory.weights,
              run.stage_value(st.pipeline, st.stage, "memory_growth_bytes"), unit="B"),
     )
 

@@ -76,6 +76,9 @@ class _Reducer:
                     future.set_result(fn(*args))
                 except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                     future.set_exception(exc)
+            # drop this job's references before waiting for the next: its arguments hold the bucket's flat
+            # gradient copy, which would otherwise live on through the whole next step
+            del job, future, fn, args
 
 
 class GradSync:

@@ -1,0 +1,257 @@
+"""Bytes the runtime's own step holds per micro-batch, part by part, counted from its operations.
+
+Counted for runtime/model.py as it runs (eager PyTorch, fp32 parameters, autocast in the plan's 16-bit dtype;
+semantics/runtime_paths.compute_dtype), per device of a TP group of degree t, for one micro-batch of N = b * s
+tokens. Notation: h hidden size; q, k the query and key/value widths and f the MLP width on one device (split t
+ways); a the query heads on one device; V the vocabulary rows on one device; c the compute dtype's bytes (2 for
+bf16/fp16, 4 for fp32).
+
+Saved for the backward by one decoder layer (`layer_saved_bytes`):
+- the fp32 residual stream: the layer input, each RMSNorm's x * rsqrt product and rsqrt statistics, the residual
+  after attention (4 * [N, h] + 2 * [N, 1], fp32);
+- under autocast, each linear casts its input on its own: the normed input three times (q, k, v) and twice
+  (gate, up), [N, h] in c bytes each; in fp32 the q/k/v and gate/up linears share one saved normed input each;
+- attention: q and k after rotary, v, the output ([N, q] and [N, kv] in c bytes; kv = q where SDPA and the eager
+  path repeat the key/value heads for grouped-query attention, k with flash-attn, which reads them as they are),
+  and the softmax statistics (fp32 [N, a]); the eager path keeps instead copies of q, k, v and of the output for its
+  matmuls and the probabilities [b, a, s, s] (the window's blocks with a sliding window): c bytes each, on CUDA
+  under autocast 4 + c (softmax runs in fp32 there, and its matmul casts the probabilities back);
+- the MLP: gate, silu(gate), up and their product ([N, f] in c bytes each);
+- under autocast, the c-byte copies of the layer's weight matrices, one set per micro-batch in flight
+  (`weight_copy_bytes`: kept by the graph of each forward).
+With activation recompute (torch.utils.checkpoint) a layer keeps only its input; one layer's full set lives again
+while it is recomputed inside the backward.
+
+The head (last stage, `head_saved_bytes`): its input and final-norm terms as above, the cast input of the output
+projection and its weight copy, and the loss: the whole-vocabulary path keeps the fp32 log-softmax (TP 1) or
+softmax (vocabulary-parallel) [N, V], plus the int64 targets. Transients (`*_transient_bytes`): the largest
+temporaries above what is saved while one part runs forward or backward, read off the same operations (for
+example the loss's backward holds the fp32 [N, V] gradient of the log-softmax and of the loss beside the saved
+log-softmax).
+
+tests/test_memory_tracked.py runs the runtime's real step under PyTorch's tensor accounting and holds these
+counts to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model import flops as F
+from ..model.spec import ModelSpec
+from ..semantics.runtime_paths import compute_dtype, loss_chunk_tokens
+
+FP32 = 4
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class PartShape:
+    """What sets a part's bytes on one device: the model's widths split over TP degree `tp`, the tokens of one
+    micro-batch (`mbs` sequences of `seq` tokens), the compute dtype's bytes `c`, the attention path, whether the
+    device is CUDA (autocast's softmax policy differs there), and the loss path."""
+
+    model: ModelSpec
+    tp: int
+    mbs: int
+    seq: int
+    dtype: str
+    attention: str
+    on_cuda: bool
+    chunked_loss: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """N = mbs * seq."""
+        return self.mbs * self.seq
+
+    @property
+    def c(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return F.dtype_bytes(compute_dtype(self.dtype))
+
+    @property
+    def autocast(self) -> bool:
+        """True when matmuls run in a 16-bit dtype over fp32 weights."""
+        return compute_dtype(self.dtype) != "fp32"
+
+    @property
+    def h(self) -> int:
+        return self.model.hidden_size
+
+    @property
+    def q(self) -> float:
+        return F.q_width(self.model) / self.tp
+
+    @property
+    def k(self) -> float:
+        return F.kv_width(self.model) / self.tp
+
+    @property
+    def f(self) -> float:
+        return self.model.intermediate_size / self.tp
+
+    @property
+    def heads(self) -> float:
+        return self.model.num_heads / self.tp
+
+    @property
+    def vocab(self) -> float:
+        return self.model.vocab_size / self.tp
+
+
+def _saved_kv_width(p: PartShape) -> float:
+    """Width of the saved keys and values: the query width where the heads are repeated for grouped-query
+    attention (SDPA, eager), the key/value width with flash-attn (or without grouping)."""
+    grouped = p.model.num_kv_heads < p.model.num_heads
+    return p.q if grouped and p.attention != "flash" else p.k
+
+
+def _block_keys(seq: int, window: int | None) -> int:
+    """Keys the blocks of a windowed attention read, summed over its query blocks (runtime/attention.py: block
+    [a, a + w) reads keys [a - w + 1, a + w)); s without a window (one block of every key)."""
+    if window is None or window >= seq:
+        return seq
+    return sum(min(seq, start + window) - max(0, start - window + 1) for start in range(0, seq, window))
+
+
+def _windowed(p: PartShape) -> bool:
+    window = p.model.sliding_window
+    return window is not None and window < p.seq
+
+
+def attention_saved_bytes(p: PartShape) -> float:
+    """Bytes the attention core keeps per micro-batch: q, k, v, output and statistics or probabilities."""
+    n, c = p.tokens, p.c
+    kv = _saved_kv_width(p)
+    if p.attention == "eager":
+        per_score = FP32 + c if (p.on_cuda and p.autocast) else c
+        scores = p.mbs * p.heads * float(F.score_pairs(p.seq, p.model.sliding_window))
+        keys = p.mbs * float(_block_keys(p.seq, p.model.sliding_window))  # each block's matmuls copy its keys
+        return n * c * 2 * p.q + keys * c * 2 * kv + scores * per_score
+    saved = n * c * (2 * p.q + 2 * kv) + n * FP32 * p.heads  # q, k, v, output, log-sum-exp
+    if _windowed(p):  # one SDPA per block of queries: their outputs and the concatenated output; block masks
+        window = p.model.sliding_window or p.seq
+        saved += n * c * p.q + F.score_pairs(p.seq, window)
+    return saved
+
+
+def layer_saved_bytes(p: PartShape) -> float:
+    """Bytes one decoder layer keeps for its backward per micro-batch (its input included, its weight copies not:
+    `weight_copy_bytes`), without recompute."""
+    n, h, c = p.tokens, p.h, p.c
+    stream = n * (4 * h * FP32 + 2 * FP32)  # input, x*rsqrt twice, residual; two rsqrt
+    casts = n * h * c * (5 if p.autocast else 2)  # normed inputs as the linears keep them
+    mlp = 4 * n * p.f * c
+    return stream + casts + attention_saved_bytes(p) + mlp
+
+
+def weight_copy_bytes(p: PartShape, matmul_params: float) -> float:
+    """Bytes of the autocast copies of `matmul_params` weight elements (0 in fp32)."""
+    return matmul_params * p.c if p.autocast else 0.0
+
+
+def layer_weight_copies(p: PartShape) -> float:
+    """Autocast weight copies of one layer on one device, kept per micro-batch in flight."""
+    return weight_copy_bytes(p, F.layer_matmul_params(p.model) / p.tp)
+
+
+def recompute_saved_bytes(p: PartShape) -> float:
+    """What one checkpointed layer keeps per micro-batch: its input [N, h] fp32."""
+    return p.tokens * p.h * FP32
+
+
+def layer_forward_transient_bytes(p: PartShape) -> float:
+    """Largest temporaries of one layer's forward above what it finally keeps: its first RMSNorm's input
+    square (fp32), or under autocast the normed input before the q projection casts it."""
+    return p.tokens * p.h * (p.c if p.autocast else FP32)
+
+
+def layer_backward_transient_bytes(p: PartShape, accumulating: bool = False) -> float:
+    """Largest temporaries of one layer's backward above its saved tensors, its incoming [N, h] fp32 gradient
+    included, read off the backward of the MLP's down projection and product where it starts.
+
+    Under autocast, at its start: the incoming gradient cast to the compute dtype and the gradients of the
+    product [N, f] and of the down projection's weight (compute dtype); a moment later, the projection's saved
+    input and weight copy released, the product's gradient beside its two input gradients [N, f] and, where no
+    gradient existed yet (the step's first backward), the weight's fp32 gradient, now the parameter's. In fp32:
+    the product's gradient and its two input gradients, the first time with the weight's gradient beside them,
+    or at the start the product's and the weight's gradients."""
+    n, h, c = p.tokens, p.h, p.c
+    incoming = n * h * FP32
+    down_weight = h * p.f
+    first_time = 0.0 if accumulating else down_weight * FP32
+    if p.autocast:
+        start = n * h * c + n * p.f * c + down_weight * c
+        later = 2 * n * p.f * c - down_weight * c + first_time
+    else:
+        start = n * p.f * FP32 + down_weight * FP32
+        later = 2 * n * p.f * FP32 + first_time
+    return incoming + max(start, later)
+
+
+def head_saved_bytes(p: PartShape) -> float:
+    """Bytes the last stage's head keeps per micro-batch: its input and norm terms, the cast input of the output
+    projection, the loss's saved tensors (the weight copy: `head_weight_copies`)."""
+    n, h, c = p.tokens, p.h, p.c
+    stream = n * (2 * h * FP32 + FP32)  # input, x*rsqrt; rsqrt
+    cast = n * h * (c if p.autocast else FP32)
+    targets = n * INT64
+    if p.chunked_loss:
+        return stream + cast + targets + chunked_loss_saved_bytes(p)
+    loss = n * p.vocab * FP32  # log-softmax (TP 1) or softmax (vocabulary-parallel)
+    if p.tp > 1:
+        loss += n * (INT64 + 1)  # local targets and their out-of-shard mask
+    return stream + cast + targets + loss
+
+
+def head_weight_copies(p: PartShape) -> float:
+    """Autocast copy of the output projection on one device, kept per micro-batch in flight."""
+    return weight_copy_bytes(p, p.vocab * p.h)
+
+
+def head_forward_transient_bytes(p: PartShape) -> float:
+    """Largest temporaries above the saved tensors in the head's forward: the logits in the compute dtype, their
+    fp32 copy (and, vocabulary-parallel, the shifted logits) beside the saved log-softmax or softmax."""
+    nv = p.tokens * p.vocab
+    # the fp32 normed input (alive until the head returns) and the per-token losses
+    normed = p.tokens * (p.h if p.autocast else 0) * FP32 + p.tokens * FP32
+    if p.chunked_loss:
+        return normed + chunked_loss_transient_bytes(p)
+    logits = nv * (p.c + FP32) if p.autocast else nv * FP32
+    return normed + logits + (nv * FP32 if p.tp > 1 else 0.0)
+
+
+def head_backward_transient_bytes(p: PartShape) -> float:
+    """Largest temporaries above the saved tensors in the head's backward: first the fp32 [N, V] gradients of
+    the loss and of the (log-)softmax beside the saved one; then, those released, the logits' gradient in the
+    compute dtype beside the projection's weight gradient in fp32."""
+    if p.chunked_loss:
+        return 0.0
+    nv = p.tokens * p.vocab
+    return max(2 * nv * FP32, nv * (p.c if p.autocast else FP32) + p.vocab * p.h * FP32)
+
+
+def chunked_loss_saved_bytes(p: PartShape) -> float:
+    """The chunked loss (runtime/loss.py) keeps from its forward to its backward the fp32 gradients it computed:
+    of its input [N, h] and of the projection's weight [V, h]."""
+    return p.tokens * p.h * FP32 + p.vocab * p.h * FP32
+
+
+def chunked_loss_transient_bytes(p: PartShape) -> float:
+    """Temporaries of one chunk of the chunked loss: its logits in the compute dtype, in fp32, their softmax
+    and its gradient in the compute dtype ([chunk, V] each)."""
+    chunk = min(p.tokens, loss_chunk_tokens(int(p.vocab)))
+    return chunk * p.vocab * (2 * p.c + 2 * FP32)
+
+
+def embedding_saved_bytes(p: PartShape) -> float:
+    """Bytes the first stage's embedding keeps per micro-batch beyond its output (the first layer's input):
+    vocabulary-parallel, the shifted token ids and their out-of-shard mask."""
+    return p.tokens * (INT64 + 1) if p.tp > 1 else 0.0
+
+
+def embedding_backward_transient_bytes(p: PartShape) -> float:
+    """The embedding's backward builds a dense fp32 gradient of its whole [V, h] shard, beside the incoming
+    [N, h] fp32 gradient of its output."""
+    return p.vocab * p.h * FP32 + p.tokens * p.h * FP32

@@ -1,9 +1,10 @@
 """Turn the ranks' exits into one line naming the plan rank, its node and device; say what a stop left behind.
 
 Several ranks usually fail together: the one that crashed, then its peers whose collectives broke
-(they exit with `runtime.worker.PEER_LOST`). The root cause is, in this order: a rank the launcher found
-frozen (no heartbeat), a signal the job does not send itself, an error of its own, a rank the launcher
-stopped, a rank that lost a peer; the earliest among equals. A failure record has the fields of torch
+(they exit with `runtime.worker.PEER_LOST`). The root cause is, in this order: a rank that ran out of memory
+(its one line, runtime/oom.py, names it), a rank the launcher found frozen (no heartbeat), a signal the job
+does not send itself, an error of its own, a rank the launcher stopped, a rank that lost a peer; the earliest
+among equals. An out-of-memory's line names its rank, device and stage itself and is reported as it is. A failure record has the fields of torch
 elastic's ProcessFailure that matter here (local_rank, exitcode, timestamp), and optionally `reason` (the
 rank's own one-line error), `silent` (frozen) and `stopped` (killed by the launcher while ending the job).
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 from ..errors import FlashflexError, RuntimeFailure
 from ..plan.schema import Plan
+from ..runtime.oom import is_oom_line
 
 _STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)}
 PEER_LOST = 3  # keep equal to runtime.worker.PEER_LOST (the launcher does not import the runtime)
@@ -48,6 +50,8 @@ def exit_text(exitcode: int) -> str:
 def _kind(failure: Any) -> int:
     """Rank of a failure as a root cause (lower: more likely to have started it)."""
     code = int(failure.exitcode)
+    if is_oom_line(getattr(failure, "reason", None)):
+        return -2  # out of memory: its peers' broken collectives and timeouts follow from it
     if getattr(failure, "silent", False):
         return -1  # frozen: stopped sending heartbeats
     if getattr(failure, "stopped", False) or code - 128 in _STOP_SIGNALS:
@@ -80,6 +84,8 @@ def describe_failure(plan: Plan, node: str | None, failures: Mapping[int, Any]) 
         who = f"local rank {local}"
     what = getattr(failure, "reason", None) or exit_text(int(failure.exitcode))
     more = f"; {others} other rank(s) stopped after it" if others else ""
+    if is_oom_line(what):  # it names the rank, its device and stage itself
+        return RuntimeFailure(f"{what}{more}; the job was stopped")
     return RuntimeFailure(f"{who} failed: {what}{more}; the job was stopped")
 
 

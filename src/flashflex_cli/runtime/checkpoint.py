@@ -20,9 +20,12 @@ accepts a different set of keys on every rank. A checkpoint saved under one plan
   through DCP's own read, which holds one whole saved shard at a time.
 - `load_full` (export, tests): reads every shard of the requested names and reassembles full tensors.
 
-A save goes to `step-N.tmp`, then is renamed to `step-N`, then `latest` is rewritten: a crash at any
-point leaves the previous checkpoint and pointer intact. The two newest checkpoints are kept. A save that
-fails for want of space or permission (`one_line_save_errors`) is one line naming the folder and the OS error.
+A save goes to `step-N.tmp`, then is renamed to `step-N`, then `latest` is rewritten: a crash or an error (an
+out-of-memory included) at any point leaves the previous checkpoint and pointer intact. A `step-N` saved
+before (a run restarted without --resume) is swapped out only once the new one is complete. The two newest
+checkpoints are kept. A save that fails for want of space or permission (`one_line_save_errors`) is one line
+naming the folder and the OS error; one that a rank's out-of-memory stopped raises that rank's own error there
+(runtime/oom.py reports it) and a peer error on the others.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from torch.futures import Future
 
 from ..errors import InputError, RuntimeFailure
 from ..fileio import atomic_write_text, dumps_json
+from .oom import classify
 from .shards import ShardSpec
 
 MANIFEST = "manifest.json"
@@ -150,11 +154,19 @@ def _write_error(root: str | os.PathLike[str], error: OSError) -> CheckpointWrit
     return CheckpointWriteError(f"cannot write a checkpoint in {root}: {error.strerror or error}{where}")
 
 
-def save_error(root: str | os.PathLike[str], exc: BaseException) -> BaseException | None:
-    """One-line replacement of a failed save's exception (None: keep it): an OSError inside it, or else the one
-    a probe write into `root` raises, becomes a CheckpointWriteError naming `root` and the cause; DCP's
-    CheckpointException (a BaseException whose text holds a traceback per rank) otherwise becomes a
-    RuntimeError with its first rank's error."""
+def save_error(root: str | os.PathLike[str], exc: BaseException, rank: int | None = None) -> BaseException | None:
+    """One-line replacement of a failed save's exception (None: keep it). In DCP's CheckpointException (a
+    BaseException whose text holds a traceback per rank), an out-of-memory of this `rank` is that error itself,
+    one of another rank a peer error naming it. Then an OSError inside it, or else the one a probe write into
+    `root` raises, becomes a CheckpointWriteError naming `root` and the cause; a CheckpointException otherwise
+    becomes a RuntimeError with its first rank's error."""
+    if isinstance(exc, dcp.api.CheckpointException):
+        for failed_rank, (error, *_) in sorted(exc.failures.items()):
+            if isinstance(error, BaseException) and classify(error) is not None:
+                if failed_rank == rank:
+                    return error
+                return RuntimeError(f"checkpoint save in {root} stopped: peer rank {failed_rank} ran out of "
+                                    "memory")
     for inner in _errors_within(exc):
         if isinstance(inner, OSError):
             return _write_error(root, inner)
@@ -174,7 +186,7 @@ def one_line_save_errors(root: str | os.PathLike[str]) -> Iterator[None]:
     try:
         yield
     except (Exception, dcp.api.CheckpointException) as exc:
-        replacement = save_error(root, exc)
+        replacement = save_error(root, exc, dist.get_rank() if dist.is_initialized() else None)
         if replacement is None:
             raise
         raise replacement from None
@@ -194,8 +206,6 @@ def save(root: str | os.PathLike[str], step: int, tensors: Mapping[str, torch.Te
         Path(root).mkdir(parents=True, exist_ok=True)
         for stale in Path(root).glob("step-*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():
-            shutil.rmtree(final)
     dist.barrier(group)
     state = {shards[name].key: tensor.detach().cpu().contiguous() for name, tensor in tensors.items()
              if shards[name].owner}
@@ -214,7 +224,14 @@ def save(root: str | os.PathLike[str], step: int, tensors: Mapping[str, torch.Te
             item["shards"].sort(key=lambda s: (-1 if s[0] is None else s[0], s[1]))
         body = {"schema": SCHEMA, "step": step, **manifest, "tensors": dict(sorted(table.items()))}
         atomic_write_text(tmp / MANIFEST, dumps_json(body))
-        os.replace(tmp, final)
+        if final.exists():  # the same step saved before: keep it until the new one is in place
+            replaced = final.with_name(final.name + ".replaced")
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
+            os.replace(tmp, final)
+            shutil.rmtree(replaced, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
         atomic_write_text(Path(root) / LATEST, final.name)
         complete = sorted(p for p in Path(root).glob("step-*") if _DIR.match(p.name))
         for old in complete[:-KEEP]:

@@ -47,6 +47,7 @@ from .grad_sync import GradSync
 from .groups import PlanGroups
 from .init import shard_init
 from .model import ParamInfo, StageModule, stage_params
+from .oom import PhaseTracker
 from .op_timer import OpTimer
 from .optimizer import OptimConfig, lr_at, make_optimizer, set_lr
 from .options import RuntimeOptions
@@ -102,12 +103,13 @@ class RankEngine:
     def __init__(self, plan: Plan, rank: int, groups: PlanGroups, device: torch.device, optim: OptimConfig,
                  seed: int = 0, slowdown: float = 1.0, attention: str | None = None,
                  initial: Callable[[ParamInfo, int, int], torch.Tensor] | None = None,
-                 options: RuntimeOptions | None = None) -> None:
+                 options: RuntimeOptions | None = None, phases: PhaseTracker | None = None) -> None:
         spec, train = plan.inputs.model, plan.inputs.train
         if not 0 <= rank < plan.world_size or groups.rank != rank:
             raise InputError(f"rank {rank} does not match the plan (world size {plan.world_size}) or its groups")
         self.plan, self.rank, self.groups, self.device, self.optim = plan, rank, groups, device, optim
         self.options = (options or RuntimeOptions()).resolved(device.type == "cuda")
+        self.phases = phases or PhaseTracker()  # told the phase of each step (runtime/oom.py)
         me = plan.ranks()[rank]
         self.pipe = plan.pipelines[me.pipeline]
         self.stage_plan = self.pipe.stages[me.stage]
@@ -142,7 +144,7 @@ class RankEngine:
         self.runner = PipelineRunner(self.module, groups, len(self.pipe.stages), self.pipe.num_micro_batches,
                                      (self.pipe.micro_batch_size, train.seq_len, spec.hidden_size), device,
                                      autocast=self._autocast, slowdown=self.slow, lean=self.options.lean_p2p,
-                                     transfer_dtype=self.amp_dtype or torch.float32)
+                                     transfer_dtype=self.amp_dtype or torch.float32, phases=self.phases)
         self.step = 0
         self._specs = plan_shard_specs(plan, rank)
         # A first collective with every rank on the world group, so later batched P2P on it may involve only a
@@ -190,6 +192,7 @@ class RankEngine:
         t1 = timer.mark()
         self.sync.finish()  # overlap_dp: wait for this rank's buckets; else the blocking reduction
         t2 = timer.mark()
+        self.phases.enter("optimizer")
         grad_norm = self.sync.clip(self.optim.grad_clip)
         self.optimizer.step()
         t3 = timer.mark()

@@ -67,6 +67,11 @@ def peak_since_reset(device_type: str) -> int:
     return _status_bytes("VmHWM")
 
 
+def resident_bytes() -> int:
+    """Resident set size of this process now (bytes; 0 where unavailable)."""
+    return _status_bytes("VmRSS")
+
+
 def _status_bytes(field: str) -> int:
     """A kB field of /proc/self/status in bytes (0 where unavailable)."""
     try:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .boundary import ChunkPlan
 from .groups import PlanGroups
+from .oom import PhaseTracker
 from .op_timer import OpTimer
 from .slowdown import Slowdown
 
@@ -114,13 +115,14 @@ class PipelineRunner:
                  num_micro: int, act_shape: tuple[int, int, int], device: torch.device,
                  autocast: Callable[[], AbstractContextManager[object]] = nullcontext,
                  slowdown: Slowdown | None = None, lean: bool = False,
-                 transfer_dtype: torch.dtype = torch.float32) -> None:
+                 transfer_dtype: torch.dtype = torch.float32, phases: PhaseTracker | None = None) -> None:
         self.stage_fn, self.groups, self.device = stage_fn, groups, device
         self.first, self.last = groups.stage == 0, groups.stage == num_stages - 1
         self.ops = one_f_one_b(num_stages, groups.stage, num_micro)
         self.num_micro, self.act_shape = num_micro, act_shape
         self.autocast, self.slowdown = autocast, slowdown or Slowdown(1.0)
         self.lean, self.transfer_dtype = lean, transfer_dtype
+        self.phases = phases or PhaseTracker()  # told "forward" / "backward" as each op begins (runtime/oom.py)
         self.numel = act_shape[0] * act_shape[1] * act_shape[2]
         # On CUDA the device is never synchronised for timing; an emulated slowdown still needs the op's device
         # time on the host, so it alone keeps the synchronize.
@@ -243,6 +245,7 @@ class PipelineRunner:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for idx, (kind, i) in enumerate(self.ops):
             nxt = self.ops[idx + 1] if idx + 1 < len(self.ops) else None
+            self.phases.enter("forward" if kind == "F" else "backward")
             if kind == "F":
                 x_in = None
                 if self.first:

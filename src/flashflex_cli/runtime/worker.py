@@ -15,7 +15,10 @@ the next step boundary, with a checkpoint (repeats are ignored: the launcher esc
 Started by `flashflex launch` (local), it also dies with the launcher, beats a heartbeat the launcher watches
 and leaves its one-line error for the launcher's report (runtime/heartbeat.py).
 Fault injection for tests: FLASHFLEX_FAULT_INJECT="rank=R,step=K" kills plan rank R with SIGKILL at the
-start of step K.
+start of step K; FLASHFLEX_OOM_INJECT="rank=R,phase=P,step=K" raises an out-of-memory there (runtime/oom.py).
+An out-of-memory is one line (runtime/oom.py: rank, device, stage, phase, bytes, the plan's prediction, what
+to change) and exit code 1. On GPUs NCCL sets up its communicators at process-group init (`device_id`), so
+its buffers are taken before the model's tensors.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
-from . import heartbeat
+from . import heartbeat, oom
 from .cpu_share import pin_emulated_device, usable_cores
 
 if TYPE_CHECKING:
@@ -144,8 +147,10 @@ def claim_host_share(on_cpu: bool, device_index: int) -> None:
         torch.set_num_threads(gpu_rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def _init_process_group(rank: int, world: int, backend: str, timeout_s: float):  # type: ignore[no-untyped-def]
-    """Join the job's process group as plan rank `rank` over the store torchrun's agent provides."""
+def _init_process_group(rank: int, world: int, backend: str, timeout_s: float,  # type: ignore[no-untyped-def]
+                        device_id=None):
+    """Join the job's process group as plan rank `rank` over the store torchrun's agent provides; with
+    `device_id` (a CUDA torch.device) NCCL forms its communicator now rather than at the first collective."""
     import torch.distributed as dist
 
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -162,11 +167,11 @@ def _init_process_group(rank: int, world: int, backend: str, timeout_s: float): 
         store = dist.TCPStore(host, port, world, is_server, timeout=timeout)
         prefix = "flashflex"
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world,
-                            timeout=timeout)
+                            timeout=timeout, device_id=device_id)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Train; returns the exit code."""
+def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int:
+    """Train; returns the exit code. `phases` is told where the rank is (for an out-of-memory's report)."""
     import torch
     import torch.distributed as dist
 
@@ -210,12 +215,16 @@ def run(args: argparse.Namespace) -> int:
         if device.index >= count:
             raise ValueError(f"plan rank {rank} wants {me.device} (cuda:{device.index}), this host has {count} GPU(s)")
         torch.cuda.set_device(device)
+    phases = phases or oom.PhaseTracker()
+    phases.attach(oom.stage_place(plan, rank), device, oom.injection_from_env(os.environ))
     claim_host_share(on_cpu, host_device_index(cluster, me.device, args.node))
-    _init_process_group(rank, world, "gloo" if on_cpu else "nccl", args.timeout)
+    phases.enter("nccl")
+    _init_process_group(rank, world, "gloo" if on_cpu else "nccl", args.timeout, None if on_cpu else device)
 
     stop = StopRequest()
     train, model = plan.inputs.train, plan.inputs.model
     groups = build_groups(plan, rank, timeout=timedelta(seconds=args.timeout))
+    phases.enter("setup")
     schedule = max(1, args.schedule_steps or args.steps)
     optim = OptimConfig(lr=args.lr, min_lr=args.lr / 10, warmup_steps=min(10, max(1, schedule // 10)),
                         total_steps=schedule)
@@ -227,7 +236,8 @@ def run(args: argparse.Namespace) -> int:
     engine = RankEngine(plan, rank, groups, device, optim, seed=args.seed, slowdown=device_info.slowdown,
                         initial=initial, options=RuntimeOptions(lean_p2p=not args.no_lean_p2p,
                                                                 overlap_dp=not args.no_overlap_dp,
-                                                                hierarchical_dp=not args.no_hierarchical_dp))
+                                                                hierarchical_dp=not args.no_hierarchical_dp),
+                        phases=phases)
     source = open_source(args.data, model.vocab_size, train.global_batch, train.seq_len, seed=args.seed)
     shards = ckpt.shards_for(engine.state_for_checkpoint(), engine.shard_specs(), rank)
     manifest = {"model": model.model_dump(mode="json"), "train": train.model_dump(mode="json"),
@@ -263,6 +273,7 @@ def run(args: argparse.Namespace) -> int:
     held_before = held_memory_bytes(device.type)
     for step in range(start, args.steps):
         _fault(rank, step)
+        phases.begin_step(step)
         t0 = time.perf_counter()
         # first/last stages read only their pipeline's rows, middle stages no tokens (zeros of the same shape)
         batch = stage_tokens(source, step, engine.pipeline_slice(train.global_batch), engine.first or engine.last)
@@ -285,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
         stopping = flag.item() > 0
         due = done == args.steps or (args.checkpoint_every > 0 and done % args.checkpoint_every == 0)
         if args.checkpoint_dir and (due or stopping):
+            phases.enter("checkpoint")
             with ckpt.one_line_save_errors(args.checkpoint_dir):
                 path = ckpt.save(args.checkpoint_dir, done, engine.state_for_checkpoint(), shards, manifest)
             if rank == 0:
@@ -305,15 +317,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one rank; print one line naming the rank on failure."""
+    """Run one rank; print one line naming the rank on failure (an out-of-memory: runtime/oom.py's line)."""
     heartbeat.start()
     exit_quietly_on_stop_signals()
     args = parse_args(argv)
+    phases = oom.PhaseTracker()
     try:
-        return run(args)
+        return run(args, phases)
     except Exception as exc:  # report one line with the rank, then exit non-zero
         from ..errors import FlashflexError
 
+        line = oom.report(exc, phases)
+        if line is not None:
+            print(f"flashflex worker: {line}", file=sys.stderr, flush=True)
+            heartbeat.report_error(line)
+            if os.environ.get("FLASHFLEX_DEBUG"):
+                raise
+            return 1
         label = os.environ.get("FLASHFLEX_RANK_LABEL", f"local rank {os.environ.get('LOCAL_RANK', '?')}")
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         peer = isinstance(exc, RuntimeError | TimeoutError) and not isinstance(exc, FlashflexError) and any(

@@ -3,6 +3,7 @@ for), no traceback, no process started, and no output or temporary file left or 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -27,6 +28,76 @@ RENDER = [*LAUNCH, "--launcher", "torchrun"]
 PLAN_CMD = ["plan", "{d}/cluster.json", "-m", "llama-tiny", "-b", "8", "-s", "32", "--strategy", "uniform",
             "--no-baseline"]
 SYNTH = ["profile", "--synthetic"]
+HUGE = 10**400  # an integer no float holds
+DEVICE = ("nodes", 0, "devices", 0)
+# Cluster files with one physically impossible (or mistyped) number: name -> (field path, value)
+BAD_CLUSTERS: dict[str, tuple[tuple[object, ...], object]] = {
+    "memory-1e40": (DEVICE + ("memory_bytes",), 10**40),
+    "memory-float-1e40": (DEVICE + ("memory_bytes",), 1e40),
+    "memory-string": (DEVICE + ("memory_bytes",), "4294967296"),
+    "memory-bool": (DEVICE + ("memory_bytes",), True),
+    "memory-negative-zero": (DEVICE + ("memory_bytes",), -0.0),
+    "membw-tiny": (DEVICE + ("memory_bandwidth",), 1e-300),
+    "flops-1e40": (DEVICE + ("peak_flops", "fp32"), 1e40),
+    "achieved-huge-int": (DEVICE + ("achieved_flops",), {"fp32": HUGE}),
+    "slowdown-1e308": (DEVICE + ("slowdown",), 1e308),
+    "slowdown-below-1": (DEVICE + ("slowdown",), 0.5),
+    "nic-bw-tiny": (("nodes", 0, "nic_bandwidth"), 1e-300),
+    "intra-bw-tiny": (("nodes", 0, "intra_link"), {"kind": "shm", "bandwidth": 1e-300}),
+    "intra-latency-negative-zero": (("nodes", 0, "intra_link"), {"kind": "shm", "latency_s": -0.0}),
+    "intra-pair-bw-tiny": (("nodes", 0, "intra_pairs"), [{"a": 0, "b": 1, "bandwidth": 1e-300}]),
+    "intra-pair-index-string": (("nodes", 0, "intra_pairs"), [{"a": "0", "b": 1, "bandwidth": 1e9}]),
+    "pair-bw-tiny": (("inter_node",), {"pairs": [{"a": "node0", "b": "node1", "bandwidth": 1e-300}]}),
+    "pair-latency-hours": (("inter_node",), {"pairs": [{"a": "node0", "b": "node1", "bandwidth": 1e9,
+                                                       "latency_s": 3600.0}]}),
+    "default-bw-huge": (("inter_node",), {"default_bandwidth": 1e300}),
+    "default-latency-tiny": (("inter_node",), {"latency_s": 1e-300}),
+    "hostname-shell": (("nodes", 0, "hostname"), "a;rm -rf x"),
+}
+# Layer profiles (flashflex.layers/1) with one impossible number
+LAYER_PART = {"fwd_s": 1e-3, "bwd_s": 2e-3, "activation_bytes": 1e6}
+LAYERS = {"schema": "flashflex.layers/1", "device_type": "cpu",
+          "model": {"hidden_size": 64, "num_heads": 4, "num_kv_heads": 4, "intermediate_size": 176, "vocab_size": 256},
+          "seq_len": 32, "dtype": "bf16", "attention": "sdpa",
+          "entries": [{"micro_batch_size": 1, "tp": 1, "layer": LAYER_PART, "embedding": LAYER_PART,
+                       "head": LAYER_PART, "fixed_bytes": 1e8}]}
+ENTRY = ("entries", 0)
+BAD_LAYERS: dict[str, tuple[tuple[object, ...], object]] = {
+    "fwd-1e300": (ENTRY + ("layer", "fwd_s"), 1e300),
+    "fwd-string": (ENTRY + ("layer", "fwd_s"), "0.1"),
+    "bwd-bool": (ENTRY + ("head", "bwd_s"), True),
+    "activation-1e40": (ENTRY + ("layer", "activation_bytes"), 1e40),
+    "fixed-huge-int": (ENTRY + ("fixed_bytes",), HUGE),
+    "mbs-huge-int": (ENTRY + ("micro_batch_size",), HUGE),
+    "tp-billion": (ENTRY + ("tp",), 10**9),
+    "hidden-huge-int": (("model", "hidden_size"), HUGE),
+}
+# Cost-parameter files (JSON text)
+BAD_COST_PARAMS = {
+    "truncated": '{"tp_comm_efficiency": 0.',
+    "efficiency-tiny": '{"tp_comm_efficiency": 1e-300}',
+    "reserve-huge-int": '{"memory_reserve_bytes": 1' + "0" * 400 + "}",
+    "digits-5000": '{"memory_reserve_bytes": ' + "1" * 5000 + "}",
+    "passes-string": '{"loss_passes": "2"}',
+    "bytes-negative-zero": '{"memory_reserve_bytes": -0.0, "grad_reduce_bytes": 1e300}',
+}
+BAD_PRICES = {"tiny": 1e-300, "string": "1", "bool": True, "huge-int": HUGE}
+
+
+def _mutated(data: dict, path: tuple[object, ...], value: object) -> dict:
+    """A deep copy of `data` with the field at `path` set to `value`."""
+    out = copy.deepcopy(data)
+    node: object = out
+    for key in path[:-1]:
+        node = node[key]  # type: ignore[index]
+    node[path[-1]] = value  # type: ignore[index]
+    return out
+
+
+def _plan_on(cluster: str, *extra: str) -> list[str]:
+    """`flashflex plan` of llama-tiny on `cluster` with an output file."""
+    return ["plan", cluster, "-m", "llama-tiny", "-b", "8", "-s", "32", "--strategy", "uniform", "--no-baseline",
+            "--out", "{d}/never.json", *extra]
 
 
 def _plan_with_predicted(predicted: object) -> dict:
@@ -65,8 +136,31 @@ def workspace(tmp_path: Path) -> Path:
                             "none.json": None, "str.json": _predicted(tokens_per_s="fast"),
                             "missing.json": {"fits": True},
                             "stage.json": _predicted(stages=[{"pipeline": "0", "stage": 0}]),
-                            "problems.json": _predicted(problems="boom")}.items():
+                            "problems.json": _predicted(problems="boom"),
+                            "inf.json": _predicted(iteration_time_s=math.inf),
+                            "negative.json": _predicted(tokens_per_s=-1.0),
+                            "huge.json": _predicted(mfu=HUGE),
+                            "stage-nan.json": _predicted(stages=[{"pipeline": 0, "stage": 0, "time_s": math.nan}]),
+                            "stage-negative.json": _predicted(stages=[{"pipeline": 0, "stage": 0,
+                                                                       "time_s": -0.5}])}.items():
         (tmp_path / name).write_text(json.dumps(_plan_with_predicted(predicted)))
+    plan = json.loads((GOLDEN / "plan-4rank.json").read_text())
+    for name, (path, value) in {"batch-huge": (("inputs", "train", "global_batch"), HUGE),
+                                "seq-string": (("inputs", "train", "seq_len"), "32"),
+                                "hidden-huge": (("inputs", "model", "hidden_size"), 2**40),
+                                "eps-huge": (("inputs", "model", "norm_eps"), 1e300),
+                                "seed-huge": (("inputs", "seed"), HUGE)}.items():
+        (tmp_path / f"plan-{name}.json").write_text(json.dumps(_mutated(plan, path, value)))
+    cluster = json.loads((GOLDEN / "cluster-2node.json").read_text())
+    for name, (path, value) in BAD_CLUSTERS.items():
+        (tmp_path / f"cluster-{name}.json").write_text(json.dumps(_mutated(cluster, path, value)))
+    for name, (path, value) in BAD_LAYERS.items():
+        (tmp_path / f"layers-{name}.json").write_text(json.dumps(_mutated(LAYERS, path, value)))
+    for name, text in BAD_COST_PARAMS.items():
+        (tmp_path / f"cost-{name}.json").write_text(text)
+    for name, price in BAD_PRICES.items():
+        (tmp_path / f"prices-{name}.json").write_text(json.dumps(
+            {"schema": "flashflex.prices/1", "prices": [{"type": "cpu", "per_device_hour": price}]}))
     return tmp_path
 
 
@@ -118,9 +212,38 @@ CASES: list[tuple[str, list[str], int]] = [
     ("show-predicted-stage", ["show", "{d}/stage.json"], 2),
     ("show-predicted-problems", ["show", "{d}/problems.json"], 2),
     ("diff-predicted-str", ["diff", "{d}/a.json", "{d}/str.json"], 2),
-    ("diff-nan-fails", ["diff", "{d}/a.json", "{d}/nan.json", "--fail-on-regression", "0"], 1),
+    ("diff-nan-refused", ["diff", "{d}/a.json", "{d}/nan.json", "--fail-on-regression", "0"], 2),
     ("diff-none-fails", ["diff", "{d}/a.json", "{d}/none.json", "--fail-on-regression", "0"], 1),
-    ("diff-nan-a-fails", ["diff", "{d}/nan.json", "{d}/a.json", "--fail-on-regression", "0"], 1),
+    ("diff-nan-a-refused", ["diff", "{d}/nan.json", "{d}/a.json", "--fail-on-regression", "0"], 2),
+    # a recorded prediction that no cost model makes: NaN, infinite, negative, too large for a float
+    *[(f"show-predicted-{name}", ["show", f"{{d}}/{name}.json"], 2)
+      for name in ("nan", "inf", "negative", "huge", "stage-nan", "stage-negative")],
+    ("launch-predicted-nan", ["launch", "{d}/nan.json", "-c", "{d}/cluster.json", "--out", "{d}/run"], 2),
+    # other numbers of a plan file: huge integers, strings, an absurd model shape
+    *[(f"show-plan-{name}", ["show", f"{{d}}/plan-{name}.json"], 2)
+      for name in ("batch-huge", "seq-string", "hidden-huge", "eps-huge", "seed-huge")],
+    ("launch-plan-batch-huge", ["launch", "{d}/plan-batch-huge.json", "-c", "{d}/cluster.json", "--out", "{d}/run"],
+     2),
+    # physically impossible cluster files: refused where any command loads them
+    *[(f"plan-cluster-{name}", _plan_on(f"{{d}}/cluster-{name}.json"), 2) for name in BAD_CLUSTERS],
+    *[(f"merge-cluster-{name}", ["profile", "merge", f"{{d}}/cluster-{name}.json", "--out", "{d}/merged.json"], 2)
+      for name in BAD_CLUSTERS],
+    ("show-cluster-slowdown-1e308", ["show", "{d}/plan.json", "-c", "{d}/cluster-slowdown-1e308.json"], 2),
+    ("launch-cluster-memory-1e40", ["launch", "{d}/plan.json", "-c", "{d}/cluster-memory-1e40.json",
+                                    "--out", "{d}/run"], 2),
+    # layer profiles, cost parameters and prices with impossible numbers
+    *[(f"plan-layers-{name}", _plan_on("{d}/cluster.json", "--layers", f"{{d}}/layers-{name}.json"), 2)
+      for name in BAD_LAYERS],
+    *[(f"plan-cost-params-{name}", _plan_on("{d}/cluster.json", "--cost-params", f"{{d}}/cost-{name}.json"), 2)
+      for name in BAD_COST_PARAMS],
+    *[(f"show-cost-params-{name}", ["show", "{d}/plan.json", "--cost-params", f"{{d}}/cost-{name}.json"], 2)
+      for name in BAD_COST_PARAMS],
+    ("show-layers-fwd-1e300", ["show", "{d}/plan.json", "--layers", "{d}/layers-fwd-1e300.json"], 2),
+    *[(f"plan-prices-{name}", _plan_on("{d}/cluster.json", "--prices", f"{{d}}/prices-{name}.json"), 2)
+      for name in BAD_PRICES],
+    ("spec-slowdown-1e308", [*SYNTH, "1x4xcpu:slowdown=1e308", "--out", "{d}/c.json"], 2),
+    ("spec-slowdown-below-1", [*SYNTH, "1x4xcpu:slowdown=0.5", "--out", "{d}/c.json"], 2),
+    ("spec-bw-tiny", [*SYNTH, "1x4xcpu:bw=1e-300", "--out", "{d}/c.json"], 2),
     ("diff-threshold-nan", ["diff", "{d}/a.json", "{d}/a.json", "--fail-on-regression", "nan"], 2),
     ("diff-threshold-inf", ["diff", "{d}/a.json", "{d}/a.json", "--fail-on-regression", "inf"], 2),
     ("diff-threshold-negative", ["diff", "{d}/a.json", "{d}/a.json", "--fail-on-regression", "-1"], 2),
@@ -173,6 +296,16 @@ CASES: list[tuple[str, list[str], int]] = [
     ("render-run-id-newline", [*RENDER, "--run-id", "x\ntouch {d}/pwned"], 2),
     ("render-torchrun-newline", [*RENDER, "--torchrun", "torchrun\ntouch {d}/pwned"], 2),
     ("render-host-newline", [*RENDER, "--hosts", "a,b\ntouch {d}/pwned"], 2),
+    # --hosts entries that are no host name or IP address
+    ("render-hosts-shell", [*RENDER, "--hosts", "a;rm -rf x,b"], 2),
+    ("render-hosts-space", [*RENDER, "--hosts", "a b,c"], 2),
+    ("render-hosts-dash", [*RENDER, "--hosts", "-oProxyCommand=x,b"], 2),
+    ("render-hosts-bad-ipv4", [*RENDER, "--hosts", "10.0.0.256,b"], 2),
+    ("render-hosts-bad-ipv6", [*RENDER, "--hosts", "::1::2,b"], 2),
+    ("render-hosts-ipv6-zone", [*RENDER, "--hosts", "fe80::1%a;b,c"], 2),
+    ("render-hosts-long-label", [*RENDER, "--hosts", "a" * 64 + ",b"], 2),
+    ("render-hosts-underscore", [*RENDER, "--hosts", "my_host,b"], 2),
+    ("render-cluster-hostname", [*LAUNCH, "--launcher", "torchrun", "-c", "{d}/cluster-hostname-shell.json"], 2),
     ("slurm-job-name-newline", [*LAUNCH, "--launcher", "slurm", "--job-name", "x\ntouch {d}/pwned"], 2),
     ("slurm-job-name-space", [*LAUNCH, "--launcher", "slurm", "--job-name", "a b"], 2),
     ("slurm-job-name-subst", [*LAUNCH, "--launcher", "slurm", "--job-name", "$(touch {d}/pwned)"], 2),
@@ -206,15 +339,52 @@ def test_no_checkpoint_space_fails_before_any_worker(workspace: Path, capsys: py
                  "--checkpoint-dir", str(workspace / "ck")])
     err = capsys.readouterr().err
     assert code == 1 and not no_launch
-    assert "checkpoint needs about" in err and "GiB free" in err and "234,048 parameters" in err
+    # 234,048 parameters x 16 bytes = 3.57 MiB against 1000 bytes: both in a unit that shows them
+    assert "checkpoint needs about 3.57 MiB" in err and "1000 B free" in err and "234,048 parameters" in err
     assert err.strip().splitlines()[-1].startswith("error: --checkpoint-dir")
     assert _snapshot(workspace) == before
 
 
-def test_diff_json_stays_strict_json_with_nan(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["diff", str(workspace / "a.json"), str(workspace / "nan.json"), "--json"]) == 0
+def test_diff_json_stays_strict_json_without_a_prediction(workspace: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["diff", str(workspace / "a.json"), str(workspace / "none.json"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out, parse_constant=lambda name: pytest.fail(f"non-JSON {name}"))
     assert out["metrics"]["tokens_per_s"]["b"] is None
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (_plan_on("{d}/cluster-memory-1e40.json"),
+     ["cluster-memory-1e40.json: nodes.0.devices.0.memory_bytes:", "1.00 PiB", "an integer of 41 digits"]),
+    (_plan_on("{d}/cluster-slowdown-1e308.json"),
+     ["cluster-slowdown-1e308.json: nodes.0.devices.0.slowdown:", "[1, 10000]", "got 1e+308"]),
+    (["profile", "merge", "{d}/cluster-pair-bw-tiny.json", "--out", "{d}/m.json"],
+     ["cluster-pair-bw-tiny.json: inter_node.pairs.0.bandwidth:", "B/s", "got 1e-300"]),
+    (_plan_on("{d}/cluster-memory-string.json"),
+     ["nodes.0.devices.0.memory_bytes: must be a number, got '4294967296'"]),
+    (["show", "{d}/nan.json"], ["nan.json: predicted.tokens_per_s must be a finite number, got nan"]),
+    (["show", "{d}/inf.json"], ["inf.json: predicted.iteration_time_s must be a finite number, got inf"]),
+    (["show", "{d}/plan.json", "--cost-params", "{d}/cost-truncated.json"], ["cost-truncated.json: malformed JSON"]),
+    (["show", "{d}/plan.json", "--cost-params", "{d}/cost-efficiency-tiny.json"],
+     ["cost-efficiency-tiny.json: cost parameters: tp_comm_efficiency must be in [0.0001, 1], got 1e-300"]),
+    (_plan_on("{d}/cluster.json", "--layers", "{d}/layers-fwd-1e300.json"),
+     ["layers-fwd-1e300.json: entries.0.layer.fwd_s: must be in [0, 1e+06] s, got 1e+300"]),
+    ([*RENDER, "--hosts", "a;rm -rf x,b"], ["--hosts entry 'a;rm -rf x' is not a host name or IP address"]),
+])
+def test_refusals_name_the_file_the_field_and_the_value(workspace: Path, argv: list[str], named: list[str],
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([arg.replace("{d}", str(workspace)) for arg in argv]) == 2
+    err = capsys.readouterr().err
+    for text in named:
+        assert text in err, err
+
+
+def test_host_names_and_addresses_are_rendered(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """RFC 1123 names (a trailing root dot too), IPv4 and IPv6 (an endpoint's IPv6 host in brackets)."""
+    argv = [arg.replace("{d}", str(workspace)) for arg in RENDER]
+    assert main([*argv, "--hosts", "::1,gpu-2.example.org."]) == 0
+    out = capsys.readouterr().out
+    assert "[::1]:" in out and "gpu-2.example.org." in out
+    assert main([*argv, "--hosts", "10.0.0.1,fe80::1%eth0"]) == 0
 
 
 def test_token_ids_scan_finds_the_largest_id_in_chunks(tmp_path: Path) -> None:
@@ -259,8 +429,10 @@ def test_read_only_folder_is_refused(tmp_path: Path) -> None:
     (["data", "prepare", "{d}/text.txt", "--out", "{d}/text.txt"], 2),
     ([*SYNTH, "1x4xcpu", "--out", "{d}"], 2),
     ([*LAUNCH, "--seed", "-1"], 2),
-    (["diff", "{d}/a.json", "{d}/nan.json", "--fail-on-regression", "0"], 1),
-], ids=["prepare-same-file", "profile-out-dir", "launch-seed", "diff-nan"])
+    (["diff", "{d}/a.json", "{d}/nan.json", "--fail-on-regression", "0"], 2),
+    (["diff", "{d}/a.json", "{d}/none.json", "--fail-on-regression", "0"], 1),
+    (_plan_on("{d}/cluster-memory-1e40.json"), 2),
+], ids=["prepare-same-file", "profile-out-dir", "launch-seed", "diff-nan", "diff-none", "plan-memory-1e40"])
 def test_console_script_reports_one_line(workspace: Path, argv: list[str], code: int) -> None:
     before = _snapshot(workspace)
     result = subprocess.run([FLASHFLEX, *[a.replace("{d}", str(workspace)) for a in argv]],

@@ -75,7 +75,7 @@ def test_save_load_round_trip_is_byte_stable(tmp_path):
         (lambda d: d["nodes"][0]["devices"][0].update(memory_bandwidth=float("nan")), "memory_bandwidth"),
         (lambda d: d["nodes"][0]["devices"][0].update(memory_bytes=-1), "memory_bytes"),
         (lambda d: d["nodes"][0].update(nic="wifi"), "nic"),
-        (lambda d: d["inter_node"].update(pairs=[{"a": "node0", "b": "ghost", "bandwidth": 1.0}]), "ghost"),
+        (lambda d: d["inter_node"].update(pairs=[{"a": "node0", "b": "ghost", "bandwidth": 1e9}]), "ghost"),
         (lambda d: d["nodes"][0].update(colour="red"), "colour"),
     ],
 )

@@ -42,11 +42,19 @@ def test_overrides_apply_and_merge() -> None:
 
 @pytest.mark.parametrize("overrides, message", [
     ({"fudge_factor": 1.8}, "unknown name 'fudge_factor'"),
-    ({"tp_comm_efficiency": 1.5}, r"\(0, 1\]"),
+    ({"tp_comm_efficiency": 1.5}, r"\[0.0001, 1\], got 1.5"),
+    ({"tp_comm_efficiency": 1e-300}, r"\[0.0001, 1\], got 1e-300"),
+    ({"tp_comm_efficiency": -0.0}, r"\[0.0001, 1\], got -0"),
+    ({"memory_reserve_bytes": 10**400}, "an integer of 401 digits"),
+    ({"memory_reserve_bytes": True}, "must be a number, got True"),
+    ({"optimizer_bytes_per_param": 1e300}, r"\[0 B, 1.00 KiB\], got 1e\+300"),
+    ({"loss_passes": 1e300}, r"\[0, 1000\]"),
+    ({"compute_intercept": {"A100": 1e300}}, r"compute_intercept\[A100\] must be in \[0, 10000\]"),
+    ({"memory_fragmentation": 1.0}, r"\[0, 1\)"),
     ({"dp_overlap_fraction": -0.1}, r"\[0, 1\)"),
     ({"memory_reserve_bytes": "lots"}, "must be a number"),
     ({"master_weights": 1}, "true or false"),
-    ({"compute_efficiency": {"A100": 2.0}}, r"\(0, 1\]"),
+    ({"compute_efficiency": {"A100": 2.0}}, r"\[0.0001, 1\]"),
     ({"compute_efficiency": {"A100:int8": 0.5}}, "dtype"),
     ({"compute_efficiency": 0.5}, "object"),
 ])

@@ -215,6 +215,15 @@ def test_gpu_probe_becomes_node_with_catalog_peaks_and_measured_pairs():
     assert [(p.a, p.b, p.bandwidth) for p in node.intra_pairs] == [(0, 1, 2.3e11), (0, 2, 2e10), (1, 2, 2.1e10)]
 
 
+@pytest.mark.parametrize(("hostname", "kept"), [("worker_7.cluster.local", True), ("My Mac", False),
+                                                ("a;rm -rf x", False)])
+def test_a_hostname_no_script_could_address_is_left_out(hostname: str, kept: bool) -> None:
+    probe = NodeProbe(hostname=hostname, kind="cuda",
+                      devices=[DeviceProbe(0, "NVIDIA A100-SXM4-80GB", "bf16", 2.5e14, 80 * GIB, 1.7e12)], copies=[])
+    node = node_from_probe(probe, node_name="n0")
+    assert node.hostname == (hostname if kept else None)
+
+
 def test_helpers():
     assert sig(123456789.0) == 123500000.0
     assert default_node_name("worker_7.cluster.local") == "worker_7"

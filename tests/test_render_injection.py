@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from flashflex_cli.cli import main
 from flashflex_cli.errors import InputError
@@ -70,26 +71,37 @@ def _payload(template: str, marker: Path) -> str:
 
 
 @pytest.mark.parametrize("template", PAYLOADS)
-@pytest.mark.parametrize("option", ["--run-id", "--hosts", "--ifname", "--out", "--checkpoint-dir"])
+@pytest.mark.parametrize("option", ["--run-id", "--ifname", "--out", "--checkpoint-dir"])
 def test_hostile_option_is_one_argument_and_never_runs(tmp_path: Path, fake_path: dict[str, str],
                                                       option: str, template: str) -> None:
     marker = tmp_path / "pwned"
     value = _payload(template, marker)
-    extra = {"--hosts": ["--hosts", f"h0,{value}"], "--ifname": ["--ifname", value]}.get(option, [option, value])
-    calls = _render_and_run(tmp_path, fake_path, *extra)
+    calls = _render_and_run(tmp_path, fake_path, option, value)
     assert not marker.exists()
     assert len(calls) == 2
-    for i, argv in enumerate(calls):
+    for argv in calls:
         if option == "--run-id":
             assert f"--rdzv-id={value}" in argv
-        elif option == "--hosts" and i == 1:
-            assert f"--local-addr={value}" in argv
         elif option == "--ifname":
             assert argv[0] == f"GLOO={value}"
-        elif option in ("--out", "--checkpoint-dir"):
+        else:
             assert argv[argv.index(option) + 1] == value
-    if option == "--hosts":
-        assert "--rdzv-endpoint=h0:29500" in calls[0]
+
+
+@pytest.mark.parametrize("template", PAYLOADS)
+def test_hostile_host_is_refused_before_anything_is_written(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          template: str) -> None:
+    marker, script = tmp_path / "pwned", tmp_path / "launch.sh"
+    code = main(["launch", str(GOLDEN / "plan-4rank.json"), "-c", str(GOLDEN / "cluster-2node.json"),
+                 "--launcher", "torchrun", "--script", str(script), "--hosts", f"h0,{_payload(template, marker)}"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--hosts entry" in err
+    assert not script.exists() and not marker.exists()
+
+
+def test_hosts_reach_torchrun_as_addresses(tmp_path: Path, fake_path: dict[str, str]) -> None:
+    calls = _render_and_run(tmp_path, fake_path, "--hosts", "h0,10.0.0.2")
+    assert "--rdzv-endpoint=h0:29500" in calls[0] and "--local-addr=10.0.0.2" in calls[1]
 
 
 @pytest.mark.parametrize("template", PAYLOADS[:4])
@@ -170,28 +182,36 @@ def test_sbatch_values_outside_the_safe_set_are_refused(tmp_path: Path, name: st
         _slurm(tmp_path, sbatch_extra=(f"#SBATCH --comment={name}\nrm -rf x",))  # type: ignore[arg-type]
 
 
+def _with_hostname(node: int, hostname: str) -> Cluster:
+    """The golden cluster with node `node`'s hostname set past the schema (which refuses what is no host name),
+    to test the renderers' own quoting and refusals."""
+    cluster = load_cluster(GOLDEN / "cluster-2node.json")
+    data = cluster.model_dump(mode="json", by_alias=True)
+    data["nodes"][node]["hostname"] = hostname
+    with pytest.raises(ValidationError, match=r"nodes\.\d\.hostname"):
+        Cluster.model_validate(data)
+    nodes = list(cluster.nodes)
+    nodes[node] = nodes[node].model_copy(update={"hostname": hostname})
+    return cluster.model_copy(update={"nodes": nodes})
+
+
 def test_hostile_cluster_hostname_is_refused_in_sbatch_lines() -> None:
-    data = load_cluster(GOLDEN / "cluster-2node.json").model_dump(mode="json", by_alias=True)
-    data["nodes"][0]["hostname"] = "n0\n#SBATCH --wrap=touch /tmp/x"
-    cluster = Cluster.model_validate(data)
+    cluster = _with_hostname(0, "n0\n#SBATCH --wrap=touch /tmp/x")
     with pytest.raises(InputError, match="control characters"):
         render_slurm(load_plan(GOLDEN / "plan-4rank.json"), cluster, RunOptions(plan="p", cluster="c", out="o"),
                      RenderSettings(), SlurmSettings())
 
 
 def test_cluster_hostname_outside_the_sbatch_set_is_refused() -> None:
-    data = load_cluster(GOLDEN / "cluster-2node.json").model_dump(mode="json", by_alias=True)
-    data["nodes"][0]["hostname"] = "n0 --wrap=x"
+    cluster = _with_hostname(0, "n0 --wrap=x")
     with pytest.raises(InputError, match="hostname of node node0"):
-        render_slurm(load_plan(GOLDEN / "plan-4rank.json"), Cluster.model_validate(data),
+        render_slurm(load_plan(GOLDEN / "plan-4rank.json"), cluster,
                      RunOptions(plan="p", cluster="c", out="o"), RenderSettings(), SlurmSettings())
 
 
 def test_hostile_cluster_hostname_is_quoted_in_torchrun_scripts(tmp_path: Path, fake_path: dict[str, str]) -> None:
     marker = tmp_path / "pwned"
-    data = load_cluster(GOLDEN / "cluster-2node.json").model_dump(mode="json", by_alias=True)
-    data["nodes"][1]["hostname"] = f"$(touch {marker})"
-    text = render_torchrun(load_plan(GOLDEN / "plan-4rank.json"), Cluster.model_validate(data),
+    text = render_torchrun(load_plan(GOLDEN / "plan-4rank.json"), _with_hostname(1, f"$(touch {marker})"),
                            RunOptions(plan="p", cluster="c", out="o"), RenderSettings())
     script = tmp_path / "t.sh"
     script.write_text(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from typing import IO, Any
 from pydantic import BaseModel, ValidationError
 
 from .errors import InputError
+from .physical_limits import shown
 
 
 def _umask() -> int:
@@ -198,6 +200,8 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{source}: malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    except ValueError:  # an integer literal longer than Python's int-conversion limit (4300 digits)
+        raise InputError(f"{source}: holds a number of more than {sys.get_int_max_str_digits()} digits") from None
 
 
 def validation_message(source: str, exc: ValidationError) -> str:
@@ -206,7 +210,18 @@ def validation_message(source: str, exc: ValidationError) -> str:
     where = ".".join(str(part) for part in first["loc"]) or "(top level)"
     more = len(exc.errors()) - 1
     suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
-    return f"{source}: {where}: {first['msg']}{suffix}"
+    message = str(first["msg"]).removeprefix("Value error, ")
+    if message.startswith(f"{where}."):  # a validator that names the nested field itself
+        return f"{source}: {message}{suffix}"
+    return f"{source}: {where}: {message}{_given(first)}{suffix}"
+
+
+def _given(error: Any) -> str:
+    """', got VALUE' for an error about one scalar value whose message does not show it already."""
+    value = error.get("input")
+    if error["type"] == "physical_limit" or not isinstance(value, str | int | float | bool):
+        return ""
+    return f", got {shown(value)}"
 
 
 def load_model(path: str | os.PathLike[str], model_type: type[BaseModel], expected_schema: str) -> Any:

@@ -34,6 +34,18 @@ def _split(text: str | None, what: str) -> tuple[str, ...] | None:
     return parts
 
 
+def _host_addresses(hosts: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """--hosts entries, each a host name or IP address (hostnames.py), else one line naming the entry."""
+    from ..hostnames import host_problem
+    from ..physical_limits import shown
+
+    for host in hosts or ():
+        problem = host_problem(host)
+        if problem is not None:
+            raise InputError(f"--hosts entry {shown(host)} {problem}")
+    return hosts
+
+
 def _script_inputs(plan_path: Path, cluster_path: Path, data: str, template: str | None) -> list[str | Path]:
     """Files a rendered script must not overwrite."""
     inputs: list[str | Path] = [plan_path, cluster_path]
@@ -139,7 +151,7 @@ def launch_command(
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     if launcher not in LAUNCHERS:
         raise InputError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
-    host_list, ifnames = _split(hosts, "--hosts"), _split(ifname, "--ifname") or ()
+    host_list, ifnames = _host_addresses(_split(hosts, "--hosts")), _split(ifname, "--ifname") or ()
     elastic_settings = elastic_options(elastic, launcher, max_restarts, min_devices, cluster_watch, replan_gain,
                                        layers, checkpoint_dir)
     if cluster_path is None:

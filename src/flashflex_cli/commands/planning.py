@@ -162,6 +162,7 @@ def show_command(
     if prices_file is not None and cluster_file is None and run_dir is None:
         raise InputError("--prices needs --cluster (prices are per device type; the cluster names the types)")
     plan = load_plan(plan_file)
+    params = _cost_params(cost_params, layers, plan)  # read and checked with or without --cluster, as plan does
     console = _stderr()
     if run_dir is not None or timeline is not None:
         from ..runs.show import cluster_for_run

@@ -12,8 +12,8 @@ from rich.table import Table
 
 from ..errors import InputError
 from ..fileio import check_writable_output, refuse_same_path
-from ..hardware.catalog import GIB
 from ..hardware.cluster import Cluster, load_cluster, save_cluster
+from ..units import byte_size
 from ..validate_numbers import MAX_DEVICES_PER_NODE, int_in_range
 
 profile_app = typer.Typer(
@@ -52,7 +52,7 @@ def render_summary(cluster: Cluster, console: Console | None = None) -> None:
         table.add_row(
             node.name,
             f"{len(node.devices)} x {'/'.join(types)}",
-            f"{node.devices[0].memory_bytes / GIB:.1f} GiB",
+            byte_size(node.devices[0].memory_bytes),
             "/".join(f"{f:g}" for f in flops),
             slowdown,
             intra,

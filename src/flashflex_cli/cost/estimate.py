@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..hardware.catalog import GIB
 from ..hardware.cluster import Cluster
 from ..model import flops as F
 from ..plan.schema import Plan
+from ..units import byte_size
 from .comm import p2p_time
 from .compute import layer_times
 from .dp import StageBackward, dp_buckets, dp_partners, dp_timeline
@@ -178,8 +178,8 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
             capacity, tightest = min((device_capacity(cluster, d, params), d) for d in stage.devices)
             headroom = capacity - mem.total
             if headroom < 0:
-                problems.append(f"pipelines.{p}.stages.{s}: needs {mem.total / GIB:.1f} GiB at its peak "
-                                f"({mem.phase}), {tightest} allows {capacity / GIB:.1f} GiB")
+                problems.append(f"pipelines.{p}.stages.{s}: needs {byte_size(mem.total)} at its peak "
+                                f"({mem.phase}), {tightest} allows {byte_size(capacity)}")
             last_backward[(p, s)] = sched.last_backward_end_s[s]
             backward[(p, s)] = StageBackward(sched.last_backward_end_s[s] - bwd[s], sched.last_backward_end_s[s],
                                              lt.head_bwd_s if s == count - 1 else 0.0, lt.bwd_s,

@@ -170,6 +170,7 @@ def read_profile(profile: LayerProfile, mbs: int, tp: int) -> MeasuredCosts:
             values, fixed, _ = _read_at_tp(groups[near], mbs)
             values = {k: v * near / tp for k, v in values.items()}
             extrapolated = True
-    parts = [PartCost(**{q: max(0.0, values[(part, q)]) for q in QUANTITIES}) for part in PARTS]
+    # derived figures (interpolated, extrapolated, scaled to another TP degree) are not a file's: no file limits
+    parts = [PartCost.model_construct(**{q: max(0.0, values[(part, q)]) for q in QUANTITIES}) for part in PARTS]
     return MeasuredCosts(*parts, fixed_bytes=fixed, extrapolated=extrapolated, sha256=profile.sha256(),
                          tp_measured=tp in groups)

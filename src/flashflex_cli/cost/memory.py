@@ -28,7 +28,7 @@ the counted ones, and its fixed bytes (tensors allocated beside the model) are a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ..hardware.cluster import Cluster

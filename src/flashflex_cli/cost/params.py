@@ -7,7 +7,6 @@ them with `CostParams.from_overrides({...})`; an unknown name is an InputError.
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,6 +15,16 @@ from typing import Any
 from ..errors import InputError
 from ..hardware.catalog import CATALOG, canonical_name
 from ..layers.schema import LayerProfile
+from ..physical_limits import (
+    BYTES_PER_ELEMENT,
+    BYTES_PER_PARAMETER,
+    EFFICIENCY,
+    FACTOR,
+    HELD_BYTES,
+    INTERCEPT,
+    SHARE,
+    Limit,
+)
 from ..semantics.runtime_paths import RuntimeOptions
 from .reference_efficiency import REFERENCE_EFFICIENCY
 
@@ -203,7 +212,7 @@ class CostParams:
             if name == "compute_efficiency":
                 values[name] = {**base.compute_efficiency, **_efficiency_overrides(value)}
             elif name == "compute_intercept":
-                values[name] = {**base.compute_intercept, **_efficiency_overrides(value, name, upper=None)}
+                values[name] = {**base.compute_intercept, **_efficiency_overrides(value, name)}
             elif name in ("master_weights", "dp_overlap", "dp_hierarchical"):
                 if not isinstance(value, bool):
                     raise InputError(f"cost parameters: {name} must be true or false, got {value!r}")
@@ -216,28 +225,32 @@ class CostParams:
 # fields a cost-params file cannot set: measured profiles, and what a run recorded (runs/, launch defaults)
 NOT_IN_FILES = ("layer_profiles", "runtime", "compute_dtype")
 
-_FRACTIONS = {"default_compute_efficiency", "measured_compute_efficiency", "tf32_compute_efficiency", "tp_comm_efficiency",
-              "p2p_efficiency", "dp_comm_efficiency", "memory_bandwidth_efficiency"}
+# The physical limit of each number a cost-parameter file may set (physical_limits.py gives each bound's reason).
+_LIMITS: dict[str, Limit] = {
+    **dict.fromkeys(("default_compute_efficiency", "measured_compute_efficiency", "tf32_compute_efficiency",
+                     "tp_comm_efficiency", "p2p_efficiency", "dp_comm_efficiency", "memory_bandwidth_efficiency",
+                     "compute_efficiency"), EFFICIENCY),
+    **dict.fromkeys(("default_compute_intercept", "compute_intercept"), INTERCEPT),
+    **dict.fromkeys(("dp_overlap_fraction", "memory_fragmentation", "memory_safety_margin"), SHARE),
+    **dict.fromkeys(("grad_reduce_bytes", "activation_transfer_bytes", "eager_score_bytes"), BYTES_PER_ELEMENT),
+    **dict.fromkeys(("optimizer_bytes_per_param", "optimizer_state_bytes"), BYTES_PER_PARAMETER),
+    **dict.fromkeys(("loss_passes", "activation_bytes_factor", "dp_buffer_factor"), FACTOR),
+    **dict.fromkeys(("memory_reserve_bytes", "cpu_memory_reserve_bytes"), HELD_BYTES),
+}
+# A number this module does not name yet: finite and not negative, at most a factor of 1e15 (no parameter is a
+# count or size beyond that: the largest, memory_reserve_bytes, is limited to 1 PiB).
+_ANY_NUMBER = Limit("", 0.0, 1e15)
 
 
 def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InputError(f"cost parameters: {name} must be a number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise InputError(f"cost parameters: {name} must be a finite number, got {value}")
-    if name in _FRACTIONS and not 0.0 < value <= 1.0:
-        raise InputError(f"cost parameters: {name} must be in (0, 1], got {value}")
-    if name in ("dp_overlap_fraction", "memory_fragmentation", "memory_safety_margin") and not 0.0 <= value < 1.0:
-        raise InputError(f"cost parameters: {name} must be in [0, 1), got {value}")
-    if value < 0:
-        raise InputError(f"cost parameters: {name} must not be negative, got {value}")
-    return value
+    """`value` within the limit of parameter `name` (`name` may carry a table key: "compute_efficiency[A100]")."""
+    limit = _LIMITS.get(name.partition("[")[0], _ANY_NUMBER)
+    return float(limit.check(value, f"cost parameters: {name}"))
 
 
-def _efficiency_overrides(value: Any, name: str = "compute_efficiency", upper: float | None = 1.0) -> dict[str, float]:
-    """Validate {"TYPE[:dtype]": number} (a fraction in (0, 1] unless `upper` is None: then >= 0); catalog
-    names and aliases are canonicalised."""
+def _efficiency_overrides(value: Any, name: str = "compute_efficiency") -> dict[str, float]:
+    """Validate {"TYPE[:dtype]": number} (each within the limit of `name`); catalog names and aliases are
+    canonicalised."""
     if not isinstance(value, Mapping):
         raise InputError(f"cost parameters: {name} must be an object of device type -> number")
     out: dict[str, float] = {}
@@ -248,8 +261,6 @@ def _efficiency_overrides(value: Any, name: str = "compute_efficiency", upper: f
         if type_name.lower() in {n.lower() for n in CATALOG} or _is_alias(type_name):
             type_name = canonical_name(type_name)
         number = _number(f"{name}[{key}]", fraction)
-        if upper is not None and not 0.0 < number <= upper:
-            raise InputError(f"cost parameters: {name}[{key}] must be in (0, {upper:g}], got {number}")
         # A key without a dtype sets every dtype class (a table entry always names one).
         for cls_name in ((dtype_class(dtype),) if dtype else ("fp16", "fp32", "tf32")):
             out[f"{type_name}:{cls_name}"] = number

@@ -9,12 +9,23 @@ from __future__ import annotations
 import hashlib
 import os
 from functools import cached_property
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
+from pydantic_core import PydanticCustomError
 
 from ..errors import InputError
 from ..fileio import dumps_json, load_model, write_model
+from ..hostnames import host_problem
+from ..physical_limits import (
+    DEVICE_FLOPS,
+    DEVICE_MEMORY_BYTES,
+    LATENCY_S,
+    LINK_BANDWIDTH,
+    MEMORY_BANDWIDTH,
+    SLOWDOWN,
+    limited,
+)
 from .catalog import device_type
 from .links import INTRA_LINKS, NIC_LINKS, SAME_DEVICE, IntraKind, Link, NicKind
 
@@ -25,16 +36,37 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+# Every number of a cluster file within its physical limit (physical_limits.py gives each bound's reason).
+MemoryBytes = limited(DEVICE_MEMORY_BYTES)
+MemoryBandwidth = limited(MEMORY_BANDWIDTH)
+Flops = limited(DEVICE_FLOPS)
+Slowdown = limited(SLOWDOWN)
+LinkBandwidth = limited(LINK_BANDWIDTH)
+Latency = limited(LATENCY_S)
+DeviceIndex = Annotated[NonNegativeInt, Field(strict=True)]
+TypeName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
+
+
+def _host_name(text: str) -> str:
+    problem = host_problem(text, underscores=True)
+    if problem is not None:
+        raise PydanticCustomError("host_name", f"{text[:60]!r} {problem}")
+    return text
+
+
+HostName = Annotated[str, AfterValidator(_host_name)]  # launch scripts address the node by it
+
+
 class Device(_Strict):
     """One accelerator. peak_flops: dense FLOP/s per dtype; achieved_flops: measured matmul FLOP/s."""
 
-    type: str
-    memory_bytes: PositiveInt
-    peak_flops: dict[str, PositiveFloat]
-    memory_bandwidth: PositiveFloat
+    type: TypeName
+    memory_bytes: MemoryBytes
+    peak_flops: dict[str, Flops]
+    memory_bandwidth: MemoryBandwidth
     source: Literal["catalog", "measured"] = "catalog"
-    achieved_flops: dict[str, PositiveFloat] | None = None
-    slowdown: PositiveFloat = 1.0  # emulated devices compute this many times slower; the runtime honours it
+    achieved_flops: dict[str, Flops] | None = None
+    slowdown: Slowdown = 1.0  # emulated devices compute this many times slower; the runtime honours it
 
     def flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for `dtype`, divided by the emulation slowdown.
@@ -51,17 +83,17 @@ class IntraLink(_Strict):
     """The fabric inside one node: kind and bandwidth (bytes/s per direction)."""
 
     kind: IntraKind
-    bandwidth: PositiveFloat | None = None
-    latency_s: PositiveFloat | None = None
+    bandwidth: LinkBandwidth | None = None
+    latency_s: Latency | None = None
 
 
 class DevicePair(_Strict):
     """A measured link between two devices of one node, by local index."""
 
-    a: int
-    b: int
-    bandwidth: PositiveFloat
-    latency_s: PositiveFloat | None = None
+    a: DeviceIndex
+    b: DeviceIndex
+    bandwidth: LinkBandwidth
+    latency_s: Latency | None = None
 
 
 class Node(_Strict):
@@ -69,8 +101,8 @@ class Node(_Strict):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
     nic: NicKind = "eth"
-    nic_bandwidth: PositiveFloat | None = None  # bytes/s; overrides the NIC class default
-    hostname: str | None = None
+    nic_bandwidth: LinkBandwidth | None = None  # bytes/s; overrides the NIC class default
+    hostname: HostName | None = None
     devices: list[Device] = Field(min_length=1)
     intra_link: IntraLink = IntraLink(kind="pcie")
     intra_pairs: list[DevicePair] = []
@@ -89,15 +121,15 @@ class NodePair(_Strict):
 
     a: str
     b: str
-    bandwidth: PositiveFloat
-    latency_s: PositiveFloat | None = None
+    bandwidth: LinkBandwidth
+    latency_s: Latency | None = None
 
 
 class InterNode(_Strict):
     """Links between nodes: per-pair measurements, else `default_bandwidth`, else the NIC classes."""
 
-    default_bandwidth: PositiveFloat | None = None
-    latency_s: PositiveFloat | None = None
+    default_bandwidth: LinkBandwidth | None = None
+    latency_s: Latency | None = None
     pairs: list[NodePair] = []
 
 

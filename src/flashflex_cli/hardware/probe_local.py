@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..hostnames import host_problem
 from ..runtime.cpu_share import as_emulated_device
 from .catalog import device_type
 from .cluster import Device, DevicePair, IntraLink, Node
@@ -270,8 +271,10 @@ def node_from_probe(probe: NodeProbe, node_name: str | None = None, nic: str = "
         kind = "nvlink" if slowest is not None and slowest > 40e9 else "pcie"
         intra = IntraLink(kind=kind, bandwidth=sig(slowest) if slowest else None)
         pairs = [DevicePair(a=c.a, b=c.b, bandwidth=sig(c.bandwidth)) for c in probe.copies]
+    # a hostname no launch script could address (the schema refuses it) is left out: the node name stands in
+    hostname = probe.hostname if host_problem(probe.hostname, underscores=True) is None else None
     return Node(name=node_name or default_node_name(probe.hostname), nic=nic,  # type: ignore[arg-type]
-                hostname=probe.hostname, devices=devices, intra_link=intra, intra_pairs=pairs)
+                hostname=hostname, devices=devices, intra_link=intra, intra_pairs=pairs)
 
 
 def emulated(node: Node, slowdown: float) -> Node:

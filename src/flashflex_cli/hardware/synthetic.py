@@ -21,6 +21,7 @@ from typing import get_args
 from pydantic import ValidationError
 
 from ..errors import InputError
+from ..physical_limits import LINK_BANDWIDTH, SLOWDOWN
 from ..validate_numbers import MAX_DEVICES, cluster_shape, positive
 from .catalog import device_type
 from .cluster import Cluster, Device, IntraLink, Node
@@ -100,9 +101,13 @@ def _parse_group(text: str) -> NodeGroup:
     bandwidth = None
     if "bw" in values:
         bandwidth = _positive(values["bw"], "bw (Gbit/s)", text) * 1e9 / 8
+        if LINK_BANDWIDTH.problem(bandwidth) is not None:
+            raise InputError(f"spec group {text!r}: bw must be from {LINK_BANDWIDTH.low * 8 / 1e9:g} to "
+                             f"{LINK_BANDWIDTH.high * 8 / 1e9:g} Gbit/s, got {values['bw']}")
     slowdown: tuple[float, ...] = (1.0,) * devices
     if "slowdown" in values:
-        factors = [_positive(v, "slowdown", text) for v in values["slowdown"].split(",")]
+        factors = [SLOWDOWN.check(_positive(v, "slowdown", text), f"spec group {text!r}: slowdown")
+                   for v in values["slowdown"].split(",")]
         if len(factors) == 1:
             factors = factors * devices
         if len(factors) != devices:

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckFailed, InputError
 from ..fileio import check_writable_dir
-from ..hardware.catalog import GIB
 from ..hardware.cluster import Cluster
 from ..model.flops import dtype_bytes, embedding_params, head_params, layer_params_per_device, total_params
 from ..plan.schema import Plan
+from ..units import byte_size
 from .layout import node_layouts
 
 if TYPE_CHECKING:
@@ -99,8 +99,8 @@ def check_local_machine(plan: Plan, cluster: Cluster) -> Preflight:
         need = sum(report.rank_bytes) + PROCESS_OVERHEAD_BYTES * len(ranks)
         have = _available_host_bytes()
         if have is not None and need > have:
-            raise CheckFailed(f"the plan's {len(ranks)} CPU ranks need about {need / GIB:.1f} GiB, this machine "
-                              f"has {have / GIB:.1f} GiB available")
+            raise CheckFailed(f"the plan's {len(ranks)} CPU ranks need about {byte_size(need)}, this machine "
+                              f"has {byte_size(have)} available")
         cores = os.cpu_count() or 1
         if len(ranks) > 4 * cores:
             report.warnings.append(f"{len(ranks)} processes on {cores} cores: expect slow steps")
@@ -121,8 +121,8 @@ def check_local_machine(plan: Plan, cluster: Cluster) -> Preflight:
         have = torch.cuda.get_device_properties(index).total_memory
         need = report.rank_bytes[info.rank]
         if need > have:
-            raise CheckFailed(f"plan rank {info.rank} on cuda:{index} needs about {need / GIB:.1f} GiB, the GPU "
-                              f"has {have / GIB:.1f} GiB")
+            raise CheckFailed(f"plan rank {info.rank} on cuda:{index} needs about {byte_size(need)}, the GPU "
+                              f"has {byte_size(have)}")
         wanted = cluster.device(info.device).type
         actual = torch.cuda.get_device_name(index)
         if wanted.split("-")[0].lower() not in actual.lower():
@@ -224,6 +224,6 @@ def check_checkpoint_space(plan: Plan, checkpoint_dir: str | None) -> None:
     free = shutil.disk_usage(folder).free
     need = checkpoint_bytes(plan)
     if need > free:
-        raise CheckFailed(f"--checkpoint-dir {checkpoint_dir}: one checkpoint needs about {need / GIB:.2f} GiB "
+        raise CheckFailed(f"--checkpoint-dir {checkpoint_dir}: one checkpoint needs about {byte_size(need)} "
                           f"({total_params(plan.inputs.model):,} parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes), "
-                          f"{free / GIB:.2f} GiB free there")
+                          f"{byte_size(free)} free there")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import InputError
 from ..hardware.cluster import Cluster
+from ..hostnames import url_host
 from ..plan.schema import Plan
 from ..validate_numbers import port
 from .layout import NodeLayout, node_layouts
@@ -89,7 +90,7 @@ def global_values(plan: Plan, layouts: list[NodeLayout], options: RunOptions,
         "torchrun": shell_word(settings.torchrun, "--torchrun"),
         "run_id": shell_word(settings.run_id, "--run-id"),
         "port": settings.port,
-        "rdzv_endpoint": shell_word(f"{plain_text(layouts[0].host, 'host')}:{settings.port}", "host"),
+        "rdzv_endpoint": shell_word(f"{url_host(plain_text(layouts[0].host, 'host'))}:{settings.port}", "host"),
     }
 
 

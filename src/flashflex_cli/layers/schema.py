@@ -10,7 +10,6 @@ is open so that measurements of other tools can be converted into it; it imports
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 from typing import Literal
 
@@ -18,14 +17,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    NonNegativeFloat,
-    PositiveInt,
-    field_validator,
     model_validator,
 )
 
 from ..fileio import dumps_json, load_model
-from ..model.spec import ModelSpec
+from ..model.spec import Depth, ModelSpec, Positions, Vocab, Width
+from ..physical_limits import HELD_BYTES, PART_SECONDS, SEQ_LEN, SEQUENCES, TP_DEGREE, limited
 
 LAYERS_SCHEMA = "flashflex.layers/1"
 Attention = Literal["flash", "sdpa", "eager"]
@@ -36,20 +33,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
+Seconds = limited(PART_SECONDS)  # physical_limits.py gives each bound's reason
+HeldBytes = limited(HELD_BYTES)
+Sequences = limited(SEQUENCES)
+SeqLen = limited(SEQ_LEN)
+TpDegree = limited(TP_DEGREE)
+
+
 class ModelShape(_Strict):
     """The shape a profile was measured for: what sets a layer's cost (not its depth or name). The optional
     keys are absent (None) for a plain Llama layer: `head_dim` only where it is not hidden_size / num_heads,
     `attention_bias` (q/k/v biases, Qwen2) only when true, `sliding_window` (keys per query, Mistral) only
     when set; so a Llama profile never matches a Qwen2 or windowed model of the same widths."""
 
-    hidden_size: PositiveInt
-    num_heads: PositiveInt
-    num_kv_heads: PositiveInt
-    intermediate_size: PositiveInt
-    vocab_size: PositiveInt
-    head_dim: PositiveInt | None = None
+    hidden_size: Width
+    num_heads: Depth
+    num_kv_heads: Depth
+    intermediate_size: Width
+    vocab_size: Vocab
+    head_dim: Width | None = None
     attention_bias: Literal[True] | None = None
-    sliding_window: PositiveInt | None = None
+    sliding_window: Positions | None = None
 
     @classmethod
     def of(cls, model: ModelSpec) -> ModelShape:
@@ -64,35 +68,21 @@ class PartCost(_Strict):
     """One part (a transformer layer, the embedding, or the head) for one micro-batch on one device:
     forward and backward seconds, activation bytes kept until the backward."""
 
-    fwd_s: NonNegativeFloat
-    bwd_s: NonNegativeFloat
-    activation_bytes: NonNegativeFloat = 0.0
-
-    @field_validator("fwd_s", "bwd_s", "activation_bytes")
-    @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError(f"must be a finite number, got {value}")
-        return value
+    fwd_s: Seconds
+    bwd_s: Seconds
+    activation_bytes: HeldBytes = 0.0
 
 
 class ProfileEntry(_Strict):
     """Costs at one (micro_batch_size, tp). `fixed_bytes`: per-device memory beyond weights, gradients,
     optimizer state and activations (runtime context, communication buffers, allocator slack)."""
 
-    micro_batch_size: PositiveInt
-    tp: PositiveInt
+    micro_batch_size: Sequences
+    tp: TpDegree
     layer: PartCost
     embedding: PartCost
     head: PartCost
-    fixed_bytes: NonNegativeFloat | None = None
-
-    @field_validator("fixed_bytes")
-    @classmethod
-    def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError(f"must be a finite number, got {value}")
-        return value
+    fixed_bytes: HeldBytes | None = None
 
 
 class LayerProfile(_Strict):
@@ -101,7 +91,7 @@ class LayerProfile(_Strict):
     schema_: Literal["flashflex.layers/1"] = Field(LAYERS_SCHEMA, alias="schema")
     device_type: str = Field(min_length=1)
     model: ModelShape
-    seq_len: PositiveInt
+    seq_len: SeqLen
     dtype: ProfileDtype
     attention: Attention
     recompute: bool = False

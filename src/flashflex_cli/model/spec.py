@@ -10,17 +10,25 @@ from typing import Any, Literal
 from pydantic import (
     BaseModel,
     ConfigDict,
-    PositiveFloat,
-    PositiveInt,
     SerializerFunctionWrapHandler,
     model_serializer,
     model_validator,
 )
 
 from ..errors import InputError
+from ..physical_limits import MODEL_DEPTH, MODEL_WIDTH, NORM_EPS, POSITIONS, RATIO, ROPE_THETA, VOCAB, limited
 
 Family = Literal["llama", "mistral", "qwen2"]
 FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+
+# Every number of a model shape within the size limits of physical_limits.py (each bound's reason is there)
+Width = limited(MODEL_WIDTH)
+Depth = limited(MODEL_DEPTH)
+Vocab = limited(VOCAB)
+Positions = limited(POSITIONS)
+RopeTheta = limited(ROPE_THETA)
+NormEps = limited(NORM_EPS)
+Ratio = limited(RATIO)
 
 
 class RopeScaling(BaseModel):
@@ -31,10 +39,10 @@ class RopeScaling(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     type: Literal["llama3"] = "llama3"
-    factor: PositiveFloat
-    low_freq_factor: PositiveFloat
-    high_freq_factor: PositiveFloat
-    original_max_position_embeddings: PositiveInt
+    factor: Ratio
+    low_freq_factor: Ratio
+    high_freq_factor: Ratio
+    original_max_position_embeddings: Positions
 
     @model_validator(mode="after")
     def _band(self) -> RopeScaling:
@@ -63,21 +71,21 @@ class ModelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
-    hidden_size: PositiveInt
-    num_layers: PositiveInt
-    num_heads: PositiveInt
-    num_kv_heads: PositiveInt
-    intermediate_size: PositiveInt
-    vocab_size: PositiveInt
-    rope_theta: PositiveFloat = 10000.0
-    norm_eps: PositiveFloat = 1e-5
+    hidden_size: Width
+    num_layers: Depth
+    num_heads: Depth
+    num_kv_heads: Depth
+    intermediate_size: Width
+    vocab_size: Vocab
+    rope_theta: RopeTheta = 10000.0
+    norm_eps: NormEps = 1e-5
     tie_embeddings: bool = False
     family: Family = "llama"
-    head_dim_override: PositiveInt | None = None
+    head_dim_override: Width | None = None
     attention_bias: bool = False
-    sliding_window: PositiveInt | None = None
+    sliding_window: Positions | None = None
     rope_scaling: RopeScaling | None = None
-    max_position_embeddings: PositiveInt | None = None
+    max_position_embeddings: Positions | None = None
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:

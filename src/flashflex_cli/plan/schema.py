@@ -15,20 +15,27 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    NonNegativeInt,
-    PositiveInt,
     field_validator,
     model_validator,
 )
 
 from ..fileio import dumps_json, load_model
 from ..model.spec import ModelSpec
+from ..physical_limits import LAYER_INDEX, SEED, SEQ_LEN, SEQUENCES, TP_DEGREE, limited, shown
 
 PLAN_SCHEMA = "flashflex.plan/1"
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+
+
+# Counts within the size limits of physical_limits.py (a string, a boolean or a huge integer is refused)
+Sequences = limited(SEQUENCES)
+SeqLen = limited(SEQ_LEN)
+TpDegree = limited(TP_DEGREE)
+LayerIndex = limited(LAYER_INDEX)
+Seed = limited(SEED)
 
 
 class TrainConfig(_Strict):
@@ -40,9 +47,9 @@ class TrainConfig(_Strict):
     field existed load as sdpa, what the runtime used then.
     """
 
-    global_batch: PositiveInt
-    seq_len: PositiveInt
-    micro_batch_size: PositiveInt = 1
+    global_batch: Sequences
+    seq_len: SeqLen
+    micro_batch_size: Sequences = 1
     dtype: Literal["bf16", "fp16", "fp32", "tf32"] = "bf16"
     recompute: bool = False
     attention: Literal["flash", "sdpa", "eager"] = "sdpa"
@@ -57,8 +64,8 @@ class StagePlan(_Strict):
     """One stage: a TP group of `tp` devices running transformer layers [layers[0], layers[1])."""
 
     devices: list[str] = Field(min_length=1)
-    tp: PositiveInt
-    layers: tuple[NonNegativeInt, NonNegativeInt]
+    tp: TpDegree
+    layers: tuple[LayerIndex, LayerIndex]
 
     @model_validator(mode="after")
     def _shape(self) -> StagePlan:
@@ -77,8 +84,8 @@ class StagePlan(_Strict):
 class PipelinePlan(_Strict):
     """One data-parallel replica: its stages and its share of the global batch (in micro-batches)."""
 
-    micro_batch_size: PositiveInt
-    num_micro_batches: PositiveInt
+    micro_batch_size: Sequences
+    num_micro_batches: Sequences
     stages: list[StagePlan] = Field(min_length=1)
 
     @property
@@ -105,7 +112,7 @@ class PlanInputs(_Strict):
     model: ModelSpec
     train: TrainConfig
     strategy: str = "manual"
-    seed: int = 0
+    seed: Seed = 0
     layer_profiles: list[str] | None = None
     cluster_path: str | None = None
 
@@ -116,6 +123,7 @@ _PREDICTED_NUMBERS = ("model_flops_per_token", "peak_flops_used", "dp_exposed_s"
 # optional `predicted.dollars` (planner/economics.py): cost per hour and per million tokens; null = unknown
 _DOLLAR_NUMBERS = ("per_hour_used", "per_hour_cluster", "per_million_tokens_used", "per_million_tokens_cluster")
 _STAGE_NUMBERS = ("time_s", "memory_bytes", "memory_capacity_bytes")
+_LARGEST_NUMBER = 1e300  # above it a product or a sum of two predicted figures overflows a float
 
 
 def _expect(value: Any, kind: str, where: str) -> None:
@@ -134,15 +142,39 @@ def _check_predicted_stage(stage: Any, where: str) -> None:
     for key in _STAGE_NUMBERS:
         if key in stage:
             _expect(stage[key], "number", f"{where}.{key}")
+    _check_not_negative(stage, _STAGE_NUMBERS, where)
     if "source" in stage:
         _expect(stage["source"], "str", f"{where}.source")
 
 
+def _check_finite(value: Any, where: str) -> None:
+    """Every number in `value` (nested objects and lists too) is finite and at most _LARGEST_NUMBER in size:
+    JSON's NaN and Infinity, and an integer too large for a float, are no prediction the cost model makes."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_finite(item, f"{where}.{i}")
+    elif isinstance(value, int | float) and not isinstance(value, bool) and not abs(value) <= _LARGEST_NUMBER:
+        raise ValueError(f"{where} must be a finite number, got {shown(value)}")
+
+
+def _check_not_negative(section: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    """The times, rates and sizes show and diff read are not negative (a breakdown term may be by rounding:
+    a bubble fraction of -4e-16)."""
+    for key in keys:
+        value = section.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            raise ValueError(f"{where}.{key} must not be negative, got {shown(value)}")
+
+
 def check_predicted(predicted: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The fields of a plan's `predicted` section that show/diff read have the right types (values may be
-    NaN or infinite: the cost model's answer for a plan that cannot run)."""
+    """The fields of a plan's `predicted` section that show/diff read have the right types and are not
+    negative; every number in it is finite."""
     if not predicted:
         return predicted
+    _check_finite(predicted, "predicted")
     for key in _PREDICTED_REQUIRED:
         _expect(predicted.get(key), "number", f"predicted.{key}")
     for key in _PREDICTED_NUMBERS:
@@ -163,6 +195,8 @@ def check_predicted(predicted: dict[str, Any] | None) -> dict[str, Any] | None:
             _expect(predicted[key], "list", f"predicted.{key}")
     for i, stage in enumerate(predicted.get("stages", [])):
         _check_predicted_stage(stage, f"predicted.stages.{i}")
+    _check_not_negative(predicted, _PREDICTED_REQUIRED + _PREDICTED_NUMBERS, "predicted")
+    _check_not_negative(predicted.get("dollars") or {}, _DOLLAR_NUMBERS, "predicted.dollars")
     return predicted
 
 

@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 from ..errors import InfeasibleError
-from ..hardware.catalog import GIB
+from ..units import byte_size
 from .fastcost import CostCache
 from .stages import tp_degrees
-
-TIB = 1024**4
-
-
-def human_bytes(nbytes: float) -> str:
-    """Bytes for humans: GiB below 1 TiB, else TiB."""
-    return f"{nbytes / TIB:.2f} TiB" if nbytes >= TIB else f"{nbytes / GIB:.1f} GiB"
 
 
 def model_state_bytes(cache: CostCache) -> float:
@@ -34,8 +27,8 @@ def check_feasible(cache: CostCache, total_micro: int) -> None:
     need, have = model_state_bytes(cache), usable_bytes(cache)
     if need > have:
         raise InfeasibleError(
-            f"{model.name} needs at least {human_bytes(need)} for weights, gradients and optimizer state; "
-            f"the cluster has {human_bytes(have)} usable ({cache.graph.size} devices)"
+            f"{model.name} needs at least {byte_size(need)} for weights, gradients and optimizer state; "
+            f"the cluster has {byte_size(have)} usable ({cache.graph.size} devices)"
         )
     g = cache.graph
     best_need, best_cap = float("inf"), 0.0
@@ -52,5 +45,5 @@ def check_feasible(cache: CostCache, total_micro: int) -> None:
                 best_need, best_cap = need_one, cap - reserve
     raise InfeasibleError(
         f"no device group can hold the embedding and one layer of {model.name}: the smallest first stage needs "
-        f"{human_bytes(best_need)} per device, the best group has {human_bytes(best_cap)} per device"
+        f"{byte_size(best_need)} per device, the best group has {byte_size(best_cap)} per device"
     )

@@ -26,9 +26,10 @@ from ..errors import FlashflexError
 from ..hardware.cluster import Cluster
 from ..hardware.links import Link
 from ..plan.schema import PipelinePlan, Plan, StagePlan, UnusedDevice
+from ..units import byte_size
 from .batch import split_batch
 from .fastcost import CostCache
-from .feasibility import human_bytes, model_state_bytes
+from .feasibility import model_state_bytes
 from .graph import DeviceGraph
 from .pipeline import PipeEval, evaluate_pipeline, window_pace
 from .pricing import DevicePrices
@@ -191,7 +192,7 @@ class _Measure:
             need, usable = model_state_bytes(cache), sum(cache.capacity((i,)) - reserve for i in idx)
             if need > usable:
                 why = (f"memory: {self.plan.inputs.model.name}'s weights, gradients and optimizer state need "
-                       f"{human_bytes(need)}, its devices have {human_bytes(usable)} usable")
+                       f"{byte_size(need)}, its devices have {byte_size(usable)} usable")
             else:
                 why = "memory: no split of the layers over its devices fits with the activations in flight"
             return _Option(what, 0.0, why)

@@ -19,15 +19,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InputError
 from ..fileio import load_model
 from ..hardware.catalog import canonical_name
 from ..hardware.cluster import Cluster
+from ..physical_limits import PER_DEVICE_HOUR, limited
 
 PRICES_SCHEMA = "flashflex.prices/1"
-MAX_PER_DEVICE_HOUR = 1e6  # far above any real device; refuses typos such as a price in cents x 1e6
+PerDeviceHour = limited(PER_DEVICE_HOUR)  # physical_limits.py: 1e-6 to 1e6 per device-hour, and why
 
 
 class _Strict(BaseModel):
@@ -38,7 +39,7 @@ class PriceRow(_Strict):
     """One device type's price per device-hour, and where the figure comes from."""
 
     type: str = Field(min_length=1)
-    per_device_hour: PositiveFloat = Field(le=MAX_PER_DEVICE_HOUR)
+    per_device_hour: PerDeviceHour
     provider: str = ""
     offer: str = ""
     source: str = ""
@@ -53,7 +54,7 @@ class PriceList(_Strict):
     date: str = ""
     description: str = ""
     prices: list[PriceRow] = Field(min_length=1)
-    default_per_device_hour: PositiveFloat | None = Field(None, le=MAX_PER_DEVICE_HOUR)
+    default_per_device_hour: PerDeviceHour | None = None
 
 
 def _type_key(name: str) -> str:

@@ -37,10 +37,11 @@ from ..errors import InfeasibleError, InputError
 from ..hardware.cluster import Cluster
 from ..model.spec import ModelSpec
 from ..plan.schema import Plan, TrainConfig
+from ..units import byte_size
 from .batch import micro_batches
 from .candidates import Candidate, build_plan, score
 from .fastcost import CostCache
-from .feasibility import check_feasible, human_bytes, model_state_bytes
+from .feasibility import check_feasible, model_state_bytes
 from .graph import DeviceGraph
 from .microbatch import MicroBatchSearch
 from .partition import device_subsets, generators
@@ -272,8 +273,8 @@ def _unused_reasons(cache: CostCache, cand: Candidate) -> dict[str, str]:
         cap = cache.capacity((i,))
         if cache.max_layers(1, False, False, 1, cap) < 1:
             need = cache.stage_bytes(1, 1, False, False, 1) - reserve
-            out[g.ids[i]] = (f"too small: {human_bytes(cap - reserve)} cannot hold one layer's state "
-                             f"(needs {human_bytes(need)})")
+            out[g.ids[i]] = (f"too small: {byte_size(cap - reserve)} cannot hold one layer's state "
+                             f"(needs {byte_size(need)})")
     return out
 
 
@@ -292,8 +293,8 @@ def _nothing_fits(cache: CostCache) -> InfeasibleError:
     have = sum(cache.capacity((i,)) - cache.params.memory_reserve_bytes for i in range(g.size))
     return InfeasibleError(
         f"no layout of {model.name} fits in memory: weights, gradients and optimizer state need "
-        f"{human_bytes(need)} plus activations for seq_len {cache.train.seq_len}; the cluster has "
-        f"{human_bytes(have)} usable; add devices, enable --recompute or lower --micro-batch"
+        f"{byte_size(need)} plus activations for seq_len {cache.train.seq_len}; the cluster has "
+        f"{byte_size(have)} usable; add devices, enable --recompute or lower --micro-batch"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from ..hardware.catalog import GIB
+from ..units import byte_size
 from .compare import RunComparison, Term
 
 
@@ -13,7 +13,7 @@ def _fmt(term: Term, value: float | None) -> str:
     if value is None:
         return "-"
     if term.unit == "B":
-        return f"{value / GIB:.2f} GiB"
+        return byte_size(value)
     return f"{1e3 * value:.2f} ms"
 
 

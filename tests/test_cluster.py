@@ -47,11 +47,14 @@ def test_measured_pair_beats_classes_and_defaults():
     assert link.transfer_time(1.2e8) == pytest.approx(1.0 + 1e-4)
 
 
-def test_slowdown_divides_flops_and_dtype_falls_back():
+def test_slowdown_divides_flops_and_a_dtype_the_device_lacks_runs_at_fp32():
     cluster = build_cluster("1x2xcpu:slowdown=1,4,1x1xV100-16G")
     assert cluster.device("node0/1").flops("fp32") == pytest.approx(cluster.device("node0/0").flops("fp32") / 4)
-    # V100 has no bf16 fast path: falls back to its fp16 tensor rate
-    assert cluster.device("node1/0").flops("bf16") == pytest.approx(125e12)
+    v100 = cluster.device("node1/0")
+    # V100 has fp16 tensor cores and no bf16 ones: bf16 matmuls run on its fp32 units, not at 125 TFLOP/s
+    assert v100.flops("fp16") == pytest.approx(125e12)
+    assert v100.flops("bf16") == pytest.approx(15.7e12) and v100.compute_dtype("bf16") == "fp32"
+    assert v100.flops("tf32") == pytest.approx(15.7e12)
 
 
 def test_save_load_round_trip_is_byte_stable(tmp_path):

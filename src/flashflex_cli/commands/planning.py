@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -20,6 +21,7 @@ from ..plan.diff import diff_plans
 from ..plan.render import render_baseline, render_diff, render_plan
 from ..plan.schema import Plan, TrainConfig, load_plan
 from ..planner.economics import annotated
+from ..planner.precision import AUTO, AUTO_DTYPES, DTYPE_CHOICES, DtypeTrial, choose_dtype
 from .plan_objective import PRICES_HELP, Fleet, device_prices
 
 
@@ -31,9 +33,11 @@ LAYERS_HELP = "Measured layer profile (flashflex.layers/1); repeatable. Stages i
 
 
 def _cost_params(path: Path | None, layers: list[Path] | None = None, plan: Plan | None = None,
-                 model: ModelSpec | None = None, train: TrainConfig | None = None) -> CostParams:
+                 model: ModelSpec | None = None, train: TrainConfig | None = None,
+                 dtypes: tuple[str, ...] = ()) -> CostParams:
     """Defaults, `path`'s overrides, and the layer profiles of `layers`, each of which must describe the
-    plan's (or `model`/`train`'s) model shape and settings."""
+    plan's (or `model`/`train`'s) model shape and settings; a profile in one of `dtypes` (those --dtype auto
+    weighs) is checked against `train` in its own dtype."""
     params = CostParams()
     if path is not None:
         data = read_json(path)
@@ -49,7 +53,8 @@ def _cost_params(path: Path | None, layers: list[Path] | None = None, plan: Plan
             model, train = plan.inputs.model, plan.inputs.train
         if model is not None and train is not None:
             for path_, profile in zip(layers, profiles, strict=True):
-                check_profile_fits(path_, profile, model, train)
+                own = train.model_copy(update={"dtype": profile.dtype}) if profile.dtype in dtypes else train
+                check_profile_fits(path_, profile, model, own)
         params = params.with_layer_profiles(profiles)
     return params
 
@@ -81,7 +86,8 @@ def plan_command(
     json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON on stdout (nothing else there)."),
     time_budget: float = typer.Option(30.0, "--time-budget", min=0.0, help="Search time cap in seconds."),
     seed: int = typer.Option(0, "--seed", help="Seed for METIS and the refinement order."),
-    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16, fp32 or tf32 (fp32 tensors, TF32 matmuls)."),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16, fp32, tf32 (fp32 tensors, TF32 matmuls) or "
+                              "auto (bf16 where every device computes it natively, else the better of bf16 and fp16)."),
     recompute: bool = typer.Option(False, "--recompute/--no-recompute", help="Full activation recompute."),
     attention: str = typer.Option("sdpa", "--attention", help="flash, sdpa or eager (keeps s x s scores)."),
     cost_params: Path | None = typer.Option(None, "--cost-params", help="JSON file of CostParams overrides."),
@@ -107,19 +113,41 @@ def plan_command(
     validate_numbers.int_in_range(max_micro_batch, "--max-micro-batch", 1, 1024)
     validate_numbers.int_in_range(jobs, "--jobs", 0, 256)
     validate_numbers.batch_shape(global_batch, seq_len, 1 if micro_batch is None else micro_batch)
+    if dtype not in DTYPE_CHOICES:
+        raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     cluster = load_cluster(cluster_file)
     spec = resolve_model(model)
-    train = _train(global_batch, seq_len, micro_batch or 1, dtype, recompute, attention)
-    params = _cost_params(cost_params, layers, model=spec, train=train)
-    fleet = Fleet.from_options(cluster, prices_file, objective, budget, exclude)
+    dtypes = AUTO_DTYPES if dtype == AUTO else (dtype,)
+    train = _train(global_batch, seq_len, micro_batch or 1, dtypes[0], recompute, attention)
+    params = _cost_params(cost_params, layers, model=spec, train=train, dtypes=dtypes)
+    options = Fleet.from_options(cluster, prices_file, objective, budget, exclude)
     stats = SearchStats()
-    plan = fleet.plan(lambda sub: plan_layout(
-        sub, spec, train, strategy=strategy, time_budget_s=time_budget, seed=seed,
-        params=params, stats=stats, max_micro_batch=max_micro_batch if micro_batch is None else None,
-        jobs=jobs or usable_cores()))
-    plan = reestimated(plan, estimate(plan, cluster, params))  # records the layer profiles it used
+    fleets: list[Fleet] = []  # one per dtype planned (two at most, with --dtype auto)
+
+    def plan_in(chosen: str) -> DtypeTrial:
+        """The fleet planned in dtype `chosen`, re-estimated on the whole cluster."""
+        fleet, trained = replace(options), train.model_copy(update={"dtype": chosen})
+        fleets.append(fleet)
+        found = fleet.plan(lambda sub: plan_layout(
+            sub, spec, trained, strategy=strategy, time_budget_s=time_budget, seed=seed,
+            params=params, stats=stats, max_micro_batch=max_micro_batch if micro_batch is None else None,
+            jobs=jobs or usable_cores()))
+        found = reestimated(found, estimate(found, cluster, params))  # records the layer profiles it used
+        assert fleet.choice is not None  # fleet.plan raises otherwise
+        return DtypeTrial(chosen, found, float(found.predicted["tokens_per_s"]),  # type: ignore[index]
+                          fleet.choice.best.per_million_tokens, payload=fleet)
+
+    reason = None
+    if dtype == AUTO:
+        allowed = [d for d in cluster.device_ids if cluster.node_of(d) in options.allowed]
+        trial, reason = choose_dtype(cluster, allowed, plan_in, objective,
+                                     options.prices.currency if options.prices is not None else "")
+    else:
+        trial = plan_in(dtype)
+    assert trial.plan is not None and isinstance(trial.payload, Fleet)
+    plan, fleet, train = trial.plan, trial.payload, trial.plan.inputs.train
     # where `flashflex launch` finds the cluster when --cluster is not given (the sha256 is still checked)
-    recorded = plan.inputs.model_copy(update={"cluster_path": str(cluster_file)})
+    recorded = plan.inputs.model_copy(update={"cluster_path": str(cluster_file), "dtype_reason": reason})
     plan = plan.model_copy(update={"inputs": recorded})
     plan = fleet.finish(plan, params)  # measured idle reasons, MFU over the whole cluster, dollars
     if out is not None:
@@ -137,7 +165,7 @@ def plan_command(
             why = str(exc)
     if strategy != "uniform":
         render_baseline(console, plan, uniform, why)
-    stats.seconds = max(stats.seconds, fleet.seconds)  # every re-plan of the objective search, when it ran
+    stats.seconds = max(stats.seconds, sum(f.seconds for f in fleets))  # every re-plan of the objective search
     console.print(f"  searched {stats.candidates} layouts, estimated {stats.estimated}, in {stats.seconds:.2f} s"
                   + (" (time budget reached: the result may depend on machine speed)" if stats.budget_hit else ""))
     fleet.render(console, explain_groups)

@@ -1,16 +1,19 @@
 """Compute time of one transformer layer (and of the embedding and head) on one TP group.
 
 Measured first: when every device of the group has a matching layer profile (cost/measured.py), the
-profile's times are used as they are (they include the group's TP collectives), stretched by the emulation
-slowdown; the slowest device sets the pace.
+profile's times are used as they are (they include the group's TP collectives unless the profile says
+`tp_comm_included: false`, then the modelled ones below are added), stretched by the emulation slowdown;
+the slowest device sets the pace.
 Otherwise modelled, per micro-batch of b sequences (t(b) = a + b * slope, the form of measured layer times):
 time = a + FLOPs / tp / (slowest device's achieved FLOP/s) + the group's TP all-reduces, where the fixed
 part a = CostParams.intercept x one read of the device's weight shard from memory, split 1:2 between
 forward and backward like the FLOPs, and achieved FLOP/s = peak (or measured matmul rate) x slope
-efficiency (CostParams.efficiency), with the emulation slowdown applied. Megatron-style TP (Shoeybi et al. 2019): per layer two all-reduces of the
-[b, s, h] activation in the forward and two in the backward (two more when the backward recomputes
-the forward); a vocabulary-parallel embedding all-reduces its output; the head all-reduces the input
-gradient in the backward and two [b, s] fp32 statistics of the loss in the forward.
+efficiency (CostParams.efficiency), with the emulation slowdown applied; a dtype a device lacks (no tensor
+cores for it: Device.compute_dtype) is costed at its fp32 peak and fp32 efficiency and intercept.
+Megatron-style TP (Shoeybi et al. 2019): per layer two all-reduces of the [b, s, h] activation in the
+forward and two in the backward (two more when the backward recomputes the forward); a vocabulary-parallel
+embedding all-reduces its output; the head all-reduces the input gradient in the backward and two [b, s]
+fp32 statistics of the loss in the forward.
 """
 
 from __future__ import annotations
@@ -116,7 +119,7 @@ def measured_layer_comm(cluster: Cluster, devices: Sequence[str], model: ModelSp
     to a perfect t-way split of the TP-1 compute: max(0, T_t - T_1 / t). Otherwise the group's modelled
     all-reduces (two forward, two or four backward)."""
     tp = len(devices)
-    if tp == 1 or not costs.tp_measured:
+    if tp == 1 or not costs.comm_in_times:
         return 0.0, 0.0
     single = read_profile(profile, mbs, 1)
     if single.tp_measured and not single.extrapolated:
@@ -136,7 +139,8 @@ def group_intercept_s(cluster: Cluster, devices: Sequence[str], model: ModelSpec
     worst = float("-inf")
     for device in devices:
         info = cv.info(device)
-        reads = params.intercept(info.type, dtype, measured=bool(cv.device(device).achieved_flops))
+        computed = cv.compute_dtype(device, dtype)  # a dtype the device lacks runs on its fp32 units
+        reads = params.intercept(info.type, computed, measured=bool(cv.device(device).achieved_flops))
         worst = max(worst, reads * shard_bytes / info.memory_bandwidth)
     return worst
 
@@ -201,11 +205,12 @@ def _layer_times(cluster: Cluster, devices: tuple[str, ...], model: ModelSpec, t
 
 def _measured_times(cluster: Cluster, devices: tuple[str, ...], model: ModelSpec, train: TrainConfig,
                     params: CostParams, mbs: int, measured: MeasuredCosts) -> LayerTimes:
-    """LayerTimes from a layer profile; where its TP degree was not measured, the group's modelled TP
-    all-reduces are added (two per layer forward, two (four with recompute) backward, one in the embedding
-    forward and the head backward)."""
+    """LayerTimes from a layer profile; where its times hold no TP collectives (a TP degree it did not
+    measure, or a profile with `tp_comm_included` false), the group's modelled TP all-reduces are added (two
+    per layer forward, two (four with recompute) backward, one in the embedding forward and the head
+    backward)."""
     ar = 0.0
-    if len(devices) > 1 and not measured.tp_measured:
+    if len(devices) > 1 and not measured.comm_in_times:
         ar = allreduce_time(cluster, devices, F.layer_input_bytes(model, mbs, train.seq_len, train.dtype), params)
     tp_fwd, tp_bwd = 2 * ar, (4 if train.recompute else 2) * ar
     return LayerTimes(measured.layer.fwd_s + tp_fwd, measured.layer.bwd_s + tp_bwd, measured.embedding.fwd_s + ar,

@@ -28,7 +28,7 @@ from .memory import (
 )
 from .params import CostParams
 from .schedule import simulate_1f1b
-from .view import view
+from .view import ClusterView, view
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,9 @@ class StageEstimate:
     """One stage: per-micro-batch fwd_s/bwd_s (s), p2p_s to the next stage (s, 0 for the last), time_s =
     busy compute time per iteration (s), dp_s = seconds of the DP reductions it takes part in, hidden or not,
     dp_exposed_s = how long its reduction runs on after its last backward (s), memory per device (bytes),
-    memory_capacity = the smallest usable capacity among its devices (bytes), headroom = capacity - need."""
+    memory_capacity = the smallest usable capacity among its devices (bytes), headroom = capacity - need.
+    not_native_on: the device types of the stage that lack the training dtype (no tensor cores for it), sorted;
+    they compute it at no more than their fp32 rate unless a layer profile measured in the dtype says otherwise."""
 
     pipeline: int
     stage: int
@@ -60,6 +62,7 @@ class StageEstimate:
     num_micro_batches: int = 0
     dp_exposed_s: float = 0.0
     on_cuda: bool = True
+    not_native_on: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,9 @@ class Estimate:
 
 
 def _stage_json(s: StageEstimate) -> dict[str, Any]:
-    """One stage's prediction with its full breakdown (seconds per micro-batch unless named per step)."""
-    return {
+    """One stage's prediction with its full breakdown (seconds per micro-batch unless named per step);
+    `dtype_not_native_on` only for a stage whose devices lack the training dtype."""
+    out: dict[str, Any] = {
         "pipeline": s.pipeline,
         "stage": s.stage,
         "source": s.source + (" (extrapolated)" if s.extrapolated else ""),
@@ -134,6 +138,14 @@ def _stage_json(s: StageEstimate) -> dict[str, Any]:
         "memory_capacity_bytes": _r(s.memory_capacity),
         "headroom_bytes": _r(s.headroom_bytes),
     }
+    if s.not_native_on:
+        out["dtype_not_native_on"] = list(s.not_native_on)
+    return out
+
+
+def _not_native_on(cv: ClusterView, devices: list[str], dtype: str) -> tuple[str, ...]:
+    """The device types among `devices` that lack `dtype` (compute it on their fp32 units), sorted."""
+    return tuple(sorted({cv.info(d).type for d in devices if cv.compute_dtype(d, dtype) != dtype}))
 
 
 def _r(value: float) -> float:
@@ -190,7 +202,8 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
                 source=lt.source, extrapolated=bool(lt.measured and lt.measured.extrapolated),
                 tp_comm_s=stage.num_layers * (lt.tp_fwd_s + lt.tp_bwd_s),
                 profile_sha256=lt.measured.sha256 if lt.measured else "", num_micro_batches=m,
-                on_cuda=is_cuda_group(cluster, stage.devices)))
+                on_cuda=is_cuda_group(cluster, stage.devices),
+                not_native_on=_not_native_on(cv, stage.devices, train.dtype)))
 
     final: list[StageEstimate] = []
     iteration = 0.0

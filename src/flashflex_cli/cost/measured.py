@@ -9,7 +9,8 @@ the attention implementation and the recompute setting are all the same (`profil
   - between two measured TP degrees: linear interpolation in 1 / tp (work per device falls as 1 / tp);
   - outside them: the nearest measured degree scaled by tp_near / tp (compute-bound), `extrapolated`.
 At a TP degree that was not measured the times hold no (or other) TP collectives: `tp_measured` is False
-and cost/compute.py adds the modelled collectives of the real group.
+and cost/compute.py adds the modelled collectives of the real group; likewise at every degree of a profile
+whose `tp_comm_included` is false (its times are each rank's compute alone).
 Times are for one device of the group at slowdown 1; `emulation_factor` stretches them for emulated devices.
 """
 
@@ -34,7 +35,8 @@ class MeasuredCosts:
     """A profile read at one (micro_batch_size, tp): layer, embedding and head costs (seconds per micro-batch
     on one device, bytes kept: layers/schema.PartCost), the fixed bytes (None
     when the profile has none), whether any figure was extrapolated, the profile's sha256, and whether the
-    TP degree itself was measured (else its TP collectives are not in the times: the caller models them)."""
+    TP degree itself was measured, and whether the profile's times include the TP collectives
+    (`tp_comm_included`; `comm_in_times` combines the two: when false the caller models the collectives)."""
 
     layer: PartCost
     embedding: PartCost
@@ -43,6 +45,13 @@ class MeasuredCosts:
     extrapolated: bool
     sha256: str
     tp_measured: bool = True
+    tp_comm_included: bool = True
+
+    @property
+    def comm_in_times(self) -> bool:
+        """True when the times hold the group's TP collectives (a measured degree of a profile that includes
+        them); else the cost model adds its own."""
+        return self.tp_measured and self.tp_comm_included
 
     def scaled(self, factor: float, layer_comm_s: tuple[float, float] = (0.0, 0.0)) -> MeasuredCosts:
         """Compute times multiplied by `factor` (an emulation slowdown stretches compute only); the layer's
@@ -57,7 +66,8 @@ class MeasuredCosts:
                             bwd_s=(p.bwd_s - bwd_comm) * factor + bwd_comm, activation_bytes=p.activation_bytes)
 
         return MeasuredCosts(part(self.layer, layer_comm_s), part(self.embedding), part(self.head),
-                             self.fixed_bytes, self.extrapolated, self.sha256, self.tp_measured)
+                             self.fixed_bytes, self.extrapolated, self.sha256, self.tp_measured,
+                             self.tp_comm_included)
 
 
 def device_type_key(name: str) -> str:
@@ -173,4 +183,4 @@ def read_profile(profile: LayerProfile, mbs: int, tp: int) -> MeasuredCosts:
     # derived figures (interpolated, extrapolated, scaled to another TP degree) are not a file's: no file limits
     parts = [PartCost.model_construct(**{q: max(0.0, values[(part, q)]) for q in QUANTITIES}) for part in PARTS]
     return MeasuredCosts(*parts, fixed_bytes=fixed, extrapolated=extrapolated, sha256=profile.sha256(),
-                         tp_measured=tp in groups)
+                         tp_measured=tp in groups, tp_comm_included=profile.tp_comm_included)

@@ -57,7 +57,8 @@ class CostParams:
     compute_efficiency: "DEVICE-TYPE" or "DEVICE-TYPE:fp16|fp32|tf32" -> slope efficiency: the fraction of
         the dense catalog peak that each further sequence of a micro-batch achieves in a Llama layer
         (forward + backward). Default: scripts/derive_efficiency.py from the Cephalo measurements' fits
-        t(b) = a + b * slope; bf16 uses the fp16 figure.
+        t(b) = a + b * slope; bf16 uses the fp16 figure. A dtype a device lacks is looked up as fp32 (the
+        callers pass `Device.compute_dtype`: it runs on the fp32 units).
     compute_intercept: the same keys -> the fixed time of one micro-batch through a layer (a in
         t(b) = a + ...), in units of one read of the layer's weights from device memory (weight bytes /
         memory bandwidth): kernel launches and weight traffic that do not shrink with the micro-batch.

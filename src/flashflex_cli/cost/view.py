@@ -101,24 +101,31 @@ class ClusterView:
     def rate(self, device_id: str, dtype: str, params: CostParams) -> float:
         """Achieved FLOP/s of a transformer layer on one device: rate x efficiency, slowdown applied.
 
-        A device with a measured matmul rate (achieved_flops) uses it with `measured_compute_efficiency`;
-        otherwise its dense peak (catalog or cluster file) with the table's efficiency for its type, or the
-        default efficiency for a type the table does not know (whatever the device's `source`).
+        A device with a measured matmul rate (achieved_flops) uses it with `measured_compute_efficiency`: the
+        rate measured in `dtype` itself, else (a native dtype) in fp16 for bf16 or in fp32, else (a dtype the
+        device lacks) in fp32. Otherwise its dense peak (catalog or cluster file; `Device.flops`, at most the
+        fp32 peak for a dtype it lacks) with the table's efficiency for the dtype it really computes in
+        (`Device.compute_dtype`), or the default efficiency for a type the table does not know.
         """
         key = (device_id, dtype, params)
         found = self._rates.get(key)
         if found is None:
             dev = self.device(device_id)
             info = self.info(device_id)
+            computed = dev.compute_dtype(dtype)
             achieved = dev.achieved_flops or {}
-            measured_rate = next((achieved[d] for d in (dtype, "fp16" if dtype == "bf16" else dtype, "fp32")
-                                  if d in achieved), None)
+            fallback = ("fp16" if dtype == "bf16" else dtype, "fp32") if computed == dtype else ("fp32",)
+            measured_rate = next((achieved[d] for d in (dtype, *fallback) if d in achieved), None)
             if measured_rate is not None:
-                found = measured_rate / dev.slowdown * params.efficiency(info.type, dtype, measured=True)
+                found = measured_rate / dev.slowdown * params.efficiency(info.type, computed, measured=True)
             else:  # datasheet peaks (from the catalog, or given in the cluster file): the default curve
-                found = dev.flops(dtype) * params.efficiency(info.type, dtype)
+                found = dev.flops(dtype) * params.efficiency(info.type, computed)
             self._rates[key] = found
         return found
+
+    def compute_dtype(self, device_id: str, dtype: str) -> str:
+        """Device.compute_dtype: `dtype` where the device computes it natively, else "fp32"."""
+        return self.device(device_id).compute_dtype(dtype)
 
 
 _VIEWS: OrderedDict[int, ClusterView] = OrderedDict()

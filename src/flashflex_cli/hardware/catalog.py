@@ -16,12 +16,24 @@ GIB = 1024**3
 TERA = 1e12
 
 
+# What each generation computes natively (docs/devices.md cites the sources).
+AMPERE_ON = ("fp32", "tf32", "fp16", "bf16")  # NVIDIA Ampere, Ada, Hopper, Blackwell: TF32/FP16/BF16 tensor cores
+FP16_TENSOR_CORES = ("fp32", "fp16")  # Volta, Turing: FP16 tensor cores, no BF16 or TF32
+# Pascal: no tensor cores. P100's 2x FP16 rate is packed half2 arithmetic accumulating in FP16; mixed precision
+# accumulates in FP32, and measured FP16 layers on a P100 run at its FP32 speed (reference_efficiency.py).
+FP32_ONLY = ("fp32",)
+CDNA2 = ("fp32", "fp16", "bf16")  # AMD MI250X: FP16/BF16 matrix cores, no TF32
+CPU = ("fp32", "bf16")  # the nominal emulated device: its own bf16 figure (a CPU without bf16 units is slower)
+
+
 @dataclass(frozen=True)
 class DeviceType:
     """One accelerator model.
 
     peak_flops: dense peak FLOP/s per dtype ("fp32", "tf32", "fp16", "bf16"); a dtype the device
     has no fast path for is absent. memory_bytes: usable device memory (bytes). memory_bandwidth: bytes/s.
+    native_dtypes: the dtypes it computes natively (tensor cores or an equivalent matrix unit; fp32 always):
+    a dtype outside it runs at no more than the fp32 rate, whatever `peak_flops` says for it.
     """
 
     name: str
@@ -31,6 +43,7 @@ class DeviceType:
     peak_flops: dict[str, float]
     aliases: tuple[str, ...] = field(default=())
     default_intra_link: str = "pcie"
+    native_dtypes: tuple[str, ...] = AMPERE_ON
 
 
 def _tf(**dtypes: float) -> dict[str, float]:
@@ -39,11 +52,11 @@ def _tf(**dtypes: float) -> dict[str, float]:
 
 
 _ENTRIES: tuple[DeviceType, ...] = (
-    DeviceType("V100-16G", "nvidia", 16 * GIB, 900e9, _tf(fp32=15.7, fp16=125.0), ("v100", "v100-16g-sxm2"), "nvlink"),
-    DeviceType("V100-32G", "nvidia", 32 * GIB, 900e9, _tf(fp32=15.7, fp16=125.0), ("v100-32g-sxm2", "v100_32g"), "nvlink"),
-    DeviceType("P100", "nvidia", 16 * GIB, 732e9, _tf(fp32=9.3, fp16=18.7), ("p100-16g",)),
-    DeviceType("P40", "nvidia", 24 * GIB, 346e9, _tf(fp32=11.8), ("tesla-p40",)),
-    DeviceType("T4", "nvidia", 16 * GIB, 320e9, _tf(fp32=8.1, fp16=65.0), ("tesla-t4",)),
+    DeviceType("V100-16G", "nvidia", 16 * GIB, 900e9, _tf(fp32=15.7, fp16=125.0), ("v100", "v100-16g-sxm2"), "nvlink", native_dtypes=FP16_TENSOR_CORES),
+    DeviceType("V100-32G", "nvidia", 32 * GIB, 900e9, _tf(fp32=15.7, fp16=125.0), ("v100-32g-sxm2", "v100_32g"), "nvlink", native_dtypes=FP16_TENSOR_CORES),
+    DeviceType("P100", "nvidia", 16 * GIB, 732e9, _tf(fp32=9.3, fp16=18.7), ("p100-16g",), native_dtypes=FP32_ONLY),
+    DeviceType("P40", "nvidia", 24 * GIB, 346e9, _tf(fp32=11.8), ("tesla-p40",), native_dtypes=FP32_ONLY),
+    DeviceType("T4", "nvidia", 16 * GIB, 320e9, _tf(fp32=8.1, fp16=65.0), ("tesla-t4",), native_dtypes=FP16_TENSOR_CORES),
     DeviceType("A10", "nvidia", 24 * GIB, 600e9, _tf(fp32=31.2, tf32=62.5, fp16=125.0, bf16=125.0)),
     DeviceType("A10G", "nvidia", 24 * GIB, 600e9, _tf(fp32=31.2, tf32=35.0, fp16=70.0, bf16=70.0)),
     DeviceType("A30", "nvidia", 24 * GIB, 933e9, _tf(fp32=10.3, tf32=82.0, fp16=165.0, bf16=165.0)),
@@ -64,10 +77,10 @@ _ENTRIES: tuple[DeviceType, ...] = (
     DeviceType("H100-SXM", "nvidia", 80 * GIB, 3.35e12, _tf(fp32=67.0, tf32=494.7, fp16=989.4, bf16=989.4), ("h100", "h100-80g"), "nvlink"),
     DeviceType("H200", "nvidia", 141 * 10**9, 4.8e12, _tf(fp32=67.0, tf32=494.7, fp16=989.4, bf16=989.4), ("h200-sxm",), "nvlink"),
     DeviceType("B200", "nvidia", 180 * 10**9, 7.7e12, _tf(fp32=75.0, tf32=1100.0, fp16=2250.0, bf16=2250.0), ("b200-sxm",), "nvlink"),
-    DeviceType("MI250X", "amd", 128 * GIB, 3.2768e12, _tf(fp32=95.7, fp16=383.0, bf16=383.0), ("instinct-mi250x",), "xgmi"),
+    DeviceType("MI250X", "amd", 128 * GIB, 3.2768e12, _tf(fp32=95.7, fp16=383.0, bf16=383.0), ("instinct-mi250x",), "xgmi", native_dtypes=CDNA2),
     DeviceType("MI300X", "amd", 192 * GIB, 5.3e12, _tf(fp32=163.4, tf32=653.7, fp16=1307.4, bf16=1307.4), ("instinct-mi300x",), "xgmi"),
     # A nominal CPU "device" for emulated clusters; `flashflex profile` replaces these with measurements.
-    DeviceType("cpu", "generic", 4 * GIB, 20e9, _tf(fp32=0.1, bf16=0.05), ("host",), "shm"),
+    DeviceType("cpu", "generic", 4 * GIB, 20e9, _tf(fp32=0.1, bf16=0.05), ("host",), "shm", native_dtypes=CPU),
 )
 
 CATALOG: dict[str, DeviceType] = {entry.name: entry for entry in _ENTRIES}

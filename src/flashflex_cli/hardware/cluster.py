@@ -7,8 +7,9 @@ and latency between any two devices: per-pair measurements where present, else l
 from __future__ import annotations
 
 import hashlib
+import math
 import os
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
@@ -30,6 +31,7 @@ from .catalog import device_type
 from .links import INTRA_LINKS, NIC_LINKS, SAME_DEVICE, IntraKind, Link, NicKind
 
 CLUSTER_SCHEMA = "flashflex.cluster/1"
+ComputeDtype = Literal["fp32", "tf32", "fp16", "bf16"]
 
 
 class _Strict(BaseModel):
@@ -58,7 +60,11 @@ HostName = Annotated[str, AfterValidator(_host_name)]  # launch scripts address 
 
 
 class Device(_Strict):
-    """One accelerator. peak_flops: dense FLOP/s per dtype; achieved_flops: measured matmul FLOP/s."""
+    """One accelerator. peak_flops: dense FLOP/s per dtype; achieved_flops: measured matmul FLOP/s.
+
+    native_dtypes: the dtypes it computes natively (tensor cores or an equivalent); absent: the catalog's for
+    its type (`native`). A measured device keeps what its probe found.
+    """
 
     type: TypeName
     memory_bytes: MemoryBytes
@@ -67,16 +73,44 @@ class Device(_Strict):
     source: Literal["catalog", "measured"] = "catalog"
     achieved_flops: dict[str, Flops] | None = None
     slowdown: Slowdown = 1.0  # emulated devices compute this many times slower; the runtime honours it
+    native_dtypes: tuple[ComputeDtype, ...] | None = None
+
+    def native(self) -> frozenset[str]:
+        """The dtypes this device computes natively: its own `native_dtypes`, else the catalog's for its type,
+        else (a type the catalog does not know) the dtypes its `peak_flops` names; fp32 always."""
+        if self.native_dtypes is not None:
+            return frozenset(("fp32", *self.native_dtypes))
+        return _catalog_native(self.type) or frozenset(("fp32", *self.peak_flops))
+
+    def compute_dtype(self, dtype: str) -> str:
+        """The dtype whose rate `dtype` runs at here: `dtype` itself when native, else fp32 (a matmul in a
+        dtype the device lacks is converted and computed by its fp32 units, at no more than their rate)."""
+        return dtype if dtype in self.native() else "fp32"
 
     def flops(self, dtype: str) -> float:
-        """Dense peak FLOP/s for `dtype`, divided by the emulation slowdown.
+        """Peak FLOP/s of a matmul in `dtype` on this device, divided by the emulation slowdown.
 
-        Falls back bf16 -> fp16 -> fp32 when the device has no fast path for `dtype`.
+        A native dtype: its dense peak, falling back bf16 -> fp16 -> fp32 where the file gives no figure for
+        it. A dtype the device lacks: at most the fp32 peak (`compute_dtype`).
         """
-        for candidate in (dtype, "fp16" if dtype == "bf16" else dtype, "fp32"):
-            if candidate in self.peak_flops:
-                return self.peak_flops[candidate] / self.slowdown
-        raise InputError(f"device type {self.type!r} has no peak FLOP/s for {dtype!r}")
+        if self.compute_dtype(dtype) == dtype:
+            for candidate in (dtype, "fp16" if dtype == "bf16" else dtype, "fp32"):
+                if candidate in self.peak_flops:
+                    return self.peak_flops[candidate] / self.slowdown
+            raise InputError(f"device type {self.type!r} has no peak FLOP/s for {dtype!r}")
+        if "fp32" not in self.peak_flops:
+            raise InputError(f"device type {self.type!r} lacks {dtype!r} (it runs at no more than the fp32 rate) "
+                             "and its peak_flops give no fp32 figure")
+        return min(self.peak_flops.get(dtype, math.inf), self.peak_flops["fp32"]) / self.slowdown
+
+
+@lru_cache(maxsize=256)
+def _catalog_native(type_name: str) -> frozenset[str] | None:
+    """The catalog's native dtypes of `type_name` (None for a type it does not know)."""
+    try:
+        return frozenset(("fp32", *device_type(type_name).native_dtypes))
+    except InputError:
+        return None
 
 
 class IntraLink(_Strict):

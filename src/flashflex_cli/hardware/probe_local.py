@@ -1,6 +1,7 @@
 """Measure this machine: matmul FLOP/s, memory capacity, memory bandwidth, device-to-device copies.
 
-GPU (CUDA): bf16 n x n matmuls, `torch.cuda.mem_get_info`, copies between every device pair.
+GPU (CUDA): bf16 n x n matmuls, `torch.cuda.mem_get_info`, copies between every device pair, and the dtypes
+it computes natively from its compute capability (`native_dtypes_for_capability`).
 CPU-only: fp32 matmuls and copies with one thread pinned to one core, as the runtime runs each emulated
 device (runtime/cpu_share.py), so the measured peak is a one-core figure; host memory from /proc/meminfo
 shared by `cpu_devices` emulated devices and, with 2 or more of them, the "shm" link between them measured the
@@ -23,7 +24,7 @@ import torch
 
 from ..hostnames import host_problem
 from ..runtime.cpu_share import as_emulated_device
-from .catalog import device_type
+from .catalog import AMPERE_ON, FP16_TENSOR_CORES, FP32_ONLY, device_type
 from .cluster import Device, DevicePair, IntraLink, Node
 from .probe_gloo import FULL_GLOO, QUICK_GLOO, GlooProbe, gloo_link
 
@@ -47,7 +48,8 @@ FULL_GPU = ProbeSizes(matmul_n=8192, copy_bytes=1024 * MIB, repeats=10)
 
 @dataclass(frozen=True)
 class DeviceProbe:
-    """One measured device: matmul FLOP/s in `dtype`, memory (bytes), memory bandwidth (bytes/s)."""
+    """One measured device: matmul FLOP/s in `dtype`, memory (bytes), memory bandwidth (bytes/s), and the
+    dtypes it computes natively where the probe can tell (None: the catalog's for its type)."""
 
     index: int
     name: str
@@ -55,6 +57,25 @@ class DeviceProbe:
     matmul_flops: float
     memory_bytes: int
     memory_bandwidth: float
+    native_dtypes: tuple[str, ...] | None = None
+
+
+def native_dtypes_for_capability(major: int, minor: int) -> tuple[str, ...]:
+    """Dtypes an NVIDIA GPU of compute capability `major.minor` computes natively (tensor cores): TF32, FP16
+    and BF16 from Ampere (8.x) on, FP16 on Volta and Turing (7.x), FP32 only before (Pascal, 6.x)."""
+    if major >= 8:
+        return AMPERE_ON
+    if major == 7:
+        return FP16_TENSOR_CORES
+    return FP32_ONLY
+
+
+def gpu_native_dtypes(index: int) -> tuple[str, ...] | None:
+    """`native_dtypes_for_capability` of CUDA device `index`; None on ROCm (its capability numbers are AMD
+    architecture numbers: the catalog's list for the matched type applies)."""
+    if torch.version.hip is not None:
+        return None
+    return native_dtypes_for_capability(*torch.cuda.get_device_capability(index))
 
 
 @dataclass(frozen=True)
@@ -207,7 +228,8 @@ def _probe_cuda(hostname: str, sizes: ProbeSizes, show: bool) -> NodeProbe:
             bar.advance(task)
             bandwidth = memory_bandwidth(dev, sizes.copy_bytes, sizes.repeats)
             bar.advance(task)
-            devices.append(DeviceProbe(i, torch.cuda.get_device_name(i), "bf16", flops, memory, bandwidth))
+            devices.append(DeviceProbe(i, torch.cuda.get_device_name(i), "bf16", flops, memory, bandwidth,
+                                       gpu_native_dtypes(i)))
         for a, b in pairs:
             rate = copy_bandwidth(torch.device("cuda", a), torch.device("cuda", b), sizes.copy_bytes, sizes.repeats)
             copies.append(CopyProbe(a, b, rate))
@@ -255,7 +277,8 @@ def _measured_device(probe: DeviceProbe, kind: str) -> Device:
     peak = dict(device_type(match).peak_flops) if match else achieved
     type_name = match or default_node_name(probe.name)
     return Device(type=type_name, memory_bytes=probe.memory_bytes, peak_flops=peak,
-                  memory_bandwidth=sig(probe.memory_bandwidth), source="measured", achieved_flops=achieved)
+                  memory_bandwidth=sig(probe.memory_bandwidth), source="measured", achieved_flops=achieved,
+                  native_dtypes=probe.native_dtypes)
 
 
 def node_from_probe(probe: NodeProbe, node_name: str | None = None, nic: str = "eth") -> Node:

@@ -3,7 +3,8 @@
 One file holds measured costs of one model shape on one device type at one sequence length, dtype,
 attention implementation and recompute setting, for any set of (micro_batch_size, tp) entries. Times are
 seconds per micro-batch on each device of the TP group (TP collectives of a TP group inside one node
-included); `activation_bytes` is what one micro-batch keeps on each device until its backward. The format
+included, unless `tp_comm_included` is false: a profiler that times each TP rank's compute alone);
+`activation_bytes` is what one micro-batch keeps on each device until its backward. The format
 is open so that measurements of other tools can be converted into it; it imports nothing of the cost model.
 """
 
@@ -86,7 +87,12 @@ class ProfileEntry(_Strict):
 
 
 class LayerProfile(_Strict):
-    """Measured per-layer costs of one model shape on one device type (module docstring)."""
+    """Measured per-layer costs of one model shape on one device type (module docstring).
+
+    tp_comm_included: whether the times of entries at tp > 1 include the TP group's collectives (default
+    true); false for tools that measure each rank's compute alone. Written only when false, so profiles
+    without it keep their text and sha256.
+    """
 
     schema_: Literal["flashflex.layers/1"] = Field(LAYERS_SCHEMA, alias="schema")
     device_type: str = Field(min_length=1)
@@ -96,6 +102,7 @@ class LayerProfile(_Strict):
     attention: Attention
     recompute: bool = False
     source: str = ""
+    tp_comm_included: bool = True
     entries: list[ProfileEntry] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -110,7 +117,8 @@ class LayerProfile(_Strict):
 
     def to_json(self) -> str:
         """Stable JSON text (byte-identical for equal profiles)."""
-        return dumps_json(self.model_dump(mode="json", by_alias=True, exclude_none=True))
+        default = {"tp_comm_included"} if self.tp_comm_included else None  # the default is not written
+        return dumps_json(self.model_dump(mode="json", by_alias=True, exclude_none=True, exclude=default))
 
     def sha256(self) -> str:
         """Hex sha256 of the stable JSON text: how plans record which profiles they used."""

@@ -108,6 +108,9 @@ def plan_table(plan: Plan, title: str | None = None) -> Table:
     sources = any(str(s.get("source", "modelled")) != "modelled" for s in stages.values())
     if sources:  # a column only when some stage is measured; render_plan says "all modelled" otherwise
         table.add_column("costs", justify="left")
+    lacking = any(s.get("dtype_not_native_on") for s in stages.values())
+    if lacking:  # a column only when some stage computes in a dtype its devices lack; dtype_lines says why
+        table.add_column("note", justify="left")
     for p, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
             info = stages.get((p, s), {})
@@ -118,8 +121,32 @@ def plan_table(plan: Plan, title: str | None = None) -> Table:
                           f"{stage.layers[0]}-{stage.layers[1] - 1} ({stage.num_layers})",
                           f"{pipe.num_micro_batches}x{pipe.micro_batch_size}" if s == 0 else "",
                           f"{info['time_s'] * 1e3:,.1f}" if "time_s" in info else "", memory,
-                          *((str(info.get("source", "modelled")),) if sources else ()))
+                          *((str(info.get("source", "modelled")),) if sources else ()),
+                          *((_lacking_note(inputs.train.dtype, info),) if lacking else ()))
     return table
+
+
+def _lacking_note(dtype: str, stage: dict[str, Any]) -> str:
+    """"no bf16" for a stage whose devices lack the training dtype (dtype_lines names them), else ""."""
+    return f"no {dtype}" if stage.get("dtype_not_native_on") else ""
+
+
+def dtype_lines(plan: Plan) -> list[str]:
+    """Why the plan computes in its dtype (`--dtype auto`'s reason) and, when some stages compute in a dtype
+    their devices lack, how many, on which types, and what the prediction charges them."""
+    train, out = plan.inputs.train, []
+    if plan.inputs.dtype_reason:
+        out.append(f"dtype {train.dtype} (chosen by --dtype auto): {plan.inputs.dtype_reason}")
+    stages = [s for s in (plan.predicted or {}).get("stages", []) if s.get("dtype_not_native_on")]
+    if stages:
+        types = sorted({str(t) for s in stages for t in s["dtype_not_native_on"]})
+        measured = sum(1 for s in stages if str(s.get("source", "modelled")) != "modelled")
+        charged = "no more than their fp32 rate" + (f" ({measured} from a layer profile measured in "
+                                                     f"{train.dtype})" if measured else "")
+        out.append(f"{len(stages)} stage{'s' if len(stages) > 1 else ''} compute{'' if len(stages) > 1 else 's'} "
+                   f"{train.dtype} on {', '.join(types)}, which lack{'' if len(types) > 1 else 's'} it "
+                   f"(no {train.dtype} tensor cores): costed at {charged}")
+    return out
 
 
 def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
@@ -131,6 +158,8 @@ def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
     console.print(f"  global batch {train.global_batch} x seq {train.seq_len} ({train.dtype}, {train.attention} attention"
                   f"{', recompute' if train.recompute else ''}), {plan.world_size} devices, "
                   f"{len(plan.pipelines)} pipelines")
+    for line in dtype_lines(plan):
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"  predicted: {summary_line(plan.predicted, plan.world_size)}", soft_wrap=True)
     stages = (plan.predicted or {}).get("stages", [])
     if (line := dp_line(plan.predicted)) is not None:

@@ -105,7 +105,8 @@ class PlanInputs(_Strict):
     """What the plan was made from: the cluster (by hash), the model, the training configuration, and the
     sha256 of every measured layer profile its prediction used (absent: none, or an earlier version).
     cluster_path: the cluster file as `flashflex plan` was given it (absent in older plans); `flashflex launch`
-    without --cluster opens it and still checks its sha256."""
+    without --cluster opens it and still checks its sha256.
+    dtype_reason: why `flashflex plan --dtype auto` chose `train.dtype` (absent: the dtype was given)."""
 
     cluster_sha256: str
     cluster_name: str = ""
@@ -115,6 +116,7 @@ class PlanInputs(_Strict):
     seed: Seed = 0
     layer_profiles: list[str] | None = None
     cluster_path: str | None = None
+    dtype_reason: str | None = None
 
 
 _PREDICTED_REQUIRED = ("tokens_per_s", "mfu", "iteration_time_s")
@@ -145,6 +147,10 @@ def _check_predicted_stage(stage: Any, where: str) -> None:
     _check_not_negative(stage, _STAGE_NUMBERS, where)
     if "source" in stage:
         _expect(stage["source"], "str", f"{where}.source")
+    if "dtype_not_native_on" in stage:  # device types lacking the training dtype (absent: none, or older)
+        _expect(stage["dtype_not_native_on"], "list", f"{where}.dtype_not_native_on")
+        for j, name in enumerate(stage["dtype_not_native_on"]):
+            _expect(name, "str", f"{where}.dtype_not_native_on.{j}")
 
 
 def _check_finite(value: Any, where: str) -> None:

@@ -13,6 +13,8 @@ asked about two modified plans:
 The best of these is reported with its tokens/s change against the plan and the dominating reason, from
 the two estimates: the data-parallel reduction's exposed time (DP), the critical pipeline's transfers
 over the new link (p2p) or its idle share (bubble), or memory / batch when the modified plan cannot run.
+A group whose devices lack the training dtype (no tensor cores for it) says so: the cost model gives them
+no more than their fp32 rate, which is often why they do not pay.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .fastcost import CostCache
 from .feasibility import model_state_bytes
 from .graph import DeviceGraph
 from .pipeline import PipeEval, evaluate_pipeline, window_pace
+from .precision import lacking_types
 from .pricing import DevicePrices
 from .stages import best_pipeline, chunk, tp_degrees
 
@@ -334,12 +337,23 @@ def measure_idle(plan: Plan, cluster: Cluster, params: CostParams | None = None,
         parts = [f"{own.what}: {_pct(own, base)} ({own.why})"]
         if extra is not None:
             parts.append(f"{extra.what}: {_pct(extra, base)} ({extra.why})")
-        text = f"using {_label(cluster, devices, nodes)} " + "; ".join(parts)
+        text = f"using {_label(cluster, devices, nodes)} " + "; ".join(parts) + dtype_note(cluster, probe,
+                                                                                          plan.inputs.train.dtype)
         if prices is not None:
             each = " each" if len(nodes) > 1 else ""
             text += f"; it costs {prices.currency} {prices.hourly(probe):,.2f}/h{each}"
         out.append(IdleGroup(devices, nodes, _label(cluster, devices, nodes), text))
     return out
+
+
+def dtype_note(cluster: Cluster, devices: Sequence[str], dtype: str) -> str:
+    """"; T4 lacks bf16 (...)" when some of `devices` lack `dtype` (Device.compute_dtype), else ""."""
+    lacking = lacking_types(cluster, devices, dtype)
+    if not lacking:
+        return ""
+    fp16 = dtype == "bf16" and not lacking_types(cluster, devices, "fp16")
+    return (f"; {', '.join(lacking)} lack{'s' if len(lacking) == 1 else ''} {dtype}: costed at no more than the "
+            "fp32 rate" + (" (fp16 is native there: --dtype auto weighs it)" if fp16 else ""))
 
 
 def with_measured_reasons(plan: Plan, groups: Sequence[IdleGroup]) -> Plan:
@@ -349,5 +363,5 @@ def with_measured_reasons(plan: Plan, groups: Sequence[IdleGroup]) -> Plan:
     return plan.model_copy(update={"unused_devices": unused})
 
 
-__all__ = ["IdleGroup", "devices_label", "group_idle", "link_text", "measure_idle", "node_content_key",
+__all__ = ["IdleGroup", "devices_label", "dtype_note", "group_idle", "link_text", "measure_idle", "node_content_key",
            "split_sequences", "with_measured_reasons"]

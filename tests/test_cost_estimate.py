@@ -133,7 +133,7 @@ def test_out_of_memory_is_a_problem_not_an_exception() -> None:
     est = estimate(plan(c, MODEL, TrainConfig(global_batch=4, seq_len=4096), pipes), c)
     assert not est.fits
     assert est.problems[0].startswith("pipelines.0.stages.0: needs ")
-    assert "node0/0 has 15.2 GiB" in est.problems[0]
+    assert "node0/0 allows 15.2 GiB" in est.problems[0]
     assert est.stages[0].headroom_bytes < 0
 
 

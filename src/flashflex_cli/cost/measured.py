@@ -182,5 +182,7 @@ def read_profile(profile: LayerProfile, mbs: int, tp: int) -> MeasuredCosts:
             extrapolated = True
     # derived figures (interpolated, extrapolated, scaled to another TP degree) are not a file's: no file limits
     parts = [PartCost.model_construct(**{q: max(0.0, values[(part, q)]) for q in QUANTITIES}) for part in PARTS]
+    if profile.fixed_bytes_grow():  # an earlier version's allocator cache, not fixed memory (layers/load.py warns)
+        fixed = None
     return MeasuredCosts(*parts, fixed_bytes=fixed, extrapolated=extrapolated, sha256=profile.sha256(),
                          tp_measured=tp in groups, tp_comm_included=profile.tp_comm_included)

@@ -51,10 +51,10 @@ class MemoryBreakdown:
     moment. optimizer: AdamW's fp32 moments. activations: what the micro-batches in flight keep for their
     backward (autocast weight copies and held send buffers included). weight_copies: of which the autocast
     copies of the weights. transient: the temporaries of the operation at the peak. dp_buffers: flat fp32
-    copies of the gradients being reduced across pipelines. allocated: the sum of these tensor terms (what
-    torch.cuda.max_memory_allocated measures). fragmentation: the caching allocator's slack above it. reserve:
-    memory outside the allocator (CUDA context, libraries, communication buffers; RSS slack on a CPU device).
-    fixed: bytes a layer profile measured beside the model. total: allocated + fragmentation + reserve + fixed.
+    copies of the gradients being reduced across pipelines. fixed: tensor bytes a layer profile measured beside
+    the model. allocated: the sum of these tensor terms (what torch.cuda.max_memory_allocated measures).
+    fragmentation: the caching allocator's slack above it. reserve: memory outside the allocator (CUDA context,
+    libraries, communication buffers; RSS slack on a CPU device). total: allocated + fragmentation + reserve.
     """
 
     weights: float
@@ -64,10 +64,10 @@ class MemoryBreakdown:
     weight_copies: float
     transient: float
     dp_buffers: float
+    fixed: float
     allocated: float
     fragmentation: float
     reserve: float
-    fixed: float
     total: float
     phase: str = "backward"
 
@@ -125,8 +125,12 @@ def _micro_batch(p: A.PartShape, num_layers: int, first: bool, last: bool, recom
         head = A.head_saved_bytes(p) + A.head_weight_copies(p) if last else 0.0
         copies = (0.0 if recompute else num_layers * A.layer_weight_copies(p)) + \
             (A.head_weight_copies(p) if last else 0.0)
-    output = 0.0 if last else p.tokens * p.h * A.FP32  # the stage output, held until its backward
-    saved = activation_factor * (num_layers * layer + embedding + head) + output
+    boundary = p.tokens * p.h * A.FP32
+    if measured is not None:  # a measured part counts its output, not its input: the stage's input is extra
+        held = 0.0 if first else boundary
+    else:  # a counted layer holds its input; a non-last stage also holds its output until its backward
+        held = 0.0 if last else boundary
+    saved = activation_factor * (num_layers * layer + embedding + head) + held
     if recompute and num_layers:
         layer_again = A.layer_saved_bytes(p) + A.layer_weight_copies(p) - A.recompute_saved_bytes(p)
     else:
@@ -208,17 +212,16 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     optimizer_temp = 4.0 * n_params if paths.optimizer == "foreach" else 0.0
     candidates.append((weights + grads + moments + optimizer_temp, "optimizer", grads, 0.0, optimizer_temp, 0.0))
 
-    allocated, phase, grads_at, acts_at, transient_at, dp_at = max(candidates, key=lambda c: c[0])
-    fixed = 0.0
-    if measured is not None and measured.fixed_bytes is not None:
-        fixed = measured.fixed_bytes
+    peak, phase, grads_at, acts_at, transient_at, dp_at = max(candidates, key=lambda c: c[0])
+    fixed = measured.fixed_bytes if measured is not None and measured.fixed_bytes is not None else 0.0
+    allocated = peak + fixed
     reserve = params.memory_reserve_bytes if reserve_bytes is None else reserve_bytes
     slack = params.memory_fragmentation * allocated
     copies_at = min(acts_at, in_flight * mb.copies)
     return MemoryBreakdown(weights=weights, grads=grads_at, optimizer=moments, activations=acts_at,
-                           weight_copies=copies_at, transient=transient_at, dp_buffers=dp_at, allocated=allocated,
-                           fragmentation=slack, reserve=reserve, fixed=fixed,
-                           total=allocated + slack + reserve + fixed, phase=phase)
+                           weight_copies=copies_at, transient=transient_at, dp_buffers=dp_at, fixed=fixed,
+                           allocated=allocated, fragmentation=slack, reserve=reserve,
+                           total=allocated + slack + reserve, phase=phase)
 
 
 def device_reserve(cluster: Cluster, device: str, params: CostParams) -> float:

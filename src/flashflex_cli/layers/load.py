@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 
 from ..errors import InputError
+from ..units import byte_size
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
 from .schema import LayerProfile, ModelShape, load_layer_profile
@@ -17,13 +19,24 @@ def profile_identity(profile: LayerProfile) -> tuple:
             profile.recompute)
 
 
+def warn(line: str) -> None:
+    """One warning line on stderr (the commands' human output goes there)."""
+    print(f"warning: {line}", file=sys.stderr)
+
+
 def load_layer_profiles(paths: Sequence[str | os.PathLike[str]]) -> tuple[LayerProfile, ...]:
     """Load every file of `paths`; two files describing the same thing are an InputError (which one to
-    believe would be a guess)."""
+    believe would be a guess). A profile whose fixed bytes grow with the micro-batch size gets a warning
+    (cost/measured.py leaves the term out)."""
     found: dict[tuple, str] = {}
     out: list[LayerProfile] = []
     for path in paths:
         profile = load_layer_profile(path)
+        if profile.fixed_bytes_grow():
+            sizes = sorted((e.micro_batch_size, e.fixed_bytes) for e in profile.entries if e.fixed_bytes is not None)
+            warn(f"{path}: its fixed_bytes grow with the micro-batch size ({byte_size(sizes[0][1])} at "
+                 f"{sizes[0][0]}, {byte_size(sizes[-1][1])} at {sizes[-1][0]}): an earlier flashflex counted the "
+                 "allocator's cache there; that term is ignored (re-measure with flashflex profile --model)")
         key = profile_identity(profile)
         if key in found:
             raise InputError(f"{path}: describes the same device type, model shape and settings as {found[key]}")

@@ -75,8 +75,9 @@ class PartCost(_Strict):
 
 
 class ProfileEntry(_Strict):
-    """Costs at one (micro_batch_size, tp). `fixed_bytes`: per-device memory beyond weights, gradients,
-    optimizer state and activations (runtime context, communication buffers, allocator slack)."""
+    """Costs at one (micro_batch_size, tp). `fixed_bytes`: per-device tensor memory that stays allocated beside
+    the model's parameters, gradients, optimizer state and activations (library workspaces, rotary tables);
+    not the allocator's cache nor the memory outside it (the cost model counts those itself)."""
 
     micro_batch_size: Sequences
     tp: TpDegree
@@ -114,6 +115,21 @@ class LayerProfile(_Strict):
                 raise ValueError(f"entries.{i}: a second entry for micro_batch_size {key[0]}, tp {key[1]}")
             seen.add(key)
         return self
+
+    def fixed_bytes_grow(self) -> bool:
+        """True when some TP degree's `fixed_bytes` grow with the micro-batch size (by more than a quarter and
+        64 MiB from its smallest to its largest size): what a version before 2026-11-26 wrote, counting the
+        allocator's cached blocks, which follow the largest temporaries, as fixed memory."""
+        by_tp: dict[int, list[tuple[int, float]]] = {}
+        for entry in self.entries:
+            if entry.fixed_bytes is not None:
+                by_tp.setdefault(entry.tp, []).append((entry.micro_batch_size, entry.fixed_bytes))
+        for points in by_tp.values():
+            points.sort()
+            low, high = points[0][1], points[-1][1]
+            if len(points) > 1 and high > 1.25 * low and high - low > 64 * 2**20:
+                return True
+        return False
 
     def to_json(self) -> str:
         """Stable JSON text (byte-identical for equal profiles)."""

@@ -17,8 +17,9 @@ output's shape. Figures are medians over the repeats, then the max over the rank
 
 Memory (bytes):
 - CUDA: `activation_bytes` = torch.cuda.memory_allocated after a forward (output kept) minus before it;
-  `fixed_bytes` = device memory in use (mem_get_info: total - free) minus memory_allocated, after the
-  micro-batch's measurements: CUDA context, communicator buffers and allocator cache beyond live tensors.
+  `fixed_bytes` = what stays allocated beside the parts' parameters after the micro-batch's measurements
+  (workspaces, rotary tables): the allocator's allocated bytes, never its reserved cache, which grows with the
+  largest micro-batch measured (cost/memory.py adds the allocator's slack and the memory outside it itself).
 - CPU: `activation_bytes` = bytes of the distinct storages that a forward saves for its backward (seen with
   `torch.autograd.graph.saved_tensors_hooks`) plus its output, leaving out storages that existed before the
   forward (weights, the input, cached rotary tables): two forwards run with the first graph kept alive, and
@@ -287,12 +288,14 @@ def cuda_activation_bytes(forward: Callable[[], torch.Tensor], device: torch.dev
     return max(used, 0)
 
 
-def _fixed_bytes(device: torch.device) -> float | None:
-    """CUDA: memory in use on the device beyond live tensors (bytes); CPU: None (not measured)."""
+def _fixed_bytes(device: torch.device, parts: dict[str, StageModule]) -> float | None:
+    """CUDA: bytes that stay allocated beside the parts' parameters once a micro-batch's measurements are over
+    (cuBLAS workspaces, rotary tables, communication scratch): the caching allocator's allocated bytes less the
+    parameters, never its reserved-but-unused cache. CPU: None (not measured)."""
     if device.type != "cuda":
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    return float(max(total - free - torch.cuda.memory_allocated(device), 0))
+    params = sum(p.numel() * p.element_size() for module in parts.values() for p in module.parameters())
+    return float(max(torch.cuda.memory_allocated(device) - params, 0))
 
 
 def _measure_part(module: StageModule, part: str, config: BenchConfig, b: int, tp: TPContext,
@@ -358,7 +361,7 @@ def _measure_entry(parts: dict[str, StageModule], config: BenchConfig, b: int, t
             torch.cuda.empty_cache()
     if _any_rank(bool(reason), tp, device):
         return Skipped(b, tp.size, reason or "out of memory on another rank")
-    merged, fixed = _max_over_ranks(measured, _fixed_bytes(device), tp, device)
+    merged, fixed = _max_over_ranks(measured, _fixed_bytes(device, parts), tp, device)
     return EntryResult(b, tp.size, merged, fixed)
 
 

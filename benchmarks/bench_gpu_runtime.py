@@ -1,172 +1,354 @@
-"""GPU throughput of the flashflex runtime on one rank, against a plain single-GPU torch training loop.
+"""GPU speed of the flashflex runtime on one GPU, against the training loop a user would write instead.
 
-One-rank plan, bf16 autocast, the `llama-1b` preset (Llama 3.2 1B shape), seq 2048. For each attention backend
-(SDPA, and flash-attn when installed and supported) it times RankEngine.train_step, then times a plain loop of
-the same model (same module, torch.optim.AdamW fused, bf16 autocast, no engine) in the same run, and prints
-tokens/s, MFU (model FLOPs 6N + 12*L*s*h per token over the device's dense bf16 peak) and the ratio.
+In one run on the same GPU, same model shape, dtype (bf16 autocast over fp32 weights), micro-batch size and
+sequences per step (default: `llama-1b`, seq 2048, micro-batch 4, 16 sequences per step, i.e. 4 micro-batches
+accumulated per optimizer step), it measures:
+- "hf eager": a plain Hugging Face `transformers` `LlamaForCausalLM` (built from a config, SDPA attention,
+  random weights: nothing is downloaded) trained by the usual loop: `model(input_ids, labels).loss` per
+  micro-batch (transformers shifts the labels, so it predicts seq - 1 tokens of each sequence), gradient
+  accumulation, `clip_grad_norm_`, `torch.optim.AdamW(fused=True)`;
+- "hf compiled": the same loop with `torch.compile(model)` (the whole model as one graph);
+- "flashflex engine": `RankEngine` of a one-rank plan in this process, with the runtime's default paths
+  (compiled layers, chunked loss, fused AdamW); with `--ablations` also each path switched off
+  (`--no-compile`, `--no-chunked-loss`, `--optimizer foreach`) and all three off (the recorded runs' paths);
+- "flashflex launch": `flashflex launch` of the same one-rank plan (a worker process; its metrics.jsonl).
+Each row: median step time over `--steps` timed steps after `--warmup` untimed ones (compilation happens in
+these, or in the engine's warm-up before step 0, and is reported beside), tokens/s (sequences x seq per step),
+MFU (model FLOPs 6N + 12 L s h per token over the GPU's dense bf16 peak from the device catalog), peak memory
+(torch.cuda.max_memory_allocated over the variant; the launch's from its metrics), and, as the project's
+benchmarks do, the variant's wall and CPU time (this process and its children) with the load average.
+Ratios are against "hf compiled". The last line, exactly:
+`bench_gpu_runtime: flashflex/hf-compiled X.XXx tokens/s, memory Y.YYx` (the engine's figures; the launch's
+ratios are printed on the line before it).
 
-    python benchmarks/bench_gpu_runtime.py [--model llama-1b] [--seq 2048] [--micro-batches 4] [--steps 10]
+    python benchmarks/bench_gpu_runtime.py [--model llama-1b] [--seq 2048] [--micro-batch 4] [--sequences 16]
+        [--steps 10] [--warmup 3] [--ablations] [--skip-launch] [--peak-tflops T]
 
-Exits with a clear message (status 0, nothing measured) on a machine without CUDA. `--smoke` instead runs the
-same code paths on the CPU with a tiny model in fp32 (a check of the script, not a measurement).
+Without CUDA it prints why and exits 0, measuring nothing. `--smoke` runs every code path on the CPU with a tiny
+model and torch.compile's cheap "aot_eager" backend (a check of the script, not a measurement; memory is not
+tracked there).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+GIB = 2**30
 
 
-def _peak_flops(torch_mod, override_tflops: float | None) -> tuple[float, str]:  # noqa: ANN001
-    if override_tflops:
-        return override_tflops * 1e12, "peak given"
-    from flashflex_cli.hardware.catalog import device_type
+@dataclass
+class Row:
+    """One measured variant: median step seconds, peak memory bytes (None: not tracked), compile warm-up
+    seconds where reported, wall and CPU seconds of the whole variant."""
 
-    name = torch_mod.cuda.get_device_name(0)
-    try:
+    label: str
+    step_s: float
+    memory_bytes: int | None
+    compile_s: float | None = None
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def last_line(tokens_ratio: float, memory_ratio: float | None) -> str:
+    """The benchmark's last line (memory "n/a" where it was not tracked: the CPU smoke run)."""
+    memory = f"{memory_ratio:.2f}x" if memory_ratio is not None else "n/a"
+    return f"bench_gpu_runtime: flashflex/hf-compiled {tokens_ratio:.2f}x tokens/s, memory {memory}"
+
+
+def ratios(row: Row, base: Row) -> tuple[float, float | None]:
+    """(tokens/s of `row` over `base`, peak memory of `row` over `base`, None where either is untracked)."""
+    memory = None if row.memory_bytes is None or not base.memory_bytes else row.memory_bytes / base.memory_bytes
+    return base.step_s / row.step_s, memory
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and its waited-for children so far."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+class Bench:
+    """The run's settings and shared state: device, plan, batch, peak FLOP/s."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        from flashflex_cli.model.flops import model_flops_per_token
+        from flashflex_cli.model.spec import PRESETS
+
+        self.args = args
+        self.gpu = not args.smoke
+        self.device = torch.device("cuda", 0) if self.gpu else torch.device("cpu")
+        self.spec = PRESETS[args.model]
+        if args.sequences % args.micro_batch:
+            sys.exit(f"bench_gpu_runtime: --sequences {args.sequences} is not a multiple of --micro-batch "
+                     f"{args.micro_batch}")
+        self.micro = args.sequences // args.micro_batch
+        self.tokens_per_step = args.sequences * args.seq
+        self.flops_per_token = model_flops_per_token(self.spec, args.seq)
+        self.backend = "aot_eager" if args.smoke else "inductor"
+        generator = torch.Generator().manual_seed(0)
+        self.batch = torch.randint(0, self.spec.vocab_size, (args.sequences, args.seq + 1), generator=generator)
+        self.device_type = self._catalog_type()
+        self.peak = self._peak_flops()
+
+    def _catalog_type(self) -> str | None:
+        """The device catalog's type of GPU 0 ("cpu" for the smoke run; None when the catalog lacks it)."""
+        import torch
+
+        if not self.gpu:
+            return "cpu"
         from flashflex_cli.hardware.probe_local import catalog_match
-    except ImportError:
-        sys.exit("bench_gpu_runtime: cannot map the GPU name to the device catalog; pass --peak-tflops")
-    matched = catalog_match(name, torch_mod.cuda.get_device_properties(0).total_memory)
-    if matched is None:
-        sys.exit(f"bench_gpu_runtime: {name!r} is not in the device catalog; pass --peak-tflops")
-    return device_type(matched).peak_flops["bf16"], matched
+
+        return catalog_match(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory)
+
+    def _peak_flops(self) -> float:
+        """Dense bf16 peak FLOP/s: --peak-tflops, else the catalog's (1 TFLOP/s assumed in the smoke run)."""
+        if self.args.peak_tflops:
+            return self.args.peak_tflops * 1e12
+        if not self.gpu:
+            return 1e12
+        if self.device_type is None:
+            sys.exit("bench_gpu_runtime: this GPU is not in the device catalog; pass --peak-tflops (and "
+                     "--skip-launch: a launch needs a cluster file of a catalog type)")
+        from flashflex_cli.hardware.catalog import device_type
+
+        return device_type(self.device_type).peak_flops["bf16"]
+
+    # ---- measuring ----------------------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        import torch
+
+        if self.gpu:
+            torch.cuda.synchronize()
+
+    def reset_memory(self) -> None:
+        import torch
+
+        gc.collect()
+        if self.gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_memory(self) -> int | None:
+        import torch
+
+        return int(torch.cuda.max_memory_allocated()) if self.gpu else None
+
+    def time_steps(self, step: Callable[[], object]) -> float:
+        """Median seconds of `--steps` calls of `step` after `--warmup` untimed ones."""
+        for _ in range(self.args.warmup):
+            step()
+        self.sync()
+        times = []
+        for _ in range(self.args.steps):
+            start = time.perf_counter()
+            step()
+            self.sync()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def measure(self, label: str, build: Callable[[], tuple[Callable[[], object], float | None]]) -> Row:
+        """Build a variant (returns its step function and compile warm-up seconds), time it, free it."""
+        self.reset_memory()
+        wall, cpu = time.perf_counter(), _cpu_s()
+        step, compile_s = build()
+        seconds = self.time_steps(step)
+        row = Row(label, seconds, self.peak_memory(), compile_s, time.perf_counter() - wall, _cpu_s() - cpu)
+        del step
+        self.reset_memory()
+        return row
+
+    # ---- the variants -------------------------------------------------------------------------------------
+
+    def hf_loop(self, compiled: bool) -> tuple[Callable[[], object], float | None]:
+        """The plain transformers training step (module docstring)."""
+        import torch
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        from flashflex_cli.model.spec import to_hf_config
+
+        config = LlamaConfig(**{k: v for k, v in to_hf_config(self.spec).items() if k != "architectures"})
+        with torch.device(self.device):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        run = torch.compile(model, backend=self.backend) if compiled else model
+        tokens = self.batch.to(self.device)
+        mbs = self.args.micro_batch
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            for m in range(self.micro):
+                rows = tokens[m * mbs:(m + 1) * mbs, :-1]
+                with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                    loss = run(input_ids=rows, labels=rows).loss
+                (loss / self.micro).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+
+        return step, None
+
+    def plan(self, cluster_sha256: str = "bench"):  # noqa: ANN201 - a flashflex Plan
+        """The one-rank plan: one stage with every layer, `micro` micro-batches of `--micro-batch`."""
+        from flashflex_cli.plan.schema import Plan
+
+        a = self.args
+        return Plan.model_validate({
+            "schema": "flashflex.plan/1",
+            "inputs": {"cluster_sha256": cluster_sha256, "model": self.spec.model_dump(),
+                       "train": {"global_batch": a.sequences, "seq_len": a.seq, "micro_batch_size": a.micro_batch,
+                                 "dtype": "bf16"}},
+            "pipelines": [{"micro_batch_size": a.micro_batch, "num_micro_batches": self.micro,
+                           "stages": [{"devices": ["node0/0"], "tp": 1, "layers": [0, self.spec.num_layers]}]}],
+        })
+
+    def engine(self, **switches: Any) -> tuple[Callable[[], object], float | None]:
+        """flashflex's RankEngine of the one-rank plan with `switches` (RuntimeOptions fields)."""
+        from flashflex_cli.runtime.engine import OptimConfig, RankEngine
+        from flashflex_cli.runtime.groups import build_groups
+        from flashflex_cli.runtime.options import RuntimeOptions
+
+        plan = self.plan()
+        engine = RankEngine(plan, 0, build_groups(plan, 0), self.device, OptimConfig(lr=1e-4, warmup_steps=1),
+                            options=RuntimeOptions(**switches), compile_backend=self.backend)
+        batch = self.batch
+        return (lambda: engine.train_step(batch)), engine.compile_seconds
+
+    def launch(self, folder: Path) -> Row:
+        """`flashflex launch` of the one-rank plan on a one-device cluster of this machine's device type; its
+        metrics.jsonl gives the step times (the first `--warmup` left out) and the peak memory."""
+        from flashflex_cli.hardware.cluster import save_cluster
+        from flashflex_cli.hardware.synthetic import build_cluster
+
+        if self.device_type is None:
+            sys.exit("bench_gpu_runtime: this GPU is not in the device catalog; pass --skip-launch")
+        cluster = build_cluster(f"1x1x{self.device_type}", name="bench")
+        save_cluster(folder / "cluster.json", cluster)
+        (folder / "plan.json").write_text(self.plan(cluster.sha256()).to_json())
+        steps = self.args.warmup + self.args.steps
+        command = [sys.executable, "-m", "flashflex_cli.cli", "launch", str(folder / "plan.json"),
+                   "--cluster", str(folder / "cluster.json"), "--steps", str(steps), "--out", str(folder / "run"),
+                   "--lr", "1e-4", "--timeout", "900"]
+        wall, cpu = time.perf_counter(), _cpu_s()
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"bench_gpu_runtime: flashflex launch failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+        timed = rows[self.args.warmup:] or rows
+        runtime = json.loads((folder / "run" / "runtime.json").read_text())
+        memory = max(int(r["memory_bytes"]) for r in rows) if self.gpu else None
+        row = Row("flashflex launch", statistics.median(r["step_time_s"] for r in timed), memory,
+                  runtime.get("compile_warmup_s"), time.perf_counter() - wall, _cpu_s() - cpu)
+        row.notes.append("paths " + ", ".join(f"{k}={v}" for k, v in sorted(runtime.items())
+                                              if k != "compile_warmup_s"))
+        return row
+
+    # ---- reporting ----------------------------------------------------------------------------------------
+
+    def print_row(self, row: Row, base: Row | None) -> None:
+        tps = self.tokens_per_step / row.step_s
+        mfu = tps * self.flops_per_token / self.peak
+        memory = f"{row.memory_bytes / GIB:6.1f}" if row.memory_bytes is not None else "   n/a"
+        compile_s = f"{row.compile_s:6.1f}" if row.compile_s is not None else "     -"
+        line = (f"{row.label:32s} {row.step_s * 1e3:8.1f} {tps:10,.0f} {mfu:6.1%} {memory} {compile_s} "
+                f"{row.wall_s:7.1f} {row.cpu_s:7.1f}")
+        if base is not None:
+            speed, mem = ratios(row, base)
+            line += f"   {speed:5.2f}x" + (f" {mem:5.2f}x" if mem is not None else "   n/a")
+        print(line + ("  " + "; ".join(row.notes) if row.notes else ""), flush=True)
 
 
-def _plan(model: str, seq: int, micro: int):  # noqa: ANN202
-    from flashflex_cli.model.spec import PRESETS
-    from flashflex_cli.plan.schema import Plan
-
-    return Plan.model_validate({
-        "schema": "flashflex.plan/1",
-        "inputs": {"cluster_sha256": "bench", "model": PRESETS[model].model_dump(),
-                   "train": {"global_batch": micro, "seq_len": seq, "micro_batch_size": 1, "dtype": "bf16"}},
-        "pipelines": [{"micro_batch_size": 1, "num_micro_batches": micro,
-                       "stages": [{"devices": ["gpu0/0"], "tp": 1, "layers": [0, PRESETS[model].num_layers]}]}],
-    })
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _time_steps(step_fn, steps: int, warmup: int) -> float:  # noqa: ANN001
-    """Median seconds of `steps` calls after `warmup` calls."""
-    for _ in range(warmup):
-        step_fn()
-    _sync()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step_fn()
-        _sync()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def _plain_loop(spec, batch, micro: int, device):  # noqa: ANN001, ANN202
-    """A plain training step: same model, fused torch AdamW, bf16 autocast, gradient accumulation."""
-    import torch
-
-    from flashflex_cli.runtime.reference import build_reference
-
-    model = build_reference(spec, seed=0).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device.type == "cuda")
-    tokens = batch.to(device)
-    count = tokens[:, 1:].numel()
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        for m in range(micro):
-            rows = tokens[m:m + 1]
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                loss = model(rows[:, :-1], rows[:, 1:]) / count
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-
-    return step, model, opt
-
-
-def main() -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--sequences", type=int, default=16, help="sequences per optimizer step")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant (compilation)")
+    parser.add_argument("--ablations", action="store_true", help="also the engine with each path switched off")
+    parser.add_argument("--skip-launch", action="store_true", help="leave out the `flashflex launch` variant")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the catalog's bf16 peak")
     parser.add_argument("--smoke", action="store_true", help="CPU run of a tiny model to check the script")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.seq, args.micro_batch, args.sequences, args.steps, args.warmup = "llama-tiny", 32, 2, 4, 2, 1
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    # what `flashflex launch` gives its workers, here for every variant alike (before CUDA starts)
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     import torch
 
-    if args.smoke:
-        args.model, args.seq, args.steps, args.warmup = "llama-tiny", 32, 2, 1
-        args.peak_tflops = args.peak_tflops or 1.0
-    elif not torch.cuda.is_available():
+    if not args.smoke and not torch.cuda.is_available():
         print("bench_gpu_runtime: SKIPPED: needs a CUDA GPU (torch.cuda.is_available() is False); nothing "
               "measured.", file=sys.stderr)
         return 0
+    try:
+        import transformers
+    except ImportError:
+        sys.exit("bench_gpu_runtime: needs transformers (a dev dependency: pip install -e '.[dev]')")
     import torch.distributed as dist
 
-    from flashflex_cli.model.flops import model_flops_per_token
-    from flashflex_cli.runtime.attention import FLASH, SDPA, flash_attn_available
-    from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-    from flashflex_cli.runtime.groups import build_groups
-
-    peak, device_name = _peak_flops(torch, args.peak_tflops)
-    plan = _plan(args.model, args.seq, args.micro_batches)
-    if args.smoke:
-        plan = plan.model_copy(update={"inputs": plan.inputs.model_copy(update={
-            "train": plan.inputs.train.model_copy(update={"dtype": "fp32"})})})
-    spec = plan.inputs.model
-    tokens_per_step = args.micro_batches * args.seq
-    flops_per_token = model_flops_per_token(spec, args.seq)
-    gen = torch.Generator().manual_seed(0)
-    batch = torch.randint(0, spec.vocab_size, (args.micro_batches, args.seq + 1), generator=gen)
-    store = Path(tempfile.mkdtemp()) / "store"
-    gpu = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    if gpu:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    where = torch.cuda.get_device_name(0) if gpu else "cpu (smoke run, fp32, not a measurement)"
-    print(f"{args.model} seq {args.seq}, {args.micro_batches} micro-batches of 1, {plan.inputs.train.dtype}, on "
-          f"{where} ({device_name}, bf16 peak {peak / 1e12:.0f} TFLOP/s)")
-
-    plain_step, model, opt = _plain_loop(spec, batch, args.micro_batches, device)
-    plain = _time_steps(plain_step, args.steps, args.warmup)
-    del model, opt, plain_step
-    torch.cuda.empty_cache()
-
-    def report(label: str, seconds: float) -> None:
-        tps = tokens_per_step / seconds
-        print(f"{label:28s} step {seconds * 1e3:8.1f} ms  {tps:9.0f} tokens/s  MFU {tps * flops_per_token / peak:6.1%}"
-              f"  throughput vs plain loop {plain / seconds:5.2f}x")
-
-    report("plain torch loop (sdpa)", plain)
-    backends = [SDPA] + ([FLASH] if gpu and flash_attn_available() and torch.cuda.get_device_capability(0) >= (8, 0)
-                         else [])
-    if FLASH not in backends:
-        print("flash-attn: not installed or unsupported here; SDPA only")
-    groups = build_groups(plan, 0)
-    for backend in backends:
-        engine = RankEngine(plan, 0, groups, device, OptimConfig(lr=1e-4, warmup_steps=1), attention=backend)
-        seconds = _time_steps(lambda e=engine: e.train_step(batch), args.steps, args.warmup)
-        report(f"flashflex engine ({backend})", seconds)
-        del engine
-        torch.cuda.empty_cache()
-    if gpu:
-        print(f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    bench = Bench(args)
+    if bench.gpu:
+        torch.cuda.set_device(bench.device)
+    load_before = os.getloadavg()[0]
+    store = Path(tempfile.mkdtemp(prefix="bench-gpu-runtime-"))
+    dist.init_process_group("nccl" if bench.gpu else "gloo", init_method=f"file://{store / 'store'}", rank=0,
+                            world_size=1)
+    where = torch.cuda.get_device_name(0) if bench.gpu else "cpu (smoke run, not a measurement)"
+    print(f"{args.model}, seq {args.seq}, micro-batch {args.micro_batch}, {args.sequences} sequences per step "
+          f"({bench.micro} micro-batches), bf16 autocast over fp32 weights, on {where} (catalog type "
+          f"{bench.device_type}, bf16 peak {bench.peak / 1e12:.0f} TFLOP/s"
+          f"{', given' if args.peak_tflops else ''}); torch {torch.__version__}, transformers "
+          f"{transformers.__version__}", flush=True)
+    print(f"{'variant':32s} {'step ms':>8s} {'tokens/s':>10s} {'MFU':>6s} {'GiB':>6s} {'comp s':>6s} "
+          f"{'wall s':>7s} {'CPU s':>7s}   vs hf compiled: tokens/s, memory", flush=True)
+    hf_eager = bench.measure("hf eager", lambda: bench.hf_loop(False))
+    hf_compiled = bench.measure("hf compiled", lambda: bench.hf_loop(True))
+    bench.print_row(hf_eager, hf_compiled)
+    bench.print_row(hf_compiled, hf_compiled)
+    # the smoke run compiles the engine too (on the CPU the runtime's default is eager)
+    engine = bench.measure("flashflex engine", lambda: bench.engine(**({"compile": True} if args.smoke else {})))
+    bench.print_row(engine, hf_compiled)
+    if args.ablations:
+        for label, switches in (("  --no-compile", {"compile": False}),
+                                ("  --no-chunked-loss", {"chunked_loss": False}),
+                                ("  --optimizer foreach", {"optimizer": "foreach"}),
+                                ("  all three (recorded runs' paths)",
+                                 {"compile": False, "chunked_loss": False, "optimizer": "foreach"})):
+            bench.print_row(bench.measure(label, lambda s=switches: bench.engine(**s)), hf_compiled)
     dist.destroy_process_group()
+    launch = None
+    if not args.skip_launch:
+        launch = bench.launch(store)
+        bench.print_row(launch, hf_compiled)
+    print(f"host: {os.cpu_count()} cores, load {load_before:.2f} -> {os.getloadavg()[0]:.2f} (1 min)")
+    if launch is not None:
+        speed, memory = ratios(launch, hf_compiled)
+        print(f"flashflex launch/hf-compiled {speed:.2f}x tokens/s, memory "
+              f"{f'{memory:.2f}x' if memory is not None else 'n/a'}")
+    print(last_line(*ratios(engine, hf_compiled)))
     return 0
 
 

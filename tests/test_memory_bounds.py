@@ -79,6 +79,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint  # library code is loaded before the baseline: it is not the rank's state
+import torch._dynamo  # (so is what torch.optim.AdamW's constructor imports: torch._dynamo, ~70 MiB of code)
 
 from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime import checkpoint as ckpt

@@ -17,7 +17,7 @@ from torch.distributed.run import get_args_parser
 from flashflex_cli.errors import InputError
 from flashflex_cli.hardware.cluster import load_cluster
 from flashflex_cli.launch.layout import node_layouts
-from flashflex_cli.launch.options import RunOptions
+from flashflex_cli.launch.options import ALLOC_CONF_SHELL, RunOptions
 from flashflex_cli.launch.slurm import SlurmSettings, default_template, render_slurm
 from flashflex_cli.launch.torchrun import RenderSettings, command_lines, render_torchrun
 from flashflex_cli.plan.schema import load_plan
@@ -63,8 +63,10 @@ def test_torchrun_commands_match_golden_and_parse_as_torchrun() -> None:
     assert len(lines) == 2
     for i, (line, nproc) in enumerate(zip(lines, (3, 1), strict=True)):
         argv = shlex.split(line)
-        assert argv[:2] == ["env", f"GLOO_SOCKET_IFNAME=veth{i}"] and argv[2] == "torchrun"
-        args = get_args_parser().parse_args(argv[3:])  # torchrun's own parser accepts the line
+        # (shlex leaves the allocator default's "${...:-...}" unexpanded; bash expands it: test_runtime_switches)
+        assert argv[:3] == ["env", "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}",
+                            f"GLOO_SOCKET_IFNAME=veth{i}"] and argv[3] == "torchrun"
+        args = get_args_parser().parse_args(argv[4:])  # torchrun's own parser accepts the line
         assert args.nproc_per_node == str(nproc) and args.nnodes == "2" and args.module
         assert args.rdzv_endpoint == "10.200.0.1:29511" and args.rdzv_conf == f"is_host={1 - i}"
         assert args.local_addr == f"10.200.0.{i + 1}" and args.max_restarts == 0
@@ -110,7 +112,7 @@ def test_cli_renders_and_refuses_a_mismatched_cluster(tmp_path: Path) -> None:
     dry = subprocess.run([FLASHFLEX, "launch", plan, "--cluster", cluster, "--dry-run", "--steps", "3"],
                          capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr
-    assert dry.stdout.startswith("torchrun --standalone --nnodes=1 --nproc-per-node=4 ")
+    assert dry.stdout.startswith(f"env {ALLOC_CONF_SHELL} torchrun --standalone --nnodes=1 --nproc-per-node=4 ")
     other = tmp_path / "other.json"
     other.write_text(Path(cluster).read_text().replace('"test-2node"', '"renamed"'))
     bad = subprocess.run([FLASHFLEX, "launch", plan, "--cluster", str(other), "--launcher", "slurm"],

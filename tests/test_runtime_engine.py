@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime.engine import OptimConfig, RankEngine
 from flashflex_cli.runtime.groups import build_groups
 from flashflex_cli.runtime.optimizer import lr_at
+from flashflex_cli.runtime.options import RuntimeOptions
 from flashflex_cli.runtime.reference import reference_train
 from tests.test_parity import make_batches, make_plan
 
@@ -30,7 +32,7 @@ def one_rank(tmp_path: Path) -> Iterator[Plan]:
         dist.destroy_process_group()
 
 
-def _engine(plan: Plan, seed: int = 0, **kwargs: float) -> RankEngine:
+def _engine(plan: Plan, seed: int = 0, **kwargs: Any) -> RankEngine:
     return RankEngine(plan, 0, build_groups(plan, 0), torch.device("cpu"), OPTIM, seed=seed, **kwargs)
 
 
@@ -89,3 +91,32 @@ def test_slowdown_is_applied(one_rank: Plan) -> None:
     result = engine.train_step(make_batches(one_rank, steps=1)[0])
     compute = result.timings["forward"] + result.timings["backward"]
     assert 0 < engine.slow.slept <= compute / 2 + 1e-3
+
+
+def test_a_step_reads_nothing_back_from_the_device_before_its_end(one_rank: Plan) -> None:
+    """No `.item()`, `float(tensor)` or `bool(tensor)` (each a blocking device read on a GPU) in a whole step,
+    gradient clipping included: the loss and the gradient norm come back in one `tolist()` after the optimizer
+    step (not a dispatched op, so not counted here). The fused optimizer keeps its step counters on the device
+    (foreach keeps them on the host and reads them there, which is no device read)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    engine = _engine(one_rank, options=RuntimeOptions(optimizer="fused"))
+    reads: list[str] = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    batches = make_batches(one_rank, steps=2)
+    engine.train_step(batches[0])  # the optimizer's state is created in the first step
+    with Reads():
+        result = engine.train_step(batches[1])
+    assert reads == [] and result.grad_norm > 0 and result.loss > 0
+    probe: list[str] = []
+    with Reads():
+        reads.clear()
+        float(torch.ones(()))  # the mode does see a read
+        probe.extend(reads)
+    assert probe

@@ -1,18 +1,23 @@
-"""The comparison switches (`--no-lean-p2p --no-overlap-dp --no-hierarchical-dp`) reach every worker: rendered
-torchrun and SLURM scripts carry them, a local launch starts its workers with them and they accept them."""
+"""The comparison switches (`--no-lean-p2p --no-overlap-dp --no-hierarchical-dp --no-chunked-loss`,
+`--compile/--no-compile`, `--optimizer`) reach every worker: rendered torchrun and SLURM scripts carry them, a
+local launch starts its workers with them, they accept them, and runtime.json records what ran. The workers get
+the CUDA allocator's expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from flashflex_cli.errors import InputError
 from flashflex_cli.hardware.cluster import load_cluster
-from flashflex_cli.launch.local import LocalJob, run_job
+from flashflex_cli.launch.local import LocalJob, run_job, worker_env
 from flashflex_cli.launch.options import RunOptions
 from flashflex_cli.launch.slurm import SlurmSettings, render_slurm
 from flashflex_cli.launch.torchrun import ElasticRender, RenderSettings, command_lines, render_torchrun
@@ -22,9 +27,11 @@ from flashflex_cli.runtime.worker import parse_args
 GOLDEN = Path(__file__).parent / "golden"
 PLAN = load_plan(GOLDEN / "plan-4rank.json")
 CLUSTER = load_cluster(GOLDEN / "cluster-2node.json")
-SWITCHES = ("--no-lean-p2p", "--no-overlap-dp", "--no-hierarchical-dp")
+SWITCHES = ("--no-lean-p2p", "--no-overlap-dp", "--no-hierarchical-dp", "--no-chunked-loss")
 BASE = RunOptions(plan="plans/p.json", cluster="profiles/c.json", out="runs/r")
-ALL_OFF = dataclasses.replace(BASE, lean_p2p=False, overlap_dp=False, hierarchical_dp=False)
+ALL_OFF = dataclasses.replace(BASE, lean_p2p=False, overlap_dp=False, hierarchical_dp=False, chunked_loss=False,
+                              compile=False, optimizer="fused")
+ALL_OFF_WORDS = {*SWITCHES, "--no-compile", "--optimizer", "fused"}
 
 
 def _worker_words(line: str) -> list[str]:
@@ -34,25 +41,36 @@ def _worker_words(line: str) -> list[str]:
 
 
 def test_defaults_pass_no_switch_and_each_switch_passes_its_own_flag() -> None:
-    assert not set(BASE.worker_argv()) & set(SWITCHES)
-    for field, flag in zip(("lean_p2p", "overlap_dp", "hierarchical_dp"), SWITCHES, strict=True):
+    assert not set(BASE.worker_argv()) & ALL_OFF_WORDS
+    for field, flag in zip(("lean_p2p", "overlap_dp", "hierarchical_dp", "chunked_loss"), SWITCHES, strict=True):
         argv = dataclasses.replace(BASE, **{field: False}).worker_argv(node="node0")
-        assert [a for a in argv if a in SWITCHES] == [flag]
+        assert [a for a in argv if a in ALL_OFF_WORDS] == [flag]
         assert argv[-2:] == ["--plan-node", "node0"]
+    for value, words in ((True, ["--compile"]), (False, ["--no-compile"]), (None, [])):
+        argv = dataclasses.replace(BASE, compile=value).worker_argv()
+        assert [a for a in argv if a in ("--compile", "--no-compile")] == words
+    for path in ("fused", "foreach"):
+        argv = dataclasses.replace(BASE, optimizer=path).worker_argv()
+        assert argv[argv.index("--optimizer"):argv.index("--optimizer") + 2] == ["--optimizer", path]
+    with pytest.raises(InputError, match="--optimizer must be one of auto, fused, foreach, got 'adam'"):
+        dataclasses.replace(BASE, optimizer="adam")
 
 
 def test_worker_parses_the_flags_into_its_runtime_options() -> None:
     args = parse_args(ALL_OFF.worker_argv())
-    assert (args.no_lean_p2p, args.no_overlap_dp, args.no_hierarchical_dp) == (True, True, True)
+    assert (args.no_lean_p2p, args.no_overlap_dp, args.no_hierarchical_dp, args.no_chunked_loss) == (True,) * 4
+    assert (args.compile, args.optimizer) == (False, "fused")
     args = parse_args(BASE.worker_argv())
-    assert (args.no_lean_p2p, args.no_overlap_dp, args.no_hierarchical_dp) == (False, False, False)
+    assert (args.no_lean_p2p, args.no_overlap_dp, args.no_hierarchical_dp, args.no_chunked_loss) == (False,) * 4
+    assert (args.compile, args.optimizer) == (None, "auto")
+    assert parse_args([*BASE.worker_argv(), "--compile"]).compile is True
 
 
 @pytest.mark.parametrize("template", ["torchrun", "torchrun-elastic", "slurm", "slurm-hetjob"])
 def test_rendered_scripts_carry_the_switches_on_every_worker_line(template: str) -> None:
     settings = RenderSettings(hosts=("10.200.0.1", "10.200.0.2"), template=template,
                               elastic=ElasticRender() if template == "torchrun-elastic" else None)
-    for options, expected in ((ALL_OFF, set(SWITCHES)), (BASE, set())):
+    for options, expected in ((ALL_OFF, ALL_OFF_WORDS), (BASE, set())):
         if template.startswith("slurm"):
             text = render_slurm(PLAN, CLUSTER, options, settings, SlurmSettings())
             lines = [line for line in text.splitlines() if line.startswith("srun ")]
@@ -60,7 +78,7 @@ def test_rendered_scripts_carry_the_switches_on_every_worker_line(template: str)
             lines = command_lines(render_torchrun(PLAN, CLUSTER, options, settings))
         assert len(lines) == 2  # one per plan node
         for line in lines:
-            assert set(_worker_words(line)) & set(SWITCHES) == expected, line
+            assert set(_worker_words(line)) & ALL_OFF_WORDS == expected, line
 
 
 def test_cli_launch_flags_reach_the_rendered_script(tmp_path: Path) -> None:
@@ -68,11 +86,25 @@ def test_cli_launch_flags_reach_the_rendered_script(tmp_path: Path) -> None:
 
     script = tmp_path / "run.sh"
     code = main(["launch", str(GOLDEN / "plan-4rank.json"), "--cluster", str(GOLDEN / "cluster-2node.json"),
-                 "--launcher", "torchrun", "--script", str(script), "--no-overlap-dp"])
+                 "--launcher", "torchrun", "--script", str(script), "--no-overlap-dp", "--no-chunked-loss",
+                 "--compile", "--optimizer", "foreach"])
     assert code == 0
     for line in command_lines(script.read_text()):
         words = _worker_words(line)
         assert "--no-overlap-dp" in words and "--no-lean-p2p" not in words and "--no-hierarchical-dp" not in words
+        assert "--no-chunked-loss" in words and "--compile" in words and "--no-compile" not in words
+        assert words[words.index("--optimizer") + 1] == "foreach"
+
+
+def test_cli_refuses_an_unknown_optimizer_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from flashflex_cli.cli import main
+
+    script = tmp_path / "run.sh"
+    code = main(["launch", str(GOLDEN / "plan-4rank.json"), "--cluster", str(GOLDEN / "cluster-2node.json"),
+                 "--launcher", "torchrun", "--script", str(script), "--optimizer", "adam"])
+    err = capsys.readouterr().err
+    assert code == 2 and not script.exists()
+    assert err.strip().splitlines() == ["error: --optimizer must be one of auto, fused, foreach, got 'adam'"]
 
 
 def test_local_launch_starts_its_workers_with_the_switches(tmp_path: Path) -> None:
@@ -82,25 +114,75 @@ def test_local_launch_starts_its_workers_with_the_switches(tmp_path: Path) -> No
                                   cluster=str(GOLDEN / "cluster-2node.json"), out=str(tmp_path / "run"), steps=1,
                                   timeout_s=60.0)
     seen: list[list[str]] = []
+    environments: list[dict[str, str]] = []
 
     def look(job: LocalJob) -> None:
         for worker in job.running():
             try:
                 raw = Path(f"/proc/{worker.proc.pid}/cmdline").read_bytes()
+                env = Path(f"/proc/{worker.proc.pid}/environ").read_bytes()
             except OSError:
                 continue
             if raw:  # empty once the process exited (a zombie until reaped)
                 seen.append(raw.decode().split("\0"))
+                environments.append(dict(item.split("=", 1) for item in env.decode().split("\0") if "=" in item))
 
     (tmp_path / "run").mkdir()
     outcome = run_job(load_plan(options.plan), options, hook=look)
     assert not outcome.failures and not outcome.signals
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
-    assert seen and all(set(SWITCHES) <= set(argv) for argv in seen)
+    assert seen and all(ALL_OFF_WORDS <= set(argv) for argv in seen)
+    assert environments and all(env.get("PYTORCH_CUDA_ALLOC_CONF") == os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True") for env in environments)
     # the run records which paths ran
     assert json.loads((tmp_path / "run" / "runtime.json").read_text()) == {
-        "lean_p2p": False, "overlap_dp": False, "hierarchical_dp": False, "compile": False, "chunked_loss": True,
-        "optimizer": "foreach", "compute_dtype": "fp32"}
+        "lean_p2p": False, "overlap_dp": False, "hierarchical_dp": False, "compile": False, "chunked_loss": False,
+        "optimizer": "fused", "compute_dtype": "fp32"}
+
+
+def test_local_workers_get_expandable_segments_unless_the_user_set_the_allocator(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert worker_env(0, 1, 29500, "/tmp/j", 60.0)["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert worker_env(0, 1, 29500, "/tmp/j", 60.0)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"
+
+
+FAKE_TORCHRUN = """#!/bin/sh
+printf '%s' "${PYTORCH_CUDA_ALLOC_CONF-unset}" > "$ARGV_DIR/alloc.$$"
+"""
+
+
+@pytest.mark.parametrize("template", ["torchrun", "slurm"])
+def test_rendered_lines_give_expandable_segments_unless_the_user_set_the_allocator(template: str,
+                                                                                   tmp_path: Path) -> None:
+    """Each rendered worker line, run by bash (the line a user runs on a host; for SLURM the srun line's command,
+    expanded by the batch script's shell), starts torchrun with expandable segments, or with the user's value
+    where PYTORCH_CUDA_ALLOC_CONF is set there."""
+    bin_dir, argv_dir = tmp_path / "bin", tmp_path / "argv"
+    bin_dir.mkdir()
+    argv_dir.mkdir()
+    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
+    (bin_dir / "torchrun").chmod(0o755)
+    settings = RenderSettings(hosts=("10.200.0.1", "10.200.0.2"), template=template)
+    if template == "slurm":
+        text = render_slurm(PLAN, CLUSTER, BASE, settings, SlurmSettings())
+        lines = [line.split("--kill-on-bad-exit=1 ", 1)[1].rstrip(" &") for line in text.splitlines()
+                 if line.startswith("srun ")]
+    else:
+        lines = command_lines(render_torchrun(PLAN, CLUSTER, BASE, settings))
+    assert len(lines) == 2 and all(line.startswith("env PYTORCH_CUDA_ALLOC_CONF=") for line in lines)
+    base_env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    base_env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", ARGV_DIR=str(argv_dir))
+    for user_value, want in ((None, "expandable_segments:True"), ("max_split_size_mb:64", "max_split_size_mb:64")):
+        env = dict(base_env, **({"PYTORCH_CUDA_ALLOC_CONF": user_value} if user_value else {}))
+        for line in lines:
+            line = line.replace(".venv/bin/torchrun", "torchrun")
+            subprocess.run(["bash", "-c", line], env=env, check=True, timeout=60)
+        seen = [p.read_text() for p in argv_dir.iterdir()]
+        assert seen == [want, want], (user_value, seen)
+        for p in argv_dir.iterdir():
+            p.unlink()
 
 
 # ---- benchmarks/bench_runtime_comm.py: its pure helpers (the benchmark itself needs namespaces and minutes) ----

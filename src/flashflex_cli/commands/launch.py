@@ -136,6 +136,13 @@ def launch_command(
                                        "gradient reduction after the whole backward."),
     no_hierarchical_dp: bool = typer.Option(False, "--no-hierarchical-dp", help="For comparison only: one flat "
                                             "reduction ring over all holders of a slice."),
+    compile_: bool | None = typer.Option(None, "--compile/--no-compile", help="torch.compile each layer, the "
+                                         "final norm and the loss, warmed up before step 0 (default: on for GPU "
+                                         "plans, off on CPU devices)."),
+    no_chunked_loss: bool = typer.Option(False, "--no-chunked-loss", help="For comparison only: the whole "
+                                         "logits tensor, upcast to fp32 for the loss."),
+    optimizer: str = typer.Option("auto", "--optimizer", help="AdamW kernels: fused or foreach (auto: fused on "
+                                  "GPUs, foreach on CPU devices)."),
 ) -> None:
     """Check PLAN against the cluster, the machine and the data, then run it or render its launch commands."""
     from ..hardware.cluster import load_cluster
@@ -161,7 +168,8 @@ def launch_command(
                          checkpoint_every=checkpoint_every, resume=resume, timeout_s=timeout,
                          schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None,
                          lean_p2p=not no_lean_p2p, overlap_dp=not no_overlap_dp,
-                         hierarchical_dp=not no_hierarchical_dp)
+                         hierarchical_dp=not no_hierarchical_dp, compile=compile_,
+                         chunked_loss=not no_chunked_loss, optimizer=optimizer)
     if launcher != "local":
         port_number(port)
     _check_outputs(launcher, script, options, _script_inputs(plan_path, cluster_path, data, template))

@@ -96,6 +96,9 @@ def profile(
     recompute: bool = typer.Option(False, "--recompute", help="With --model: recompute layer activations."),
     repeats: int = typer.Option(5, "--repeats", help="With --model: timed runs per part (the median is kept)."),
     warmup: int = typer.Option(2, "--warmup", help="With --model: untimed runs per part before the timed ones."),
+    compile_: bool | None = typer.Option(None, "--compile/--no-compile", help="With --model: measure the parts "
+                                         "torch.compile'd as a run compiles them (default: on for GPUs, off on "
+                                         "CPU)."),
 ) -> None:
     """Write a cluster profile: synthetic from the catalog, or measured on this machine (or fleet); with
     --model, a layer profile measured on this machine."""
@@ -106,11 +109,12 @@ def profile(
     if model is not None:
         if synthetic is not None or distributed:
             raise InputError("--model cannot be combined with --synthetic or --distributed")
-        request = LayerRequest(model, seq_len, micro_batch, tp, dtype, attention, recompute, repeats, warmup)
+        request = LayerRequest(model, seq_len, micro_batch, tp, dtype, attention, recompute, repeats, warmup,
+                               compile_)
         profile_layers(request, out)
         return
-    if seq_len is not None:
-        raise InputError("--seq-len (and the other layer options) need --model")
+    if seq_len is not None or compile_ is not None:
+        raise InputError("--seq-len, --compile (and the other layer options) need --model")
     check_writable_output(out)
     int_in_range(cpu_devices, "--cpu-devices", 1, MAX_DEVICES_PER_NODE)
     cluster_name = name or out.stem
@@ -154,6 +158,7 @@ class LayerRequest:
     recompute: bool
     repeats: int
     warmup: int
+    compile: bool | None = None
 
 
 def parse_int_list(text: str, option: str) -> tuple[int, ...]:
@@ -178,6 +183,7 @@ def _check_out(out: Path, model: str) -> None:
 def _layer_config(request: LayerRequest, kind: str):  # noqa: ANN202 - a BenchConfig (lazy torch import)
     from ..model.spec import resolve_model
     from ..runtime.layer_bench import BenchConfig
+    from ..runtime.options import RuntimeOptions
 
     spec = resolve_model(request.model)
     if request.seq_len is None:
@@ -186,7 +192,7 @@ def _layer_config(request: LayerRequest, kind: str):  # noqa: ANN202 - a BenchCo
     return BenchConfig(spec=spec, seq_len=request.seq_len,
                        micro_batches=parse_int_list(request.micro_batch, "--micro-batch"), dtype=dtype,
                        attention=request.attention, recompute=request.recompute, repeats=request.repeats,
-                       warmup=request.warmup)
+                       warmup=request.warmup, runtime=RuntimeOptions(compile=request.compile))
 
 
 def _device_type(kind: str) -> str:

@@ -47,7 +47,7 @@ from .failures import (
     describe_failure,
     stop_text,
 )
-from .options import WORKER_MODULE, RunOptions
+from .options import ALLOC_CONF_DEFAULT, ALLOC_CONF_ENV, ALLOC_CONF_SHELL, WORKER_MODULE, RunOptions
 
 FAILURE_GRACE_S = 3.0  # after a rank failed: time for the others to see their collectives break and exit
 STOP_GRACE_S = 30.0  # after a stop signal (plus --timeout): time to finish the step and save a checkpoint
@@ -63,8 +63,8 @@ def local_command(plan: Plan, options: RunOptions) -> list[str]:
 
 
 def dry_run_text(plan: Plan, options: RunOptions) -> str:
-    """Shell text of the single-host command."""
-    return shlex.join(local_command(plan, options))
+    """Shell text of the single-host command, with the allocator setting the launcher gives its workers."""
+    return f"env {ALLOC_CONF_SHELL} {shlex.join(local_command(plan, options))}"
 
 
 @dataclass
@@ -112,9 +112,10 @@ class StopSignals:
 
 
 def worker_env(local_rank: int, world: int, port: int, job_dir: str, timeout_s: float) -> dict[str, str]:
-    """The environment of local rank `local_rank`: torchrun's variables and the launcher's (heartbeat.py)."""
+    """The environment of local rank `local_rank`: torchrun's variables and the launcher's (heartbeat.py), and
+    the CUDA caching allocator's expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF."""
     rank, size = str(local_rank), str(world)
-    return {**os.environ, "LOCAL_RANK": rank, "RANK": rank, "ROLE_RANK": rank, "GROUP_RANK": "0",
+    return {ALLOC_CONF_ENV: ALLOC_CONF_DEFAULT, **os.environ, "LOCAL_RANK": rank, "RANK": rank, "ROLE_RANK": rank, "GROUP_RANK": "0",
             "LOCAL_WORLD_SIZE": size, "WORLD_SIZE": size, "ROLE_WORLD_SIZE": size, "GROUP_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",

@@ -6,8 +6,16 @@ import shlex
 from dataclasses import dataclass
 
 from .. import validate_numbers
+from ..errors import InputError
+from ..semantics.runtime_paths import OPTIMIZER_PATHS
 
 WORKER_MODULE = "flashflex_cli.runtime.worker"
+# The workers' CUDA caching allocator grows its segments instead of caching fixed blocks (less fragmentation over
+# steps whose activations differ in size); a value the user set is kept.
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF_DEFAULT = "expandable_segments:True"
+# The same default in a rendered shell command: the user's value where it is set on the host that runs it.
+ALLOC_CONF_SHELL = f'{ALLOC_CONF_ENV}="${{{ALLOC_CONF_ENV}:-{ALLOC_CONF_DEFAULT}}}"'
 
 
 @dataclass(frozen=True)
@@ -32,10 +40,14 @@ class RunOptions:
     timeout_s: float = 60.0
     schedule_steps: int | None = None
     init_from: str | None = None  # a local Hugging Face checkpoint folder for the initial weights (hf/load.py)
-    # runtime switches (runtime/options.py RuntimeOptions), turned off only to measure what each one buys
+    # runtime switches (runtime/options.py RuntimeOptions), turned off only to measure what each one buys;
+    # compile None: on for CUDA devices, off on CPU; optimizer "auto": fused on CUDA, foreach on CPU
     lean_p2p: bool = True
     overlap_dp: bool = True
     hierarchical_dp: bool = True
+    compile: bool | None = None
+    chunked_loss: bool = True
+    optimizer: str = "auto"
 
     def __post_init__(self) -> None:
         """Range-check the numbers (InputError naming the option): nothing starts with a bad one."""
@@ -46,6 +58,8 @@ class RunOptions:
         validate_numbers.learning_rate(self.lr)
         validate_numbers.timeout_s(self.timeout_s)
         validate_numbers.int_in_range(self.checkpoint_every, "--checkpoint-every", 0, validate_numbers.MAX_STEPS)
+        if self.optimizer not in OPTIMIZER_PATHS:
+            raise InputError(f"--optimizer must be one of {', '.join(OPTIMIZER_PATHS)}, got {self.optimizer!r}")
 
     def worker_argv(self, node: str | None = None) -> list[str]:
         """Arguments after `-m flashflex_cli.runtime.worker`."""
@@ -61,7 +75,12 @@ class RunOptions:
         if self.init_from:
             argv += ["--init-from", self.init_from]
         argv += [flag for flag, on in (("--no-lean-p2p", self.lean_p2p), ("--no-overlap-dp", self.overlap_dp),
-                                       ("--no-hierarchical-dp", self.hierarchical_dp)) if not on]
+                                       ("--no-hierarchical-dp", self.hierarchical_dp),
+                                       ("--no-chunked-loss", self.chunked_loss)) if not on]
+        if self.compile is not None:
+            argv.append("--compile" if self.compile else "--no-compile")
+        if self.optimizer != "auto":
+            argv += ["--optimizer", self.optimizer]
         if node is not None:
             argv += ["--plan-node", node]
         return argv

@@ -11,7 +11,7 @@ from ..hostnames import url_host
 from ..plan.schema import Plan
 from ..validate_numbers import port
 from .layout import NodeLayout, node_layouts
-from .options import RunOptions
+from .options import ALLOC_CONF_SHELL, RunOptions
 from .templates import find_template, plain_text, render, shell_join, shell_word
 
 
@@ -44,10 +44,13 @@ class ElasticRender:
 
 
 def _env_prefix(settings: RenderSettings, index: int) -> str:
-    if not settings.ifnames:
-        return ""
-    name = settings.ifnames[index] if len(settings.ifnames) > 1 else settings.ifnames[0]
-    return f"env GLOO_SOCKET_IFNAME={shell_word(name, '--ifname')} "
+    """`env` with the workers' variables: the allocator setting (a fixed text, expanded by the shell that runs
+    the line, so a PYTORCH_CUDA_ALLOC_CONF set there wins) and GLOO_SOCKET_IFNAME where --ifname names one."""
+    words = ["env", ALLOC_CONF_SHELL]
+    if settings.ifnames:
+        name = settings.ifnames[index] if len(settings.ifnames) > 1 else settings.ifnames[0]
+        words.append(f"GLOO_SOCKET_IFNAME={shell_word(name, '--ifname')}")
+    return " ".join(words) + " "
 
 
 def check_settings(settings: RenderSettings, nodes: int) -> None:

@@ -7,9 +7,9 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import InputError
-from ..units import byte_size
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
+from ..units import byte_size
 from .schema import LayerProfile, ModelShape, load_layer_profile
 
 

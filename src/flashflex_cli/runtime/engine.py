@@ -3,7 +3,8 @@
 API (stable; later versions only add optional keyword arguments)::
 
     groups = build_groups(plan, rank)                 # runtime/groups.py, collective, after init_process_group
-    engine = RankEngine(plan, rank, groups, device, optim: OptimConfig, seed=0, slowdown=1.0)
+    engine = RankEngine(plan, rank, groups, device, optim: OptimConfig, seed=0, slowdown=1.0,
+                        options=RuntimeOptions())         # the runtime's paths (runtime/options.py)
     result = engine.train_step(tokens)                # -> StepResult
     engine.pipeline_slice(global_batch) -> slice      # rows of the global batch this rank's pipeline takes
     engine.shard_specs() -> list[ShardSpec]           # global name, full shape, (dim, start, stop), owner
@@ -13,6 +14,8 @@ API (stable; later versions only add optional keyword arguments)::
     engine.gather_full_state() -> dict[str, Tensor]   # full tensors of this rank's state keys (TP collective)
     engine.gather_full_grads() / gather_full_params() # test helpers, collective over the TP group
     engine.step                                       # optimizer steps taken
+    engine.options                                    # the paths that run (resolved; compile off after a fallback)
+    engine.compile_seconds                            # the compile warm-up before step 0 (None: not compiled)
 
 `tokens`: int64 [n_seq, seq_len + 1], this pipeline's rows of the global batch (n_seq = micro_batch_size *
 num_micro_batches of the pipeline); inputs are tokens[:, :-1], targets tokens[:, 1:]. Every rank of the pipeline
@@ -28,6 +31,11 @@ shard) and "step" (int64 scalar tensor). Global names are plan-independent (see 
 Precision: fp32 parameters always; the compute runs under autocast in the plan's dtype on every device (bf16, or
 fp16 without loss scaling; semantics/runtime_paths.compute_dtype); fp32 and tf32 plans compute in fp32 (tf32:
 TF32 matmuls on CUDA).
+
+Compilation (options.compile): the stage's layers, final norm and chunked loss are compiled (runtime/compiled.py)
+and warmed up in the constructor, on dummy inputs of the real shapes, so no step pays for it; if compiling fails
+on any rank, every rank runs eager (one warning line, `options.compile` then False). The step itself never waits
+for the device before its end: the loss and the gradient norm are read once, after the optimizer step.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -43,13 +51,14 @@ import torch.distributed as dist
 from ..errors import InputError
 from ..plan.schema import Plan
 from .attention import EAGER, FLASH, LOG, SDPA, choose_backend
+from .compiled import CompileBackend, compile_stage, eager_stage, warm_up
 from .grad_sync import GradSync
 from .groups import PlanGroups
 from .init import shard_init
 from .model import ParamInfo, StageModule, stage_params
 from .oom import PhaseTracker
 from .op_timer import OpTimer
-from .optimizer import OptimConfig, lr_at, make_optimizer, set_lr
+from .optimizer import OptimConfig, lr_at, make_optimizer, restore_moments, set_lr
 from .options import RuntimeOptions
 from .pipeline import PipelineRunner, PipelineTimes
 from .precision import autocast_dtype
@@ -98,12 +107,14 @@ def plan_shard_specs(plan: Plan, rank: int) -> list[ShardSpec]:
 
 class RankEngine:
     """Builds this rank's stage (initialised from `seed`, plan-independent, or by `initial(info, tp, tp_rank)`
-    returning the local shard, e.g. from a Hugging Face checkpoint), its optimizer and its schedule."""
+    returning the local shard, e.g. from a Hugging Face checkpoint), its optimizer and its schedule.
+    `compile_backend`: torch.compile's backend when `options` compile (tests pass a cheaper one)."""
 
     def __init__(self, plan: Plan, rank: int, groups: PlanGroups, device: torch.device, optim: OptimConfig,
                  seed: int = 0, slowdown: float = 1.0, attention: str | None = None,
                  initial: Callable[[ParamInfo, int, int], torch.Tensor] | None = None,
-                 options: RuntimeOptions | None = None, phases: PhaseTracker | None = None) -> None:
+                 options: RuntimeOptions | None = None, phases: PhaseTracker | None = None,
+                 compile_backend: CompileBackend = "inductor") -> None:
         spec, train = plan.inputs.model, plan.inputs.train
         if not 0 <= rank < plan.world_size or groups.rank != rank:
             raise InputError(f"rank {rank} does not match the plan (world size {plan.world_size}) or its groups")
@@ -126,7 +137,7 @@ class RankEngine:
                                                                    prefer=wanted)
         self.tp = groups.tp_context()
         self.module = StageModule(spec, self.stage_plan.layers, first, last, self.tp, self.backend,
-                                  recompute=train.recompute)
+                                  recompute=train.recompute, chunked_loss=self.options.chunked_loss)
         self.params: dict[str, tuple[ParamInfo, torch.nn.Parameter]] = {
             info.name: (info, param) for info, param in self.module.global_parameters()}
         with torch.no_grad():
@@ -137,7 +148,8 @@ class RankEngine:
                     shard_init(spec, info.name, info.shape, seed, info.shard_dim,
                                *info.bounds(self.tp.size, self.tp.rank), out=param)
         self.module.to(device)
-        self.optimizer = make_optimizer(((n, p) for n, (_, p) in self.params.items()), optim)
+        self.optimizer = make_optimizer(((n, p) for n, (_, p) in self.params.items()), optim,
+                                        path=str(self.options.optimizer))
         self.sync = GradSync(self.params, groups, overlap=self.options.overlap_dp,
                              hierarchical=self.options.hierarchical_dp, num_micro=self.pipe.num_micro_batches)
         self.slow = Slowdown(slowdown, comm_clock=lambda: self.tp.comm_seconds[0])
@@ -147,9 +159,30 @@ class RankEngine:
                                      transfer_dtype=self.amp_dtype or torch.float32, phases=self.phases)
         self.step = 0
         self._specs = plan_shard_specs(plan, rank)
+        self.compile_seconds: float | None = None
         # A first collective with every rank on the world group, so later batched P2P on it may involve only a
         # subset of ranks (a requirement of NCCL's batch_isend_irecv).
         dist.all_reduce(torch.zeros(1, device=device), group=groups.world_group)
+        if self.options.compile:
+            self._compile(compile_backend)
+
+    def _compile(self, backend: CompileBackend) -> None:
+        """Compile the stage and warm it up on dummy inputs (collective over the world group: every rank runs
+        compiled, or, when one failed, every rank eager, with one warning line from the highest failing rank)."""
+        start = time.perf_counter()
+        compile_stage(self.module, backend)
+        _, error = warm_up(self.module, self.pipe.micro_batch_size, self.plan.inputs.train.seq_len, self.device,
+                           self._autocast)
+        failed = torch.tensor([float(self.rank + 1 if error else 0)], device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.groups.world_group)
+        worst = int(failed.item()) - 1
+        if worst >= 0:
+            eager_stage(self.module)
+            self.options = replace(self.options, compile=False)
+            if worst == self.rank:
+                LOG.warning("flashflex: rank %d: torch.compile failed (%s); every rank runs eager", self.rank, error)
+            return
+        self.compile_seconds = time.perf_counter() - start
 
     def _autocast(self) -> AbstractContextManager[object]:
         if self.amp_dtype is None:
@@ -193,7 +226,7 @@ class RankEngine:
         self.sync.finish()  # overlap_dp: wait for this rank's buckets; else the blocking reduction
         t2 = timer.mark()
         self.phases.enter("optimizer")
-        grad_norm = self.sync.clip(self.optim.grad_clip)
+        grad_norm = self.sync.clip(self.optim.grad_clip)  # a device scalar: read with the loss, at the end
         self.optimizer.step()
         t3 = timer.mark()
         if not (self.last and self.tp.rank == 0):
@@ -211,7 +244,8 @@ class RankEngine:
             timings["tp_comm"] = self.tp.comm_seconds[0]
             timings["dp_total"] = self.sync.busy_s  # seconds the DP collectives ran, hidden or not
             timings["dp_across"] = self.sync.across_s  # of which hierarchical reductions' cross-node step
-        return StepResult(loss=float(loss_sum.item()) / global_tokens, grad_norm=grad_norm, lr=lr, timings=timings,
+        loss, norm = torch.stack([loss_sum, grad_norm]).tolist()  # the step's one read of device values
+        return StepResult(loss=loss / global_tokens, grad_norm=norm, lr=lr, timings=timings,
                           ops=tuple(times.ops or ()))
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
@@ -234,11 +268,11 @@ class RankEngine:
             for name, (info, param) in self.params.items():
                 param.copy_(self._shard(info, get_full(name)))
                 if step > 0:
-                    self.optimizer.state[param] = {
-                        m: self._shard(info, get_full(f"{name}.{m}")).clone() for m in MOMENTS}
+                    restore_moments(self.optimizer, param, step,
+                                    *(self._shard(info, get_full(f"{name}.{m}")).clone() for m in MOMENTS))
                 else:
-                    self.optimizer.state.pop(param, None)
-        self.step = self.optimizer.steps = step
+                    restore_moments(self.optimizer, param, 0)
+        self.step = step
 
     def _shard(self, info: ParamInfo, full: torch.Tensor) -> torch.Tensor:
         if tuple(full.shape) != info.shape:
@@ -303,8 +337,5 @@ class RankEngine:
             fill(targets)
         steps = int(step.item())
         for name, (_, param) in self.params.items():
-            if steps > 0:
-                self.optimizer.state[param] = moments[name]
-            else:
-                self.optimizer.state.pop(param, None)
-        self.step = self.optimizer.steps = steps
+            restore_moments(self.optimizer, param, steps, moments[name]["exp_avg"], moments[name]["exp_avg_sq"])
+        self.step = steps

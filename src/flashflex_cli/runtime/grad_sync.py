@@ -24,7 +24,6 @@ The gradient norm counts every finest slice once (on its `owner` rank) and is su
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -220,23 +219,25 @@ class GradSync:
 
     # --- norm and clipping ---------------------------------------------------------------------------------
 
-    def global_norm(self) -> float:
-        """L2 norm of the full gradient over unique parameters (collective over the world group)."""
+    def global_norm(self) -> torch.Tensor:
+        """L2 norm of the full gradient over unique parameters, an fp64 scalar on the device (collective over
+        the world group; nothing waits for the device)."""
         device = next(iter(self.params.values()))[1].device
         total = torch.zeros(1, dtype=torch.float64, device=device)
         for sl in self.owned:
             total += torch.linalg.vector_norm(self._view(sl)).double() ** 2  # fp32 norm, no fp64 copy
         dist.all_reduce(total, group=self.groups.world_group)
-        return math.sqrt(float(total.item()))
+        return total.sqrt().squeeze(0)
 
-    def clip(self, max_norm: float) -> float:
+    def clip(self, max_norm: float) -> torch.Tensor:
         """Scale every local gradient by min(1, max_norm / (norm + 1e-6)) as torch's clip_grad_norm_ does;
-        returns the norm before clipping. `max_norm` 0 disables clipping (the norm is still computed)."""
+        returns the norm before clipping (an fp64 device scalar, read by the caller when the step is done).
+        `max_norm` 0 disables clipping (the norm is still computed). The factor stays on the device: the
+        gradients are multiplied by it, 1 where no clipping is needed, without a host round trip."""
         norm = self.global_norm()
         if max_norm > 0:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for _, param in self.params.values():
-                    assert param.grad is not None
-                    param.grad.mul_(coef)
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0).float()
+            grads = [param.grad for _, param in self.params.values()]
+            assert all(grad is not None for grad in grads)
+            torch._foreach_mul_(grads, coef)
         return norm

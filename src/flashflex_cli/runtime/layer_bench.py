@@ -8,6 +8,12 @@ backward) of three parts, each a `StageModule` of runtime/model.py:
 - embedding: the vocabulary-parallel embedding, int64 tokens [b, s] -> [b, s, hidden];
 - head: final RMSNorm + output projection + summed cross-entropy, [b, s, hidden] and targets [b, s] -> scalar.
 
+The parts run on the runtime's paths (`BenchConfig.runtime`, resolved for the device as a run resolves them): the
+chunked loss in the head, and with compile (default on CUDA) each part's layer, norm and loss compiled as in a
+run (runtime/compiled.py), warmed up once on the first micro-batch size before anything is timed (a compile
+failure anywhere in the group: every part eager, one warning line); each later micro-batch size compiles in its
+first untimed warm-up run (at least one when compiled).
+
 Every TP degree runs in `tp` freshly spawned processes (gloo on CPU, each pinned to one core with
 `pin_emulated_device`; NCCL on GPU, one GPU each), so the times include the part's real TP collectives.
 Each process builds the three parts once, then for each micro-batch size: `warmup` untimed forward+backward
@@ -36,7 +42,7 @@ import queue as queue_module
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -45,9 +51,11 @@ import torch.distributed as dist
 from ..errors import InputError, RuntimeFailure
 from ..layers.schema import LayerProfile, ModelShape, PartCost, ProfileEntry
 from ..model.spec import ModelSpec
-from .attention import EAGER, FLASH, SDPA, flash_attn_available
+from .attention import EAGER, FLASH, LOG, SDPA, flash_attn_available
+from .compiled import compile_stage, eager_stage, warm_up
 from .cpu_share import pin_emulated_device, usable_cores
 from .model import StageModule
+from .options import RuntimeOptions
 from .precision import autocast
 from .slowdown import runqueue_seconds
 from .tensor_parallel import TPContext
@@ -61,8 +69,9 @@ INIT_STD = 0.02
 @dataclass(frozen=True)
 class BenchConfig:
     """What to measure: model shape, sequence length (tokens), micro-batch sizes (sequences), dtype, attention
-    ("flash", "sdpa", "eager"), layer recompute, timed repeats and untimed warm-up runs per part, and the
-    timeout (seconds) of the TP process group's collectives."""
+    ("flash", "sdpa", "eager"), layer recompute, timed repeats and untimed warm-up runs per part, the
+    timeout (seconds) of the TP process group's collectives, and the runtime's paths (compile, chunked loss;
+    resolved for the device)."""
 
     spec: ModelSpec
     seq_len: int
@@ -73,6 +82,7 @@ class BenchConfig:
     repeats: int = 5
     warmup: int = 2
     timeout_s: float = 600.0
+    runtime: RuntimeOptions = RuntimeOptions()
 
 
 @dataclass(frozen=True)
@@ -181,15 +191,42 @@ def _init_weights(module: StageModule, seed: int) -> None:
 
 
 def _build_parts(config: BenchConfig, tp: TPContext, device: torch.device) -> dict[str, StageModule]:
-    """The three parts as StageModules on `device`: one layer, the embedding alone, the head alone."""
+    """The three parts as StageModules on `device`: one layer, the embedding alone, the head alone (compiled
+    when the resolved runtime paths compile; `_compile_parts` warms them up)."""
     backend = BACKENDS[config.attention]
+    paths = config.runtime.resolved(device.type == "cuda")
     layouts = {"layer": ((0, 1), False, False), "embedding": ((0, 0), True, False), "head": ((0, 0), False, True)}
     parts: dict[str, StageModule] = {}
     for name, (layers, first, last) in layouts.items():
-        module = StageModule(config.spec, layers, first, last, tp, backend, recompute=config.recompute)
+        module = StageModule(config.spec, layers, first, last, tp, backend, recompute=config.recompute,
+                             chunked_loss=paths.chunked_loss)
         _init_weights(module, seed=1000 * tp.rank + len(parts))
         parts[name] = module.to(device)
+        if paths.compile:
+            compile_stage(parts[name])
     return parts
+
+
+def _compile_parts(parts: dict[str, StageModule], config: BenchConfig, tp: TPContext,
+                   device: torch.device) -> bool:
+    """Warm the compiled parts up at the first micro-batch size (collectives muted); when compiling failed on
+    any rank of the group every part runs eager, with one warning line. True when the parts stay compiled."""
+    errors = []
+    for module in parts.values():
+        _, error = warm_up(module, config.micro_batches[0], config.seq_len, device,
+                           lambda: autocast(device, config.dtype))
+        if error:
+            errors.append(error)
+    failed = torch.tensor([float(tp.rank + 1 if errors else 0)], device=device)
+    tp.all_reduce(failed, op=dist.ReduceOp.MAX)
+    worst = int(failed.item()) - 1  # the highest failing rank reports
+    if worst < 0:
+        return True
+    for module in parts.values():
+        eager_stage(module)
+    if worst == tp.rank:
+        LOG.warning("flashflex: rank %d: torch.compile failed (%s); measuring eager", tp.rank, errors[0])
+    return False
 
 
 def _inputs(part: str, spec: ModelSpec, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -381,6 +418,8 @@ def _measure_rank(rank: int, tp_size: int, config: BenchConfig, device: torch.de
     """Build the parts and measure every micro-batch size; rank 0 puts the group's results."""
     tp = TPContext(dist.group.WORLD if tp_size > 1 else None, tp_size, rank)
     parts = _build_parts(config, tp, device)
+    if config.runtime.resolved(device.type == "cuda").compile and _compile_parts(parts, config, tp, device):
+        config = replace(config, warmup=max(1, config.warmup))  # each new shape compiles in its first run
     for b in config.micro_batches:
         result = _measure_entry(parts, config, b, tp, device)
         if rank == 0:

@@ -191,13 +191,16 @@ class MetricsLog:
             self._live.update(self._task, completed=step + 1, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
         return row
 
-    def summary(self, predicted_step_s: float | None) -> dict[str, Any]:
+    def summary(self, predicted_step_s: float | None, compile_s: float | None = None) -> dict[str, Any]:
         """Measured median step time (first step, the warm-up, left out when there are more) against the plan's
-        predicted one; printed and returned."""
+        predicted one, and the seconds the compile warm-up took before step 0 (`compile_s`, None when nothing
+        was compiled; never part of a step's time); printed and returned."""
         self._stop_live()
         times = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
         measured = statistics.median(times) if times else None
         out: dict[str, Any] = {"measured_step_s": measured, "predicted_step_s": predicted_step_s}
+        if compile_s is not None:
+            out["compile_s"] = compile_s
         if measured is not None and not self.quiet:
             line = f"measured iteration time {1e3 * measured:.1f} ms (median of {len(times)} steps)"
             if predicted_step_s:
@@ -206,6 +209,8 @@ class MetricsLog:
                          f"{measured / predicted_step_s:.2f}")
             else:
                 line += ", the plan carries no prediction"
+            if compile_s is not None:
+                line += f"; compile warm-up {compile_s:.1f} s before step 0"
             self.console.print(line)
         if not self.quiet:
             self.console.print(f"metrics: {self.path}")

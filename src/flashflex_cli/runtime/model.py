@@ -18,6 +18,7 @@ optimizer step (runtime/groups.py lists both stages as holders), so the copies s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..model.spec import ModelSpec, RopeScaling
+from ..semantics.runtime_paths import loss_chunk_tokens
 from .attention import SDPA, attention_fn
+from .chunked_loss import EAGER_KERNELS, LossKernels, chunked_head_loss
 from .tensor_parallel import (
     TPContext,
     copy_to_tp,
@@ -215,6 +218,17 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+@dataclass(frozen=True)
+class StageRunners:
+    """What a stage's forward calls: each decoder layer (the module, or its compiled form), the final norm (last
+    stage only) and the chunked loss's per-chunk functions. A plain object, so nn.Module registers nothing of it
+    and parameter names stay those of the modules."""
+
+    layers: tuple[Callable[..., torch.Tensor], ...]
+    norm: Callable[[torch.Tensor], torch.Tensor] | None
+    loss: LossKernels
+
+
 class StageModule(nn.Module):
     """Layers [start, stop) of the model on one TP rank; the first stage embeds, the last one norms, projects to
     the vocabulary (with "head", or with its "embed" shard when embeddings are tied) and returns the summed
@@ -224,15 +238,20 @@ class StageModule(nn.Module):
     [b, s, hidden] (replicated over the TP group), or on the last stage the fp32 scalar SUM of per-token
     cross-entropy over the b*s targets (int64 [b, s]).
 
+    `chunked_loss`: the projection and loss in chunks of `loss_chunk_tokens` tokens (runtime/chunked_loss.py,
+    no [b*s, vocab] fp32 logits); False: the whole logits tensor, upcast to fp32 for the loss.
     `capture_logits`: None, or a list to which the last stage appends each forward's detached logits shard
-    [b, s, vocab / tp] (vocabulary rows [vocab_start, +vocab / tp)); for equivalence tests.
+    [b, s, vocab / tp] (vocabulary rows [vocab_start, +vocab / tp)) in the compute dtype; for equivalence tests.
+
+    What runs is `runners` (`StageRunners`): each layer, the final norm and the chunked loss's per-chunk
+    functions, as they are or compiled (runtime/compiled.py); compiling never renames a parameter.
     """
 
     def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, tp: TPContext,
-                 backend: str = SDPA, recompute: bool = False) -> None:
+                 backend: str = SDPA, recompute: bool = False, chunked_loss: bool = False) -> None:
         super().__init__()
         self.spec, self.layer_range, self.first, self.last, self.tp = spec, layers, first, last, tp
-        self.recompute = recompute
+        self.recompute, self.chunked_loss = recompute, chunked_loss
         self.infos = stage_params(spec, layers, first, last)
         vocab_start, vocab_stop = shard_bounds(spec.vocab_size, tp.size, tp.rank)
         self.vocab_start = vocab_start
@@ -245,6 +264,8 @@ class StageModule(nn.Module):
                 self.head = nn.Parameter(torch.empty(vocab_stop - vocab_start, spec.hidden_size))
         self._rope: dict[tuple[int, str], tuple[torch.Tensor, ...]] = {}
         self.capture_logits: list[torch.Tensor] | None = None
+        self.loss_chunk_tokens = loss_chunk_tokens(vocab_stop - vocab_start)
+        self.runners = StageRunners(tuple(self.layers), self.norm if last else None, EAGER_KERNELS)
 
     def global_parameters(self) -> list[tuple[ParamInfo, nn.Parameter]]:
         """(global info, local shard parameter) pairs in the order of `stage_params`."""
@@ -272,16 +293,24 @@ class StageModule(nn.Module):
         if self.first:
             x = vocab_parallel_embedding(x, self.embed, self.vocab_start, self.tp)
         cos, sin = self._tables(x.shape[1], x.device)
-        for layer in self.layers:
+        for layer in self.runners.layers:
             if self.recompute and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
             else:
                 x = layer(x, cos, sin)
         if not self.last:
             return x
-        assert targets is not None, "the last stage needs targets"
-        h = copy_to_tp(self.norm(x), self.tp)
-        logits = F.linear(h, self.embed if self.spec.tie_embeddings else self.head)
+        assert targets is not None and self.runners.norm is not None, "the last stage needs targets"
+        h = copy_to_tp(self.runners.norm(x), self.tp)
+        weight = self.embed if self.spec.tie_embeddings else self.head
+        if self.chunked_loss:
+            chunks: list[torch.Tensor] | None = [] if self.capture_logits is not None else None
+            loss = chunked_head_loss(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), self.vocab_start,
+                                     self.tp, self.loss_chunk_tokens, self.runners.loss, chunks)
+            if self.capture_logits is not None and chunks is not None:
+                self.capture_logits.append(torch.cat(chunks).view(*h.shape[:-1], weight.shape[0]))
+            return loss
+        logits = F.linear(h, weight)
         if self.capture_logits is not None:
             self.capture_logits.append(logits.detach().clone())
         losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),

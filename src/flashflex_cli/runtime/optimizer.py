@@ -1,8 +1,11 @@
-"""AdamW (Loshchilov & Hutter 2019) with fp32 master weights and a warm-up + cosine learning-rate schedule.
+"""AdamW (Loshchilov & Hutter 2019, torch.optim.AdamW) with fp32 master weights and a warm-up + cosine
+learning-rate schedule.
 
-Parameters are kept in fp32 (the master weights); on GPU the compute runs under bf16 autocast, so no separate
-low-precision copy exists. Weight decay applies to matrices (2-D and more: projections, embedding, head), not
-to norm weights.
+Parameters are kept in fp32 (the master weights); the compute runs under autocast in the plan's 16-bit dtype,
+so no separate low-precision copy exists. Weight decay applies to matrices (2-D and more: projections,
+embedding, head), not to norm weights. The update is torch's own (fused kernel or multi-tensor kernels,
+`RuntimeOptions.optimizer`); this module only groups the parameters, schedules the learning rate and restores
+a checkpoint's moments.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -53,70 +55,45 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-class AdamW:
-    """AdamW over fp32 parameters, the update of torch.optim.AdamW (decoupled weight decay, bias correction)
-    without importing torch.optim (whose import pulls in torch._dynamo, seconds per process).
+def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig,
+                   path: str = "foreach") -> torch.optim.AdamW:
+    """torch.optim.AdamW over fp32 parameters: decay on matrices (2-D and more), none on norm weights (1-D).
 
-    `param_groups`: [{"params": [...], "weight_decay": float, "lr": float}]; `state[param]`: {"exp_avg",
-    "exp_avg_sq"} fp32 tensors like the parameter, created at the first step; `steps`: steps taken.
-    """
-
-    def __init__(self, groups: list[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float) -> None:
-        self.param_groups = [{**g, "lr": lr} for g in groups]
-        self.betas, self.eps = betas, eps
-        self.state: dict[torch.nn.Parameter, dict[str, torch.Tensor]] = {}
-        self.steps = 0
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop (or zero) every gradient."""
-        for group in self.param_groups:
-            for param in group["params"]:
-                if set_to_none:
-                    param.grad = None
-                elif param.grad is not None:
-                    param.grad.zero_()
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """One update of every parameter that has a gradient."""
-        self.steps += 1
-        beta1, beta2 = self.betas
-        bias1 = 1.0 - beta1 ** self.steps
-        bias2_sqrt = math.sqrt(1.0 - beta2 ** self.steps)
-        for group in self.param_groups:
-            lr, decay = group["lr"], group["weight_decay"]
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            for param in params:
-                if param not in self.state:
-                    self.state[param] = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
-            grads = [p.grad for p in params]
-            exp_avg = [self.state[p]["exp_avg"] for p in params]
-            exp_avg_sq = [self.state[p]["exp_avg_sq"] for p in params]
-            # Multi-tensor (foreach) kernels: the element-wise math of torch.optim.AdamW, few kernel launches.
-            if decay:
-                torch._foreach_mul_(params, 1.0 - lr * decay)
-            torch._foreach_lerp_(exp_avg, grads, 1.0 - beta1)
-            torch._foreach_mul_(exp_avg_sq, beta2)
-            torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1.0 - beta2)
-            denom = torch._foreach_sqrt(exp_avg_sq)
-            torch._foreach_div_(denom, bias2_sqrt)
-            torch._foreach_add_(denom, self.eps)
-            torch._foreach_addcdiv_(params, exp_avg, denom, value=-lr / bias1)
-
-
-def make_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: OptimConfig) -> AdamW:
-    """AdamW over fp32 parameters: decay on matrices, none on norm weights (1-D)."""
+    `path` "fused": one fused kernel for the whole update (CUDA and CPU); "foreach": torch's multi-tensor
+    kernels (several passes, temporaries as large as the parameters). Both compute the same update.
+    Per-parameter state: "step" (a 0-d float32 tensor, on the parameter's device when fused, on the CPU
+    otherwise), "exp_avg", "exp_avg_sq" (fp32, like the parameter), created at the first step."""
+    if path not in ("fused", "foreach"):
+        raise ValueError(f"optimizer path must be fused or foreach, got {path!r}")
     decay, no_decay = [], []
     for _, param in named_params:
         (decay if param.dim() >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return AdamW(groups, lr=lr_at(0, cfg), betas=cfg.betas, eps=cfg.eps)
+    return torch.optim.AdamW(groups, lr=lr_at(0, cfg), betas=cfg.betas, eps=cfg.eps,
+                             fused=path == "fused", foreach=path == "foreach")
 
 
-def set_lr(optimizer: AdamW | torch.optim.Optimizer, lr: float) -> None:
+def restore_moments(optimizer: torch.optim.AdamW, param: torch.nn.Parameter, steps: int,
+                    exp_avg: torch.Tensor | None = None, exp_avg_sq: torch.Tensor | None = None) -> None:
+    """Give `param` the AdamW state of a run that took `steps` optimizer steps (a checkpoint's moments, which
+    become the state itself: no copy); with `steps` 0 the parameter starts fresh (no state)."""
+    if steps <= 0:
+        optimizer.state.pop(param, None)
+        return
+    if exp_avg is None or exp_avg_sq is None:
+        raise ValueError(f"restoring step {steps} needs both AdamW moments")
+    # the "step" tensor torch.optim.AdamW itself creates: float32 on the parameter's device when fused, else a
+    # CPU scalar (float64 only under a float64 default dtype)
+    if optimizer.defaults.get("fused"):
+        step = torch.tensor(float(steps), dtype=torch.float32, device=param.device)
+    else:
+        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        step = torch.tensor(float(steps), dtype=dtype)
+    optimizer.state[param] = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Set the learning rate of every parameter group."""
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -42,7 +42,7 @@ def reference_train(spec: ModelSpec, batches: list[torch.Tensor], optim: OptimCo
     """
     module = build_reference(spec, seed)
     named = [(info.name, p) for info, p in module.global_parameters()]
-    # torch's own AdamW (an independent check of runtime/optimizer.py), same decay grouping.
+    # torch's single-tensor AdamW (the runtime runs its fused or foreach kernels), same decay grouping.
     optimizer = torch.optim.AdamW(
         [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": optim.weight_decay},
          {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}],

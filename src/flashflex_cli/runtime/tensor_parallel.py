@@ -14,6 +14,7 @@ Autograd operators (identity when the group has one rank):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,29 +25,6 @@ import torch.nn.functional as F
 def shard_bounds(n: int, tp: int, tp_rank: int) -> tuple[int, int]:
     """Rows [start, stop) of an n-long dimension held by `tp_rank` of `tp` (floor split, nested across degrees)."""
     return n * tp_rank // tp, n * (tp_rank + 1) // tp
-
-
-@dataclass
-class TPContext:
-    """This rank's tensor-parallel group: the group (None when size 1), its size, this rank's index in it.
-
-    `comm_seconds` accumulates wall time spent in TP collectives (seconds; meaningful on CPU only, where
-    collectives are synchronous).
-    """
-
-    group: dist.ProcessGroup | None
-    size: int = 1
-    rank: int = 0
-    comm_seconds: list[float] = field(default_factory=lambda: [0.0])
-
-    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-        """All-reduce `x` in place over the group (no-op for size 1); returns `x`."""
-        if self.size > 1:
-            start = time.perf_counter()
-            dist.all_reduce(x, op=op, group=self.group)
-            self.comm_seconds[0] += time.perf_counter() - start
-        return x
-
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -70,14 +48,60 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+def _copy_apply(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    return _CopyToTP.apply(x, tp)
+
+
+def _reduce_apply(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    return _ReduceFromTP.apply(x, tp)
+
+
+@dataclass
+class TPContext:
+    """This rank's tensor-parallel group: the group (None when size 1), its size, this rank's index in it.
+
+    `comm_seconds` accumulates wall time spent in TP collectives (seconds; meaningful on CPU only, where
+    collectives are synchronous). `muted`: collectives do nothing (a compile warm-up on dummy inputs, whose
+    values do not matter, so a rank whose compilation fails cannot leave its group inside a collective).
+    `copy_fn` / `reduce_fn`: how `copy_to_tp` / `reduce_from_tp` apply their collective for size > 1
+    (`keep_collectives_eager` makes torch.compile run them outside its graphs).
+    """
+
+    group: dist.ProcessGroup | None
+    size: int = 1
+    rank: int = 0
+    comm_seconds: list[float] = field(default_factory=lambda: [0.0])
+    muted: bool = False
+    copy_fn: Callable[[torch.Tensor, TPContext], torch.Tensor] = field(default=_copy_apply, repr=False,
+                                                                        compare=False)
+    reduce_fn: Callable[[torch.Tensor, TPContext], torch.Tensor] = field(default=_reduce_apply, repr=False,
+                                                                          compare=False)
+
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """All-reduce `x` in place over the group (no-op for size 1 or when muted); returns `x`."""
+        if self.size > 1 and not self.muted:
+            start = time.perf_counter()
+            dist.all_reduce(x, op=op, group=self.group)
+            self.comm_seconds[0] += time.perf_counter() - start
+        return x
+
+    def keep_collectives_eager(self) -> None:
+        """Make torch.compile break its graph at each TP collective and run it as plain Python (its timing and
+        the process group's own call), instead of tracing into it."""
+        import torch.compiler
+
+        self.copy_fn = torch.compiler.disable(_copy_apply)
+        self.reduce_fn = torch.compiler.disable(_reduce_apply)
+
+
 def copy_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """Identity forward; all-reduce of the gradient backward (a replicated input feeding sharded compute)."""
-    return x if tp.size == 1 else _CopyToTP.apply(x, tp)
+    return x if tp.size == 1 else tp.copy_fn(x, tp)
 
 
 def reduce_from_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """All-reduce (sum) of partial results forward; identity backward."""
-    return x if tp.size == 1 else _ReduceFromTP.apply(x, tp)
+    return x if tp.size == 1 else tp.reduce_fn(x, tp)
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, tp: TPContext, copy_input: bool = True) -> torch.Tensor:

@@ -34,6 +34,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
+from ..semantics.runtime_paths import OPTIMIZER_PATHS
 from . import heartbeat, oom
 from .cpu_share import pin_emulated_device, usable_cores
 
@@ -71,8 +72,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plan-node", dest="node", help="plan node run by this host (default: all)")
     for name, what in (("lean-p2p", "stage-boundary sends in fp32 from every TP rank"),
                        ("overlap-dp", "one blocking gradient reduction after the whole backward"),
-                       ("hierarchical-dp", "one flat reduction ring over all holders")):
+                       ("hierarchical-dp", "one flat reduction ring over all holders"),
+                       ("chunked-loss", "the whole logits tensor, upcast to fp32 for the loss")):
         parser.add_argument(f"--no-{name}", action="store_true", help=f"comparison only: {what}")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile each layer, the final norm and the loss (default: on CUDA devices)")
+    parser.add_argument("--optimizer", choices=OPTIMIZER_PATHS, default="auto",
+                        help="AdamW kernels: fused, foreach (auto: fused on CUDA, foreach on CPU)")
     return parser.parse_args(argv)
 
 
@@ -236,8 +242,14 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
     engine = RankEngine(plan, rank, groups, device, optim, seed=args.seed, slowdown=device_info.slowdown,
                         initial=initial, options=RuntimeOptions(lean_p2p=not args.no_lean_p2p,
                                                                 overlap_dp=not args.no_overlap_dp,
-                                                                hierarchical_dp=not args.no_hierarchical_dp),
+                                                                hierarchical_dp=not args.no_hierarchical_dp,
+                                                                compile=args.compile,
+                                                                chunked_loss=not args.no_chunked_loss,
+                                                                optimizer=args.optimizer),
                         phases=phases)
+    if rank == 0 and engine.compile_seconds is not None:
+        print(f"flashflex: compiled in {engine.compile_seconds:.1f} s (warm-up before step 0, in no step's time)",
+              file=sys.stderr, flush=True)
     source = open_source(args.data, model.vocab_size, train.global_batch, train.seq_len, seed=args.seed)
     shards = ckpt.shards_for(engine.state_for_checkpoint(), engine.shard_specs(), rank)
     manifest = {"model": model.model_dump(mode="json"), "train": train.model_dump(mode="json"),
@@ -265,8 +277,10 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
         atomic_write_text(os.path.join(args.out, "cluster.json"), cluster.to_json())
         # which runtime paths ran (the launch switches, resolved for the device): the cost model charges the
         # run by them (semantics/runtime_paths.py)
-        atomic_write_text(os.path.join(args.out, "runtime.json"),
-                          json.dumps(engine.options.to_record(train.dtype), indent=2, sort_keys=True) + "\n")
+        record = engine.options.to_record(train.dtype)
+        if engine.compile_seconds is not None:
+            record["compile_warmup_s"] = round(engine.compile_seconds, 3)
+        atomic_write_text(os.path.join(args.out, "runtime.json"), json.dumps(record, indent=2, sort_keys=True) + "\n")
     timeline: list[dict] = []
     flag = torch.zeros(1, device=device)  # NCCL reduces only device tensors
     step = start
@@ -308,7 +322,7 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
     if log is not None:
         if timeline:
             write_timeline(args.out, timeline)
-        log.summary(predicted_step_seconds(plan.predicted))
+        log.summary(predicted_step_seconds(plan.predicted), compile_s=engine.compile_seconds)
         log.close()
     dist.barrier()
     heartbeat.mark_done()

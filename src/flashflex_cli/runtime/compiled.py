@@ -1,0 +1,121 @@
+"""torch.compile for a pipeline stage, per block (RuntimeOptions.compile; on by default on CUDA devices).
+
+What is compiled (`compile_stage`), each as its own torch.compile'd callable in `StageModule.runners`, the
+modules themselves untouched (parameter names, checkpoints and hooks unchanged):
+- each decoder layer, with static shapes. Every layer of a stage is the same code over other parameters, and
+  torch.compile lifts a module's parameters into graph inputs, so all layers share one compiled graph (one for
+  the forward, one for the backward): compile time does not grow with depth, and stages holding any layer
+  range compile the same block (torchtitan compiles Llama per block for the same reason). At TP 1 a layer is one
+  graph, the norms, rotary embedding, SwiGLU and residual adds fused around the matrix products. At TP > 1 the
+  layer's collectives (`copy_to_tp`, `reduce_from_tp`) are kept out of the graph (`TPContext.
+  keep_collectives_eager`): each is a graph break, so a layer runs as the compiled pieces between its
+  all-reduces (still shared by all layers); tracing a gloo or NCCL all-reduce into the graph would need
+  functional collectives and would lose the collectives' timing.
+- the last stage's final RMSNorm, and the chunked loss's per-chunk functions (runtime/chunked_loss.py, which
+  says how they split around the vocabulary-parallel all-reduces). The unchunked loss (`chunked_loss` off)
+  stays eager: it is kept as the recorded runs' path, for comparison.
+- not the embedding: a lookup (plus, at TP > 1, a masked lookup and an all-reduce) has nothing to fuse.
+
+`warm_up` runs the compiled stage once on dummy inputs of the real shapes (forward and backward, under the run's
+autocast, recompute as configured), with the TP collectives muted, so the compilation happens before step 0 and
+outside every step's time; gradients are dropped. A compilation error comes back as text; the caller agrees
+with the other ranks and falls back to eager (`eager_stage`) with one warning line.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+
+from .chunked_loss import EAGER_KERNELS, compile_kernels
+from .model import StageModule, StageRunners
+
+CompileBackend = str | Callable[..., Any]
+
+
+def compile_stage(module: StageModule, backend: CompileBackend = "inductor") -> None:
+    """Run `module`'s layers, final norm and chunked loss compiled (module docstring). The compilation itself
+    happens at the first call (`warm_up`)."""
+    if module.tp.size > 1:
+        module.tp.keep_collectives_eager()
+
+    def compiled(part: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return torch.compile(part, backend=backend, dynamic=False)
+
+    norm = module.runners.norm
+    module.runners = StageRunners(layers=tuple(compiled(layer) for layer in module.layers),
+                                  norm=compiled(norm) if norm is not None else None,
+                                  loss=compile_kernels(backend) if module.last else EAGER_KERNELS)
+
+
+def eager_stage(module: StageModule) -> None:
+    """Run `module` uncompiled again (what `StageModule` builds)."""
+    module.runners = StageRunners(tuple(module.layers), module.norm if module.last else None, EAGER_KERNELS)
+
+
+def is_compiled(module: StageModule) -> bool:
+    """True when the stage runs compiled parts."""
+    return any(layer is not base for layer, base in zip(module.runners.layers, module.layers, strict=True)) or \
+        module.runners.loss.compiled or (module.last and module.runners.norm is not module.norm)
+
+
+@contextmanager
+def _muted(module: StageModule) -> Iterator[None]:
+    module.tp.muted = True
+    try:
+        yield
+    finally:
+        module.tp.muted = False
+
+
+def dummy_inputs(module: StageModule, micro_batch: int, seq_len: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the stage's forward takes in training, with made-up values: tokens int64 [b, s] (first stage) or a
+    hidden state fp32 [b, s, hidden] that needs a gradient; targets int64 [b, s] on the last stage (else None)."""
+    shape = (micro_batch, seq_len)
+    if module.first:
+        x = torch.zeros(shape, dtype=torch.int64, device=device)
+    else:
+        x = torch.randn((*shape, module.spec.hidden_size), device=device).requires_grad_(True)
+    targets = torch.zeros(shape, dtype=torch.int64, device=device) if module.last else None
+    return x, targets
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line: the exception's type and first line, and those of the error it wraps (torch.compile's
+    BackendCompilerFailed wraps the compiler's own), e.g. "BackendCompilerFailed: RuntimeError: no compiler"."""
+    def line(e: BaseException) -> str:
+        text = str(e).strip().splitlines()
+        return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+    inner = getattr(exc, "inner_exception", None) or exc.__cause__
+    return f"{type(exc).__name__}: {line(inner)}" if isinstance(inner, BaseException) else line(exc)
+
+
+def warm_up(module: StageModule, micro_batch: int, seq_len: int, device: torch.device,
+            autocast: Callable[[], AbstractContextManager[object]]) -> tuple[float, str | None]:
+    """One forward and backward of the stage on dummy inputs of shape [micro_batch, seq_len], collectives muted,
+    gradients dropped: (seconds, None), or (seconds, "ErrorType: first line") when compiling failed. Out of
+    memory is raised, not reported: the run would not fit eager either."""
+    start = time.perf_counter()
+    error: str | None = None
+    x, targets = dummy_inputs(module, micro_batch, seq_len, device)
+    try:
+        with _muted(module):
+            with autocast():
+                out = module(x, targets)
+            out.backward(torch.ones_like(out))
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eager
+        error = describe_failure(exc)
+    finally:
+        for param in module.parameters():
+            param.grad = None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, error

@@ -59,6 +59,12 @@ class PartShape:
     attention: str
     on_cuda: bool
     chunked_loss: bool = False
+    loss_chunk: int | None = None  # tokens per chunk of the chunked loss (None: the runtime's rule)
+
+    @property
+    def chunk(self) -> int:
+        """Tokens per chunk of the chunked loss (semantics/runtime_paths.loss_chunk_tokens), at most N."""
+        return min(self.tokens, self.loss_chunk or loss_chunk_tokens(max(1, round(self.vocab))))
 
     @property
     def tokens(self) -> int:
@@ -191,58 +197,64 @@ def layer_backward_transient_bytes(p: PartShape, accumulating: bool = False) -> 
 
 
 def head_saved_bytes(p: PartShape) -> float:
-    """Bytes the last stage's head keeps per micro-batch: its input and norm terms, the cast input of the output
-    projection, the loss's saved tensors (the weight copy: `head_weight_copies`)."""
+    """Bytes the last stage's head keeps per micro-batch: its input and norm terms, and
+    - the whole-vocabulary loss: the cast input of the output projection (its weight copy:
+      `head_weight_copies`), the fp32 log-softmax (TP 1) or softmax (vocabulary-parallel) [N, V] and the int64
+      targets;
+    - the chunked loss (runtime/chunked_loss.py): the fp32 gradients it computed in the forward, of its input
+      [N, h] and of the projection's weight [V, h]."""
     n, h, c = p.tokens, p.h, p.c
     stream = n * (2 * h * FP32 + FP32)  # input, x*rsqrt; rsqrt
-    cast = n * h * (c if p.autocast else FP32)
-    targets = n * INT64
     if p.chunked_loss:
-        return stream + cast + targets + chunked_loss_saved_bytes(p)
+        return stream + n * h * FP32 + p.vocab * h * FP32
+    cast = n * h * (c if p.autocast else FP32)
     loss = n * p.vocab * FP32  # log-softmax (TP 1) or softmax (vocabulary-parallel)
     if p.tp > 1:
         loss += n * (INT64 + 1)  # local targets and their out-of-shard mask
-    return stream + cast + targets + loss
+    return stream + cast + n * INT64 + loss
 
 
 def head_weight_copies(p: PartShape) -> float:
-    """Autocast copy of the output projection on one device, kept per micro-batch in flight."""
-    return weight_copy_bytes(p, p.vocab * p.h)
+    """Autocast copy of the output projection on one device, kept per micro-batch in flight (the chunked loss
+    drops its copy when its forward ends: `head_forward_transient_bytes`)."""
+    return 0.0 if p.chunked_loss else weight_copy_bytes(p, p.vocab * p.h)
 
 
 def head_forward_transient_bytes(p: PartShape) -> float:
-    """Largest temporaries above the saved tensors in the head's forward: the logits in the compute dtype, their
-    fp32 copy (and, vocabulary-parallel, the shifted logits) beside the saved log-softmax or softmax."""
-    nv = p.tokens * p.vocab
-    # the fp32 normed input (alive until the head returns) and the per-token losses
-    normed = p.tokens * (p.h if p.autocast else 0) * FP32 + p.tokens * FP32
+    """Largest temporaries above the saved tensors in the head's forward.
+
+    Whole-vocabulary loss: the fp32 normed input (alive until the head returns; under autocast it is not saved),
+    the logits in the compute dtype and their fp32 copy (vocabulary-parallel also the shifted logits), the
+    per-token losses. Chunked loss: the fp32 normed input, the targets' copy, the weight's autocast copy, and one
+    chunk of n tokens at its largest: its cast input [n, h] beside two fp32 [n, V] while the sums of exponentials
+    are taken, or (under autocast) the softmax's gradient [n, V] beside its products with the weight [n, h]
+    and with the input [V, h] in the compute dtype."""
+    n, h, c = p.tokens, p.h, p.c
+    nv = n * p.vocab
     if p.chunked_loss:
-        return normed + chunked_loss_transient_bytes(p)
-    logits = nv * (p.c + FP32) if p.autocast else nv * FP32
+        k, v = p.chunk, p.vocab
+        if p.autocast:
+            chunk = max(k * h * c + 2 * k * v * FP32, c * (k * v + k * h + v * h))
+            return n * h * FP32 + n * INT64 + v * h * c + chunk
+        return n * h * FP32 + n * INT64 + 2 * k * v * FP32
+    normed = n * (h if p.autocast else 0) * FP32 + n * FP32
+    logits = nv * (c + FP32) if p.autocast else nv * FP32
     return normed + logits + (nv * FP32 if p.tp > 1 else 0.0)
 
 
-def head_backward_transient_bytes(p: PartShape) -> float:
-    """Largest temporaries above the saved tensors in the head's backward: first the fp32 [N, V] gradients of
-    the loss and of the (log-)softmax beside the saved one; then, those released, the logits' gradient in the
-    compute dtype beside the projection's weight gradient in fp32."""
+def head_backward_transient_bytes(p: PartShape, accumulating: bool = False) -> float:
+    """Largest temporaries above the saved tensors in the head's backward.
+
+    Whole-vocabulary loss: first the fp32 [N, V] gradients of the loss and of the (log-)softmax beside the saved
+    one; then, those released, the logits' gradient in the compute dtype beside the projection's weight
+    gradient in fp32. Chunked loss: its two gradients are returned as they are; the final norm's backward then
+    holds three fp32 [N, h] (less the weight gradient's [V, h] where it was added to an existing one and
+    freed)."""
     if p.chunked_loss:
-        return 0.0
+        norm = 3 * p.tokens * p.h * FP32
+        return max(0.0, norm - p.vocab * p.h * FP32) if accumulating else norm
     nv = p.tokens * p.vocab
     return max(2 * nv * FP32, nv * (p.c if p.autocast else FP32) + p.vocab * p.h * FP32)
-
-
-def chunked_loss_saved_bytes(p: PartShape) -> float:
-    """The chunked loss (runtime/loss.py) keeps from its forward to its backward the fp32 gradients it computed:
-    of its input [N, h] and of the projection's weight [V, h]."""
-    return p.tokens * p.h * FP32 + p.vocab * p.h * FP32
-
-
-def chunked_loss_transient_bytes(p: PartShape) -> float:
-    """Temporaries of one chunk of the chunked loss: its logits in the compute dtype, in fp32, their softmax
-    and its gradient in the compute dtype ([chunk, V] each)."""
-    chunk = min(p.tokens, loss_chunk_tokens(int(p.vocab)))
-    return chunk * p.vocab * (2 * p.c + 2 * FP32)
 
 
 def embedding_saved_bytes(p: PartShape) -> float:

@@ -138,10 +138,12 @@ def _micro_batch(p: A.PartShape, num_layers: int, first: bool, last: bool, recom
     layer_start = layer_again + A.layer_backward_transient_bytes(p)
     layer_accumulating = layer_again + A.layer_backward_transient_bytes(p, accumulating=True)
     if last:
-        head_start = A.head_backward_transient_bytes(p)
-        below = A.head_saved_bytes(p) if num_layers else float("inf")  # released before the layers' backward
-        start = max(head_start, layer_start - below)
-        accumulating = max(head_start, layer_accumulating - below)
+        # the head's saved tensors are released before the layers' backward starts; its weight's gradient stays
+        # when it is the first (it becomes the parameter's), and is added and freed otherwise
+        below = A.head_saved_bytes(p) if num_layers else float("inf")
+        head_grad = p.vocab * p.h * A.FP32
+        start = max(A.head_backward_transient_bytes(p), layer_start - below + head_grad)
+        accumulating = max(A.head_backward_transient_bytes(p, accumulating=True), layer_accumulating - below)
     else:
         start, accumulating = layer_start, layer_accumulating
     fwd_top = A.head_forward_transient_bytes(p) if last else A.layer_forward_transient_bytes(p)
@@ -173,7 +175,8 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     m = num_micro if num_micro is not None else in_flight + 1
     w = warmup if warmup is not None else in_flight - 1
     dtype = params.compute_dtype or compute_dtype(train.dtype)
-    p = A.PartShape(model, tp, mbs, train.seq_len, dtype, train.attention, on_cuda, chunked_loss=paths.chunked_loss)
+    p = A.PartShape(model, tp, mbs, train.seq_len, dtype, train.attention, on_cuda, chunked_loss=paths.chunked_loss,
+                    loss_chunk=params.loss_chunk_tokens)
     layer_params, extra_params = stage_params_per_device(model, tp, num_layers, first, last)
     n_params = layer_params + extra_params
     weights, grads, moments = 4.0 * n_params, 4.0 * n_params, params.optimizer_state_bytes * n_params

@@ -104,6 +104,8 @@ class CostParams:
         (`flashflex show --run`). Not settable from a cost-params file.
     compute_dtype: the dtype the matmuls ran in, where it differs from the plan's rule (runs recorded on CPU
         before the runtime honoured 16-bit plans there computed in fp32); None: the rule. Not settable from a file.
+    loss_chunk_tokens: tokens per chunk of the chunked loss where a run set them (tests); None: the runtime's rule
+        (semantics/runtime_paths.loss_chunk_tokens). Not settable from a file.
     master_weights: IGNORED: the runtime's fp32 parameters are its master weights (cost/memory.py); still
         accepted so older cost-parameter files load.
     optimizer_state_bytes: Adam's m and v in fp32 (8 bytes/param), as torch.optim.AdamW keeps them.
@@ -157,6 +159,7 @@ class CostParams:
     layer_profiles: tuple[LayerProfile, ...] = ()
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
     compute_dtype: str | None = None
+    loss_chunk_tokens: int | None = None
 
     def __hash__(self) -> int:
         cached = self.__dict__.get("_hash")
@@ -224,7 +227,7 @@ class CostParams:
 
 
 # fields a cost-params file cannot set: measured profiles, and what a run recorded (runs/, launch defaults)
-NOT_IN_FILES = ("layer_profiles", "runtime", "compute_dtype")
+NOT_IN_FILES = ("layer_profiles", "runtime", "compute_dtype", "loss_chunk_tokens")
 
 # The physical limit of each number a cost-parameter file may set (physical_limits.py gives each bound's reason).
 _LIMITS: dict[str, Limit] = {

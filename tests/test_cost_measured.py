@@ -95,10 +95,13 @@ def test_estimate_and_memory_follow_the_profile() -> None:
     assert est.profiles_used() == [prof.sha256()]
     first = est.stages[0]
     assert first.fwd_s == pytest.approx(2 * 0.016 + 1e-4)  # 2 layers + embedding at mbs 2
-    assert first.memory.reserve == 1.5e8  # the measured fixed bytes
-    assert first.memory.activations == pytest.approx(2 * 2 * 2e6)  # 2 in flight x 2 layers x 2e6 bytes
+    assert first.memory.fixed == 1.5e8  # the measured fixed bytes, allocated beside the model
+    held_send = 2 * 128 * MODEL.hidden_size * 4  # the first forward's fp32 send, waited for at the step's end
+    assert first.memory.activations == pytest.approx(2 * 2 * 2e6 + held_send)  # 2 in flight x 2 layers x 2e6 B
+    second = est.stages[1].memory  # the last stage: its input (a measured layer counts its output) and head
+    assert second.activations == pytest.approx((MODEL.num_layers - 2) * 2e6 + 2 * 5e6 + held_send)
     predicted = est.to_predicted()["stages"][0]
-    assert predicted["source"] == "measured" and set(predicted["memory"]) >= {"weights", "activations", "reserve"}
+    assert predicted["source"] == "measured" and set(predicted["memory"]) >= {"weights", "activations", "fixed"}
     assert {"tp_comm_s", "dp_exposed_s", "optimizer_s", "end_s"} <= set(predicted)
 
 
@@ -123,7 +126,8 @@ def test_eager_attention_keeps_the_score_matrix() -> None:
     args = (MODEL, 1, 1, False, False, 1, CostParams())
     sdpa = stage_memory(args[0], TRAIN, *args[1:])
     eager = stage_memory(args[0], TRAIN.model_copy(update={"attention": "eager"}), *args[1:])
-    scores = MODEL.num_heads * TRAIN.seq_len**2 * (4 + CostParams().eager_score_bytes)
+    # fp32: the probabilities (4 bytes each) instead of SDPA's log-sum-exp (4 bytes per head and token)
+    scores = MODEL.num_heads * TRAIN.seq_len**2 * 4 - MODEL.num_heads * TRAIN.seq_len * 4
     assert eager.activations - sdpa.activations == pytest.approx(scores)
 
 
@@ -209,6 +213,8 @@ def test_two_profiles_for_the_same_thing_are_refused(files: dict[str, Path], cap
 
 
 def test_stages_reduced_across_pipelines_hold_a_gradient_buffer() -> None:
+    """A stage with DP partners packs its gradients into flat fp32 copies while they are reduced: every
+    gradient and its copy beside the parameters and moments, a moment no stage without partners has."""
     c = build_cluster("1x3xcpu")
     p = plan(c, MODEL, TRAIN, [(4, [stage(["node0/0"], 0, MODEL.num_layers)]),
                                (4, [stage(["node0/1"], 0, 4), stage(["node0/2"], 4, MODEL.num_layers)])], mbs=1)
@@ -216,9 +222,10 @@ def test_stages_reduced_across_pipelines_hold_a_gradient_buffer() -> None:
                [(4, [stage(["node0/0"], 0, MODEL.num_layers)])], mbs=1)
     reduced = estimate(p, c).stages[0].memory
     alone = estimate(one, c).stages[0].memory
-    assert alone.dp_buffers == 0.0
-    assert reduced.dp_buffers == pytest.approx(CostParams().dp_buffer_factor * (reduced.grads + reduced.embedding_head_weights))
-    assert reduced.total == pytest.approx(alone.total + reduced.dp_buffers)
+    assert alone.dp_buffers == 0.0 and alone.phase != "data-parallel reduction"
+    assert reduced.phase == "data-parallel reduction"
+    assert reduced.dp_buffers == pytest.approx(CostParams().dp_buffer_factor * reduced.grads)
+    assert reduced.allocated == pytest.approx(reduced.weights + 2 * reduced.grads + reduced.optimizer)
 
 
 def test_profile_slowdown_marks_probed_cpu_devices_as_emulated(tmp_path: Path) -> None:

@@ -58,7 +58,7 @@ def test_memory_over_capacity_names_the_device_and_the_bytes() -> None:
     edited = Plan.model_validate(data)
     result = validate_plan(edited, build_cluster("1x4xA100-80G-SXM:nic=ib"))
     assert not result.ok
-    assert any("out of memory: pipelines.0.stages.0: needs" in e and "node0/0 has" in e for e in result.errors)
+    assert any("out of memory: pipelines.0.stages.0: needs" in e and "node0/0 allows" in e for e in result.errors)
 
 
 def test_devices_neither_used_nor_listed_are_reported() -> None:

@@ -131,7 +131,8 @@ def test_too_few_micro_batches_for_the_stages_memory_needs_is_infeasible() -> No
     cluster = build_cluster("8x1xRTX-4090:nic=eth")  # one GPU per node: no TP, so pipelines need many stages
     with pytest.raises(InfeasibleError, match=r"gives 2 micro-batches .* 1F1B needs a micro-batch per stage; "
                                               r"use a global batch of at least \d+"):
-        plan_layout(cluster, PRESETS["llama2-7b"], TrainConfig(global_batch=2, seq_len=1024), time_budget_s=30)
+        plan_layout(cluster, PRESETS["llama2-7b"], TrainConfig(global_batch=2, seq_len=1024, recompute=True),
+                    time_budget_s=30)
 
 
 def test_pipeline_counts_leave_each_pipeline_the_memory_for_the_model_state() -> None:

@@ -1,7 +1,8 @@
 """Validate the cost model against real runs: predicted vs measured iteration time and peak memory.
 
 Launches distinct plans for real on emulated CPU clusters (1-3 pipelines, 1-4 stages, TP 1 and 2,
-micro-batch sizes 1-4, unlike slowdowns), three of them and Holmes' setting across network-namespace hosts
+micro-batch sizes 1-4, unlike slowdowns; every device this machine's measured one, slowed), three of them and
+Holmes' setting across network-namespace hosts
 with one host's link shaped to 1 Gbit/s, and compares each run with two predictions of the same plan:
 - analytic: the cost model alone (cluster file + catalog/measured matmul rates);
 - calibrated: the cost model with the layer profile `flashflex profile --model` measured on this machine.
@@ -130,9 +131,20 @@ def measured(run_dir: Path) -> tuple[float, float]:
 
 # ---- clusters and plans ---------------------------------------------------------------------------
 def local_cluster(name: str, work: Path) -> Path:
-    """`flashflex profile --synthetic` of an emulated CPU cluster."""
+    """An emulated CPU cluster of this machine: its device as `flashflex profile` measured it (matmul rate, memory
+    bandwidth), once per core slot of `LOCAL_CLUSTERS[name]`, each with its slowdown: the analytic model then
+    predicts from measured figures, as it would for a user's own profiled cluster."""
+    from flashflex_cli.hardware.cluster import Cluster, save_cluster
+
+    base = work / "this-machine.json"
+    if not base.exists():
+        run([FLASHFLEX, "profile", "--out", str(base), "--name", "this-machine"])
+    device = load_cluster(base).nodes[0].devices[0]
+    slowdowns = [float(x) for x in LOCAL_CLUSTERS[name].split("slowdown=")[1].split(",")]
+    node = {"name": "node0", "nic": "eth", "intra_link": {"kind": "shm"},
+            "devices": [{**device.model_dump(mode="json", exclude_none=True), "slowdown": k} for k in slowdowns]}
     path = work / f"{name}.json"
-    run([FLASHFLEX, "profile", "--synthetic", LOCAL_CLUSTERS[name], "--out", str(path), "--name", name])
+    save_cluster(path, Cluster.model_validate({"name": name, "nodes": [node]}))
     return path
 
 

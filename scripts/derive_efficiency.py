@@ -1,4 +1,4 @@
-"""Derive the default compute efficiency per device type from measured layer latencies.
+"""Derive the default matrix-product efficiency per device type from measured layer latencies.
 
 Input: the Cephalo project's one-layer Llama latencies (github.com/benson-guo/cephalo,
 data/model_latencies.json, MIT licence, copyright 2025 Benson Guo), a copy of which lives at
@@ -7,18 +7,20 @@ Output: src/flashflex_cli/cost/reference_efficiency.py, a plain Python table the
 (the package never reads ../shared at run time).
 
 Derivation (docs/cost-model.md, "Compute time per micro-batch"): Cephalo fits each (model, GPU, sequence
-length, dtype) as t(b) = intercept + slope * b, forward and backward, over micro-batch sizes b. Per entry:
-  slope efficiency  = 3 * F_fwd(1, s) / ((fwd_slope + bwd_slope) * peak)
-  intercept factor  = (fwd_intercept + bwd_intercept) / (W / B)
-where F_fwd is our forward FLOPs of one layer for one sequence (flashflex_cli.model.flops.layer_fwd_flops),
-peak the catalog's dense peak for the measured dtype (the same fallback as Device.flops), W the layer's
-weight bytes in that dtype and B the device's memory bandwidth: the fixed cost of a micro-batch (reading
-the weights, launching the kernels) in units of one read of the weights. A negative fitted intercept
-(clocks throttling as batches grow: time rises faster than linearly) is kept, since it describes the
-measured range best; the cost model never lets a micro-batch take less than half its slope time. Over all
-1476 measured points of these entries the form errs by 2.9% (median; 90th percentile 11.5%) against 3.6%
-(13.9%) for one constant efficiency per type. The default per (device type, dtype class) is the median
-over the Llama 7B, 13B and 33B entries with at least 3 measured micro-batch sizes.
+length, dtype) as t(b) = intercept + slope * b, forward and backward, over micro-batch sizes b. The cost model
+charges a layer's matrix products at an efficiency of the dense peak and its other operations' bytes at the
+memory bandwidth (cost/traffic.py, a roofline sum). So per entry, the time the marginal sequence spends in matrix
+products is the measured slope less its bytes at the catalog bandwidth (x memory_bandwidth_efficiency; the bytes
+this runtime's eager 16-bit or fp32 layer moves, Cephalo's eager Llama layer being the same operations):
+  matmul efficiency = 3 * F_fwd(1, s) / (max(0.3 (fwd_slope + bwd_slope), fwd_slope + bwd_slope - M / B) * peak)
+  intercept factor  = (fwd_intercept + bwd_intercept) / (W / B)     (kept for reference; the model's fixed
+                                                                      part per micro-batch is counted instead)
+where F_fwd is our forward FLOPs of one layer for one sequence (flashflex_cli.model.flops.layer_fwd_flops), M the
+bytes one sequence's forward and backward move besides the matrix products, peak the catalog's dense peak for
+the measured dtype (the same fallback as Device.flops), W the layer's weight bytes in that dtype and B the
+device's memory bandwidth. The floor keeps the matrix products at least 30% of the slope where the bandwidth
+term would take nearly all of it; an entry faster than the catalog's peak allows (A10G's fp16) counts as 1. The default per (device type, dtype class) is the median over the Llama 7B,
+13B and 33B entries with at least 3 measured micro-batch sizes.
 
 Run: .venv/bin/python scripts/derive_efficiency.py [path/to/layer-latencies-cephalo.json]
 """
@@ -30,6 +32,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from flashflex_cli.cost.activations import PartShape
+from flashflex_cli.cost.params import CostParams
+from flashflex_cli.cost.traffic import layer_traffic
 from flashflex_cli.fileio import atomic_write_text
 from flashflex_cli.hardware.catalog import device_type
 from flashflex_cli.model.flops import layer_fwd_flops, layer_params
@@ -88,11 +93,22 @@ def fit_entries(data: dict) -> list[tuple[str, float, float]]:
                         continue
                     dtype = DTYPES[dtype_key]
                     (fwd_slope, fwd_icpt), (bwd_slope, bwd_icpt) = value[0], value[1]
-                    eff = 3.0 * layer_fwd_flops(model, 1, seq) / ((fwd_slope + bwd_slope) * 1e-3 * peak(gpu, dtype))
+                    slope_s = (fwd_slope + bwd_slope) * 1e-3
+                    matmul_s = max(0.3 * slope_s, slope_s - sequence_bytes(model, seq, dtype) / bandwidth(gpu) / BW_EFF)
+                    eff = min(1.0, 3.0 * layer_fwd_flops(model, 1, seq) / (matmul_s * peak(gpu, dtype)))
                     weight_read_s = layer_params(model) * (2 if dtype == "fp16" else 4) / bandwidth(gpu)
                     factor = (fwd_icpt + bwd_icpt) * 1e-3 / weight_read_s
                     rows.append((f"{GPU_NAMES[gpu]}:{dtype}", eff, factor))
     return rows
+
+
+BW_EFF = CostParams().memory_bandwidth_efficiency
+
+
+def sequence_bytes(model: ModelSpec, seq: int, dtype: str) -> float:
+    """Bytes one sequence's forward and backward through one eager layer move besides its matrix products."""
+    traffic = layer_traffic(PartShape(model, 1, 1, seq, dtype, "sdpa", on_cuda=True))
+    return traffic.fwd.bytes + traffic.bwd.bytes - 24.0 * layer_params(model)  # the weights' terms: per micro-batch
 
 
 def bandwidth(gpu: str) -> float:
@@ -114,7 +130,8 @@ def derive(data: dict) -> tuple[dict[str, tuple[float, float, int]], list[tuple]
             continue
         value = data[model_key][gpu][seq][dtype_key]
         points.append((model_key, GPU_NAMES[gpu], int(seq), DTYPES[dtype_key], batch,
-                       round(value[2][batch - 1], 4), round(value[3][batch - 1], 4)))
+                       round(value[2][batch - 1], 4), round(value[3][batch - 1], 4),
+                       round(value[0][0] + value[1][0], 4)))
     return table, points
 
 
@@ -123,22 +140,23 @@ def render(table: dict[str, tuple[float, int]], points: list[tuple]) -> str:
     lines = [
         '"""GENERATED by scripts/derive_efficiency.py; do not edit by hand.',
         "",
-        "Compute time of one Llama layer per micro-batch of b sequences, t(b) = a + b * F / (peak * e), per",
-        "'DEVICE-TYPE:dtype': e = slope efficiency (FLOP/s the layer's marginal sequences achieve over the dense",
-        "catalog peak), a = intercept factor x one read of the layer's weights from device memory. Medians over",
+        "Matrix-product efficiency of one Llama layer per 'DEVICE-TYPE:dtype': e = FLOP/s the marginal sequence's",
+        "matrix products achieve over the dense catalog peak, once its other operations' bytes are taken at the",
+        "memory bandwidth (cost/traffic.py); a = the fitted intercept in reads of the layer's weights (reference",
+        "only: the model counts the fixed part of a micro-batch). Medians over",
         "N fitted entries of the Cephalo project's layer latencies (github.com/benson-guo/cephalo,",
         "data/model_latencies.json; MIT licence, Copyright (c) 2025 Benson Guo). MEASURED_POINTS are verbatim",
         "entries of that file: (cephalo model key, device type, seq_len, dtype, micro-batch size, forward ms,",
-        "backward ms).",
+        "backward ms, fitted forward + backward slope in ms per sequence).",
         '"""',
         "",
         "from __future__ import annotations",
         "",
-        "# 'DEVICE-TYPE:dtype' -> (slope efficiency, intercept factor, number of fitted entries)",
+        "# 'DEVICE-TYPE:dtype' -> (matmul efficiency, intercept factor, number of fitted entries)",
         "REFERENCE_EFFICIENCY: dict[str, tuple[float, float, int]] = {",
     ]
     lines += [f"    {key!r}: ({eff!r}, {factor!r}, {n}),".replace("'", '"') for key, (eff, factor, n) in table.items()]
-    lines += ["}", "", "MEASURED_POINTS: tuple[tuple[str, str, int, str, int, float, float], ...] = ("]
+    lines += ["}", "", "MEASURED_POINTS: tuple[tuple[str, str, int, str, int, float, float, float], ...] = ("]
     lines += [f"    {tuple(point)!r},".replace("'", '"') for point in points]
     lines += [")", ""]
     return "\n".join(lines)
@@ -149,7 +167,7 @@ def main() -> None:
     source = Path(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_SOURCE
     table, points = derive(json.loads(source.read_text()))
     for key, (eff, factor, n) in table.items():
-        print(f"{key:20s} slope efficiency {eff:6.3f}  intercept {factor:6.2f} weight reads  (n={n})")
+        print(f"{key:20s} matmul efficiency {eff:6.3f}  intercept {factor:6.2f} weight reads  (n={n})")
     atomic_write_text(OUTPUT, render(table, points))
     print(f"wrote {OUTPUT.relative_to(REPO)}")
 

@@ -101,3 +101,38 @@ def test_each_part_holds_what_the_cost_model_counts(shape: str, dtype: str, part
             if value is None:  # a checkpointed layer's forward keeps nothing: its temporaries are not a term
                 continue
             assert abs(got[key] - value) <= slack, f"round {round_} {key}: measured {got[key]}, counted {value:.0f}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_a_compiled_layer_keeps_what_the_cost_model_counts(dtype: str) -> None:
+    """torch.compile (inductor, as on GPUs) keeps another set of tensors than eager: read off the saved-tensor
+    hooks of the compiled layer's graph (the tensor accounting's dispatch mode would run it eager), new storages
+    only (parameters, input and rotary tables excluded)."""
+    from flashflex_cli.runtime.compiled import compile_stage
+
+    spec = SHAPES["gqa"]
+    b, s = 3, 50  # N differs from every width
+    module = StageModule(spec, (0, 1), False, False, TPContext(None))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.02, generator=generator)
+    compile_stage(module)
+    x = torch.randn(b, s, spec.hidden_size, generator=generator, requires_grad=True)
+    known = {t.untyped_storage().data_ptr() for t in (*module.parameters(), x, *module._tables(s, x.device))}
+    for _ in range(2):  # the first call compiles
+        found: dict[int, int] = {}
+
+        def pack(t: torch.Tensor, found: dict[int, int] = found) -> torch.Tensor:
+            found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(torch.device("cpu"), dtype):
+            out = module(x)
+        out.sum().backward()
+    kept = sum(n for ptr, n in found.items() if ptr not in known)
+    p = A.PartShape(spec, 1, b, s, dtype, "sdpa", on_cuda=False, compiled=True)
+    assert A.compiled_layer(p)
+    counted = A.layer_saved_bytes(p) + A.layer_weight_copies(p) - A.recompute_saved_bytes(p)  # input: known
+    assert kept == counted

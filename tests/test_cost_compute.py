@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from flashflex_cli.cost.compute import layer_times
@@ -9,24 +11,30 @@ from flashflex_cli.cost.params import CostParams
 from flashflex_cli.cost.reference_efficiency import MEASURED_POINTS
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import TrainConfig
+from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 
 from .cost_fixtures import cluster
 
 # Cephalo model keys -> presets of the same layer shape (Llama 1 7B/13B/33B == llama2-7b/13b, llama-30b).
 SHAPES = {"deepspeedllama_7b": "llama2-7b", "deepspeedllama_13b": "llama2-13b", "deepspeedllama_33b": "llama-30b"}
-# Stated tolerance: each device type's efficiency is the median over its measured points, so one point
-# may sit this far from the prediction (the points here lie 0-20 % from it).
+# Stated tolerance: each device type's matmul efficiency is the median over its measured entries, so one
+# entry's slope may sit this far from the prediction (the points here lie 0-20 % from it). Compared: the marginal
+# sequence (Cephalo's fitted slope against the model's t(b + 1) - t(b)), since Cephalo's layer keeps its weights
+# in fp16 while this runtime casts fp32 weights under autocast every micro-batch (a fixed part the slope leaves
+# out).
 TOLERANCE = 0.25
+EAGER = dataclasses.replace(CostParams(), runtime=RuntimeOptions(compile=False))
 
 
 @pytest.mark.parametrize("point", MEASURED_POINTS, ids=lambda p: f"{p[0]}-{p[1]}-{p[2]}-b{p[4]}")
-def test_layer_time_matches_measurement(point) -> None:
-    model_key, type_name, seq, dtype, batch, fwd_ms, bwd_ms = point
+def test_marginal_sequence_time_matches_measurement(point) -> None:
+    model_key, type_name, seq, dtype, batch, _fwd_ms, _bwd_ms, slope_ms = point
     c = cluster((type_name, 1, "ib", "pcie"))
-    train = TrainConfig(global_batch=batch, seq_len=seq, micro_batch_size=batch, dtype=dtype)
-    lt = layer_times(c, ["node0/0"], PRESETS[SHAPES[model_key]], train, CostParams())
-    measured = (fwd_ms + bwd_ms) / 1e3
-    assert lt.fwd_s + lt.bwd_s == pytest.approx(measured, rel=TOLERANCE)
+    times = [layer_times(c, ["node0/0"], PRESETS[SHAPES[model_key]],
+                         TrainConfig(global_batch=b, seq_len=seq, micro_batch_size=b, dtype=dtype), EAGER)
+             for b in (batch, batch + 1)]
+    marginal = times[1].fwd_s + times[1].bwd_s - times[0].fwd_s - times[0].bwd_s
+    assert marginal == pytest.approx(slope_ms / 1e3, rel=TOLERANCE)
 
 
 def test_slowest_device_sets_the_pace() -> None:
@@ -35,10 +43,12 @@ def test_slowest_device_sets_the_pace() -> None:
     fast = layer_times(c, ["node0/0"], model, train, params)
     slow = layer_times(c, ["node1/0"], model, train, params)
     mixed = layer_times(c, ["node0/0", "node1/0"], model, train, params)
+    pair = layer_times(c, ["node1/0", "node1/1"], model, train, params)
     assert slow.fwd_s > fast.fwd_s
-    # the mixed pair computes half a layer each at the V100's pace, plus all-reduces over the slow NIC
-    # (within 1e-3: the fixed part reads the weight shard, and the norm gains are not sharded)
-    assert mixed.fwd_s - mixed.tp_fwd_s == pytest.approx(slow.fwd_s / 2, rel=1e-3)
+    # the mixed pair computes its half of the layer at the V100's pace (as two V100s would), plus all-reduces
+    # over the slow NIC
+    assert mixed.fwd_s - mixed.tp_fwd_s == pytest.approx(pair.fwd_s - pair.tp_fwd_s)
+    assert pair.fwd_s - pair.tp_fwd_s < slow.fwd_s
 
 
 def test_tp_allreduces_follow_the_links() -> None:
@@ -68,6 +78,10 @@ def test_recompute_adds_a_forward_to_the_backward() -> None:
 
 
 def test_emulated_slowdown_and_measured_rates() -> None:
+    """An emulated CPU device computes its FLOPs at its measured matmul rate, moves its operations' bytes at its
+    memory bandwidth and dispatches each operation itself, one after the other; a slowdown stretches all of it."""
+    from flashflex_cli.cost.activations import PartShape
+    from flashflex_cli.cost.traffic import layer_traffic
     from flashflex_cli.hardware.cluster import Cluster
 
     from .cost_fixtures import device
@@ -78,16 +92,35 @@ def test_emulated_slowdown_and_measured_rates() -> None:
     model, train, params = PRESETS["llama-small"], TrainConfig(global_batch=4, seq_len=128, dtype="fp32"), CostParams()
     one = layer_times(c, ["host/0"], model, train, params)
     two = layer_times(c, ["host/1"], model, train, params)
-    assert two.fwd_s == pytest.approx(2 * one.fwd_s)
-    from flashflex_cli.model.flops import layer_fwd_flops
-
-    expected = layer_fwd_flops(model, 1, 128) / (1e11 * params.measured_compute_efficiency)
+    assert two.fwd_s == pytest.approx(2 * one.fwd_s) and two.bwd_s == pytest.approx(2 * one.bwd_s)
+    cost = layer_traffic(PartShape(model, 1, 1, 128, "fp32", "sdpa", on_cuda=False)).fwd
+    bandwidth = c.device("host/0").memory_bandwidth * params.memory_bandwidth_efficiency
+    expected = ((cost.matmul_flops + cost.attention_flops) / (1e11 * params.measured_compute_efficiency)
+                + cost.bytes / bandwidth + cost.ops * params.cpu_op_seconds)
     assert one.fwd_s == pytest.approx(expected)
 
 
-def test_head_and_embedding_times_are_positive_and_head_dominates() -> None:
+def test_a_gpu_is_paced_by_the_host_for_small_micro_batches() -> None:
+    """On a GPU the host dispatches operations while the device runs earlier ones: a pass takes the longer of the
+    two, so a tiny micro-batch costs the host's dispatch and a large one the device's work."""
+    c = cluster(("H100-SXM", 1, "ib", "nvlink"))
+    model, params = PRESETS["llama-small"], dataclasses.replace(CostParams(), runtime=RuntimeOptions(compile=False))
+    tiny = layer_times(c, ["node0/0"], model, TrainConfig(global_batch=1, seq_len=16, dtype="bf16"), params)
+    assert tiny.fwd_s == pytest.approx(92 * params.host_op_seconds)  # grouped-query heads: 92 operations
+    large = layer_times(c, ["node0/0"], PRESETS["llama2-7b"],
+                        TrainConfig(global_batch=8, seq_len=4096, micro_batch_size=8), params)
+    assert large.fwd_s > 10 * 84 * params.host_op_seconds  # llama2-7b: no grouped heads, 84 operations
+
+
+def test_head_and_embedding_times_are_positive_and_the_loss_path_decides_where_the_head_costs() -> None:
+    """The whole-vocabulary loss spends twice its forward's matrix FLOPs in its backward; the chunked loss computes
+    its gradients in the forward and only scales them in the backward."""
     c = cluster(("RTX-4090", 8, "eth", "pcie"))
-    lt = layer_times(c, ["node0/0"], PRESETS["llama3-8b"], TrainConfig(global_batch=8, seq_len=4096), CostParams())
-    assert 0 < lt.embed_fwd_s < lt.head_fwd_s < lt.head_bwd_s
+    model, train = PRESETS["llama3-8b"], TrainConfig(global_batch=8, seq_len=4096)
+    whole = layer_times(c, ["node0/0"], model, train,
+                        dataclasses.replace(CostParams(), runtime=RuntimeOptions(chunked_loss=False)))
+    chunked = layer_times(c, ["node0/0"], model, train, CostParams())
+    assert 0 < whole.embed_fwd_s < whole.head_fwd_s < whole.head_bwd_s
+    assert 0 < chunked.head_bwd_s < chunked.head_fwd_s
     # the 128k-vocabulary head costs more than one transformer layer of llama3-8b
-    assert lt.head_fwd_s > lt.fwd_s
+    assert whole.head_fwd_s + whole.head_bwd_s > whole.fwd_s + whole.bwd_s

@@ -37,6 +37,8 @@ def profile(entries: list[tuple[int, int, float]], device_type: str = "cpu", fix
     """A profile whose layer takes `t` seconds forward and 2t backward at each (mbs, tp, t)."""
     data = {"schema": "flashflex.layers/1", "device_type": device_type,
             "model": ModelShape.of(MODEL).model_dump(), "seq_len": 128, "dtype": "fp32", "attention": "sdpa",
+            "runtime": {"compile": False, "chunked_loss": True},  # what a CPU or GPU run takes by default
+
             "entries": [{"micro_batch_size": m, "tp": tp, "layer": part(t, 2 * t, 1e6 * m / tp),
                          "embedding": part(1e-4, 1e-4), "head": part(t, 2 * t, 5e6 * m),
                          **({"fixed_bytes": fixed} if fixed is not None else {})}
@@ -44,14 +46,19 @@ def profile(entries: list[tuple[int, int, float]], device_type: str = "cpu", fix
     return LayerProfile.model_validate(data)
 
 
-def test_profile_matches_only_the_same_shape_and_settings() -> None:
+def test_profile_matches_only_the_same_shape_settings_and_runtime_paths() -> None:
     prof = profile([(1, 1, 0.01)])
-    assert find_profile([prof], "cpu", MODEL, TRAIN) is prof
-    assert find_profile([prof], "CPU", MODEL, TRAIN) is prof
-    assert find_profile([prof], "A100-80G-SXM", MODEL, TRAIN) is None
-    assert find_profile([prof], "cpu", PRESETS["llama-tiny"], TRAIN) is None
+    assert find_profile([prof], "cpu", MODEL, TRAIN, chunked_loss=True) is prof
+    assert find_profile([prof], "CPU", MODEL, TRAIN, chunked_loss=True) is prof
+    assert find_profile([prof], "A100-80G-SXM", MODEL, TRAIN, chunked_loss=True) is None
+    assert find_profile([prof], "cpu", PRESETS["llama-tiny"], TRAIN, chunked_loss=True) is None
     for other in ({"seq_len": 256}, {"dtype": "bf16"}, {"attention": "eager"}, {"recompute": True}):
-        assert find_profile([prof], "cpu", MODEL, TRAIN.model_copy(update=other)) is None, other
+        assert find_profile([prof], "cpu", MODEL, TRAIN.model_copy(update=other), chunked_loss=True) is None, other
+    # measured on other paths: compiled, or with the whole-vocabulary loss (what a profile without paths means)
+    assert find_profile([prof], "cpu", MODEL, TRAIN, compile_=True, chunked_loss=True) is None
+    assert find_profile([prof], "cpu", MODEL, TRAIN, chunked_loss=False) is None
+    legacy = LayerProfile.model_validate({**json.loads(prof.to_json()), "runtime": None})
+    assert find_profile([legacy], "cpu", MODEL, TRAIN) is legacy
 
 
 def test_interpolates_between_and_extrapolates_beyond_measured_points() -> None:
@@ -123,12 +130,22 @@ def test_tf32_uses_the_tensor_core_peak() -> None:
 
 
 def test_eager_attention_keeps_the_score_matrix() -> None:
-    args = (MODEL, 1, 1, False, False, 1, CostParams())
+    import dataclasses
+
+    from flashflex_cli.cost import activations as A
+    from flashflex_cli.semantics.runtime_paths import RuntimeOptions
+
+    eager_layers = dataclasses.replace(CostParams(), runtime=RuntimeOptions(compile=False))
+    args = (MODEL, 1, 1, False, False, 1, eager_layers)
     sdpa = stage_memory(args[0], TRAIN, *args[1:])
     eager = stage_memory(args[0], TRAIN.model_copy(update={"attention": "eager"}), *args[1:])
-    # fp32: the probabilities (4 bytes each) instead of SDPA's log-sum-exp (4 bytes per head and token)
-    scores = MODEL.num_heads * TRAIN.seq_len**2 * 4 - MODEL.num_heads * TRAIN.seq_len * 4
-    assert eager.activations - sdpa.activations == pytest.approx(scores)
+    # fp32: the probabilities [b, heads, s, s] (4 bytes each) and copies of q, k, v and the output instead of
+    # SDPA's log-sum-exp
+    p = A.PartShape(MODEL, 1, TRAIN.micro_batch_size, TRAIN.seq_len, "fp32", "eager", on_cuda=True)
+    scores = MODEL.num_heads * TRAIN.seq_len**2 * 4
+    per_layer = A.attention_saved_bytes(p) - A.attention_saved_bytes(p.__class__(**{**p.__dict__, "attention": "sdpa"}))
+    assert per_layer == scores - MODEL.num_heads * TRAIN.seq_len * 4
+    assert eager.activations - sdpa.activations == pytest.approx(per_layer)
 
 
 def test_fewer_micro_batches_than_stages_is_estimated() -> None:

@@ -41,25 +41,28 @@ def calibrate_command(
     """Fit per-layer forward/backward seconds per device type from a run's measured stage times and write
     them as flashflex.layers/1 profiles, for `flashflex plan/show --layers`; with --layers, write that profile
     scaled by the run (every micro-batch size and TP degree of it)."""
+    from ..cost.params import CostParams
     from ..errors import InputError
     from ..hardware.cluster import load_cluster
     from ..layers.schema import load_layer_profile, save_layer_profile
     from ..plan.schema import load_plan
     from ..runs.calibrate import fit_profiles, scale_profile
+    from ..runs.paths import params_for_run
     from ..runs.reader import load_run, require_plan_cluster
 
     plan = load_plan(plan_file) if plan_file is not None else None
     cluster = load_cluster(cluster_file) if cluster_file is not None else None
     run = load_run(run_dir, plan=plan, cluster=cluster)
     plan, cluster = require_plan_cluster(run)
+    params = params_for_run(CostParams(), run.path, plan, cluster)  # the runtime paths the run took
     if layers is not None:
         base = load_layer_profile(layers)
-        scaled, r_fwd, r_bwd, fits = scale_profile(base, plan, cluster, run)
+        scaled, r_fwd, r_bwd, fits = scale_profile(base, plan, cluster, run, params)
         profiles = [scaled]
         Console(stderr=True, highlight=False).print(
             f"  {base.device_type}: the run measured forward x{r_fwd:.3f}, backward x{r_bwd:.3f} the profile")
     else:
-        profiles, fits = fit_profiles(plan, cluster, run)
+        profiles, fits = fit_profiles(plan, cluster, run, params)
     targets = _targets(profiles, out, out_dir)
     inputs = {p.resolve() for p in run.path.iterdir()} | {run.path.resolve()}
     inputs |= {p.resolve() for p in (plan_file, cluster_file, layers) if p is not None}

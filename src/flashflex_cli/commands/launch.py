@@ -182,7 +182,7 @@ def launch_command(
         from ..launch.local import dry_run_text
         from ..launch.lock import run_lock
 
-        warnings += check_local_machine(plan, cluster).warnings
+        warnings += check_local_machine(plan, cluster, options.runtime()).warnings
         check_checkpoint_space(plan, options.checkpoint_dir)
         # the run folders are locked before any worker starts, while they run and until the last one ends
         with nullcontext(None) if dry_run else run_lock(options.out, options.checkpoint_dir) as lock:

@@ -60,6 +60,7 @@ class PartShape:
     on_cuda: bool
     chunked_loss: bool = False
     loss_chunk: int | None = None  # tokens per chunk of the chunked loss (None: the runtime's rule)
+    compiled: bool = False
 
     @property
     def chunk(self) -> int:
@@ -142,10 +143,28 @@ def attention_saved_bytes(p: PartShape) -> float:
     return saved
 
 
+def compiled_layer(p: PartShape) -> bool:
+    """True when the layer runs as one compiled graph whose saved tensors `layer_saved_bytes` counts as such:
+    torch.compile at TP 1 with SDPA or flash-attn and no sliding window. Elsewhere (graph breaks at TP
+    collectives, the eager attention path, windowed blocks) the eager count stands, an upper bound."""
+    return p.compiled and p.tp == 1 and p.attention != "eager" and not _windowed(p)
+
+
 def layer_saved_bytes(p: PartShape) -> float:
     """Bytes one decoder layer keeps for its backward per micro-batch (its input included, its weight copies not:
-    `weight_copy_bytes`), without recompute."""
+    `weight_copy_bytes`), without recompute.
+
+    Compiled (`compiled_layer`): torch.compile's partition recomputes the norms' products and the MLP's product
+    in the backward and keeps, besides the input and the two rsqrt statistics, the normed inputs once each and the
+    attention output in the compute dtype (3 x [N, h]; in fp32 the residual too), q, k, v, the output and the
+    log-sum-exp as eager, and three of the MLP's four [N, f] tensors (tests/test_cost_activations.py reads this
+    off inductor's graph on CPU)."""
     n, h, c = p.tokens, p.h, p.c
+    if compiled_layer(p):
+        kv = _saved_kv_width(p)
+        attention = n * c * (2 * p.q + 2 * kv) + n * FP32 * p.heads
+        normed = 3 * n * h * (c if p.autocast else FP32)
+        return n * h * FP32 + 2 * n * FP32 + normed + attention + 3 * n * p.f * c
     stream = n * (4 * h * FP32 + 2 * FP32)  # input, x*rsqrt twice, residual; two rsqrt
     casts = n * h * c * (5 if p.autocast else 2)  # normed inputs as the linears keep them
     mlp = 4 * n * p.f * c

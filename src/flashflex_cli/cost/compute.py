@@ -1,24 +1,25 @@
 """Compute time of one transformer layer (and of the embedding and head) on one TP group.
 
 Measured first: when every device of the group has a matching layer profile (cost/measured.py), the
-profile's times are used as they are (they include the group's TP collectives unless the profile says
-`tp_comm_included: false`, then the modelled ones below are added), stretched by the emulation slowdown;
-the slowest device sets the pace.
-Otherwise modelled, per micro-batch of b sequences (t(b) = a + b * slope, the form of measured layer times):
-time = a + FLOPs / tp / (slowest device's achieved FLOP/s) + the group's TP all-reduces, where the fixed
-part a = CostParams.intercept x one read of the device's weight shard from memory, split 1:2 between
-forward and backward like the FLOPs, and achieved FLOP/s = peak (or measured matmul rate) x slope
-efficiency (CostParams.efficiency), with the emulation slowdown applied; a dtype a device lacks (no tensor
-cores for it: Device.compute_dtype) is costed at its fp32 peak and fp32 efficiency and intercept.
-Megatron-style TP (Shoeybi et al. 2019): per layer two all-reduces of the [b, s, h] activation in the
-forward and two in the backward (two more when the backward recomputes the forward); a vocabulary-parallel
-embedding all-reduces its output; the head all-reduces the input gradient in the backward and two [b, s]
-fp32 statistics of the loss in the forward.
+profile's times are used as they are (they include the group's TP collectives), stretched by the emulation
+slowdown; the slowest device sets the pace.
+Otherwise modelled, per micro-batch, as the runtime runs it (`device_seconds`): a pass of a part (forward or
+backward of a layer, the embedding or the head) costs its matrix and attention FLOPs at the device's matmul rate,
+the bytes its other operations move at the device's memory bandwidth and a fixed device time per kernel
+(cost/traffic.py counts all three for the runtime's paths: eager or compiled, whole-vocabulary or chunked loss),
+beside the host's dispatch of each operation: on a GPU the longer of the two, on an emulated CPU device their sum.
+The matmul rate is the device's measured matmul rate (`flashflex profile`) x measured_compute_efficiency, or its
+dense peak x the matrix-product efficiency derived from measured layers (cost/reference_efficiency.py); a dtype
+the device does not compute natively (Device.compute_dtype) at its fp32 peak and fp32 efficiency. Megatron-style
+TP (Shoeybi et al. 2019): per layer two all-reduces of the [b, s, h] activation in the forward and two in the
+backward (two more when the backward recomputes the forward); a vocabulary-parallel embedding all-reduces its
+output; the head all-reduces the input gradient in the backward and two [b, s] fp32 statistics of the loss in the
+forward.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -27,9 +28,13 @@ from ..layers.schema import LayerProfile
 from ..model import flops as F
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
+from ..semantics.runtime_paths import compute_dtype
+from .activations import PartShape
 from .comm import allreduce_time
 from .measured import MeasuredCosts, find_profile, read_profile
+from .memory import is_cuda_group
 from .params import CostParams
+from .traffic import PassCost, embedding_traffic, head_traffic, layer_traffic
 from .view import view
 
 
@@ -73,18 +78,6 @@ class LayerTimes:
         return self.head_fwd_s + self.head_bwd_s
 
 
-def group_rate(cluster: Cluster, devices: Sequence[str], dtype: str, params: CostParams) -> float:
-    """Achieved FLOP/s of the slowest device of the group (it sets the pace of every TP step)."""
-    cv = view(cluster)
-    return min(cv.rate(d, dtype, params) for d in devices)
-
-
-def group_memory_bandwidth(cluster: Cluster, devices: Sequence[str], params: CostParams) -> float:
-    """Achieved memory bandwidth (bytes/s) of the group's slowest device for streaming kernels."""
-    cv = view(cluster)
-    return min(cv.info(d).memory_bandwidth for d in devices) * params.memory_bandwidth_efficiency
-
-
 def group_measurement(cluster: Cluster, devices: Sequence[str], model: ModelSpec, train: TrainConfig,
                       params: CostParams, mbs: int) -> MeasuredCosts | None:
     """The measured costs of the TP group `devices` at micro-batch size `mbs`: each device's matching
@@ -96,8 +89,10 @@ def group_measurement(cluster: Cluster, devices: Sequence[str], model: ModelSpec
     cv = view(cluster)
     slowest: MeasuredCosts | None = None
     tp = len(devices)
+    paths = params.runtime.resolved(is_cuda_group(cluster, devices))
     for device in devices:
-        profile = find_profile(params.layer_profiles, cv.info(device).type, model, train)
+        profile = find_profile(params.layer_profiles, cv.info(device).type, model, train, bool(paths.compile),
+                               paths.chunked_loss)
         if profile is None:
             return None
         costs = read_profile(profile, mbs, tp)
@@ -129,22 +124,6 @@ def measured_layer_comm(cluster: Cluster, devices: Sequence[str], model: ModelSp
     return 2 * ar, (4 if train.recompute else 2) * ar
 
 
-def group_intercept_s(cluster: Cluster, devices: Sequence[str], model: ModelSpec, dtype: str,
-                      params: CostParams) -> float:
-    """Fixed seconds of one micro-batch through one layer (forward + backward) on the group: the largest
-    over its devices of CostParams.intercept x (weight shard bytes / memory bandwidth); may be negative
-    (see CostParams.compute_intercept)."""
-    cv = view(cluster)
-    shard_bytes = F.layer_params_per_device(model, len(devices)) * F.dtype_bytes(dtype)
-    worst = float("-inf")
-    for device in devices:
-        info = cv.info(device)
-        computed = cv.compute_dtype(device, dtype)  # a dtype the device lacks runs on its fp32 units
-        reads = params.intercept(info.type, computed, measured=bool(cv.device(device).achieved_flops))
-        worst = max(worst, reads * shard_bytes / info.memory_bandwidth)
-    return worst
-
-
 def layer_times(cluster: Cluster, devices: Sequence[str], model: ModelSpec, train: TrainConfig,
                 params: CostParams, micro_batch_size: int | None = None) -> LayerTimes:
     """Per-micro-batch times of one layer, the embedding and the head on the TP group `devices`.
@@ -171,36 +150,54 @@ def _layer_times(cluster: Cluster, devices: tuple[str, ...], model: ModelSpec, t
         _remember(key, cv, found)
         return found
     tp = len(devices)
-    seq, dtype = train.seq_len, train.dtype
-    rate = group_rate(cluster, devices, dtype, params)
-    intercept = group_intercept_s(cluster, devices, model, dtype, params)
-    membw = group_memory_bandwidth(cluster, devices, params)
-    act = F.layer_input_bytes(model, mbs, seq, dtype)
+    seq = train.seq_len
+    act = F.layer_input_bytes(model, mbs, seq, train.dtype)
     ar = allreduce_time(cluster, devices, act, params) if tp > 1 else 0.0
-
-    fwd_flops = F.layer_fwd_flops(model, mbs, seq) / tp
-    bwd_flops = F.layer_bwd_flops(model, mbs, seq, train.recompute) / tp
     tp_fwd = 2 * ar
     tp_bwd = (4 if train.recompute else 2) * ar
-
-    # Embedding: a memory-bound gather (read the rows, write [b, s, h]) and its scatter-add backward.
-    embed_mem = 2 * act / membw
-    embed_fwd = embed_mem + ar
-    embed_bwd = embed_mem
-    # Head: the [b*s, h] x [h, V/tp] matmul, plus the loss's passes over fp32 logits [b, s, V/tp].
-    logits_fp32 = mbs * seq * model.vocab_size / tp * 4
-    loss_half = 0.5 * params.loss_passes * logits_fp32 / membw
     stats = allreduce_time(cluster, devices, mbs * seq * 4, params) if tp > 1 else 0.0
-    head_fwd = F.head_fwd_flops(model, mbs, seq) / tp / rate + loss_half + 2 * stats
-    head_bwd = F.head_bwd_flops(model, mbs, seq) / tp / rate + loss_half + ar
-    # a negative intercept (a device whose clocks throttle as batches grow) never halves the slope time
-    fwd_compute = max(intercept / 3 + fwd_flops / rate, 0.5 * fwd_flops / rate)
-    bwd_fixed = (3 if train.recompute else 2) * intercept / 3  # recompute runs the forward again, fixed part too
-    bwd_compute = max(bwd_fixed + bwd_flops / rate, 0.5 * bwd_flops / rate)
-    found = LayerTimes(fwd_compute + tp_fwd, bwd_compute + tp_bwd,
-                       embed_fwd, embed_bwd, head_fwd, head_bwd, tp_fwd, tp_bwd)
+    on_cuda = is_cuda_group(cluster, devices)
+    paths = params.runtime.resolved(on_cuda)
+    part = PartShape(model, tp, mbs, seq, params.compute_dtype or compute_dtype(train.dtype), train.attention,
+                     on_cuda, chunked_loss=paths.chunked_loss, loss_chunk=params.loss_chunk_tokens,
+                     compiled=bool(paths.compile))
+    layer, embed, head = (layer_traffic(part, train.recompute), embedding_traffic(part), head_traffic(part))
+    # the slowest device of the group sets the pace of every part
+    slow = [device_seconds(cluster, d, train.dtype, params) for d in devices]
+    worst = lambda cost: max(seconds(cost) for seconds in slow)  # noqa: E731
+    found = LayerTimes(worst(layer.fwd) + tp_fwd, worst(layer.bwd) + tp_bwd, worst(embed.fwd) + ar,
+                       worst(embed.bwd), worst(head.fwd) + 2 * stats, worst(head.bwd) + ar, tp_fwd, tp_bwd)
     _remember(key, cv, found)
     return found
+
+
+def device_seconds(cluster: Cluster, device: str, dtype: str, params: CostParams) -> Callable[[PassCost], float]:
+    """Seconds one pass (cost/traffic.PassCost) takes on `device`, emulation slowdown included: its matrix and
+    attention FLOPs at the device's matmul rate (`ClusterView.rate`), its other operations' bytes at its memory
+    bandwidth (x memory_bandwidth_efficiency), a fixed device time per kernel, and the host's dispatch of every
+    operation. A GPU runs asynchronously: the pass takes the longer of the device's work and the host's dispatch
+    (the host sets the pace of small micro-batches). An emulated CPU device does both itself, one after the
+    other, stretched by its slowdown."""
+    cv = view(cluster)
+    info = cv.info(device)
+    rate = cv.rate(device, dtype, params)
+    bandwidth = info.memory_bandwidth * params.memory_bandwidth_efficiency
+    slowdown = cv.device(device).slowdown
+    if info.is_cpu:
+        per_op = params.cpu_op_seconds * slowdown
+
+        def cpu(cost: PassCost) -> float:
+            return ((cost.matmul_flops + cost.attention_flops) / rate + cost.bytes / bandwidth
+                    + cost.ops * per_op)
+
+        return cpu
+    kernel_s, host_op_s = params.kernel_seconds, params.host_op_seconds
+
+    def gpu(cost: PassCost) -> float:
+        work = (cost.matmul_flops + cost.attention_flops) / rate + cost.bytes / bandwidth + cost.kernels * kernel_s
+        return max(work, cost.ops * host_op_s)
+
+    return gpu
 
 
 def _measured_times(cluster: Cluster, devices: tuple[str, ...], model: ModelSpec, train: TrainConfig,

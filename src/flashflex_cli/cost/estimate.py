@@ -18,6 +18,7 @@ from ..units import byte_size
 from .comm import p2p_time
 from .compute import layer_times
 from .dp import StageBackward, dp_buckets, dp_partners, dp_timeline
+from .measured import MeasuredCosts
 from .memory import (
     MemoryBreakdown,
     device_capacity,
@@ -28,6 +29,7 @@ from .memory import (
 )
 from .params import CostParams
 from .schedule import simulate_1f1b
+from .traffic import OPTIMIZER_BYTES_PER_PARAM
 from .view import ClusterView, view
 
 
@@ -153,6 +155,29 @@ def _r(value: float) -> float:
     return float(f"{value:.6g}")
 
 
+def plan_stage_memory(plan: Plan, cluster: Cluster, params: CostParams, p: int, s: int,
+                      measured: MeasuredCosts | None, dp_shared: bool) -> MemoryBreakdown:
+    """Peak memory per device of stage `s` of pipeline `p` (cost/memory.py), given its layer profile costs
+    `measured` (None: counted) and whether it has DP partners."""
+    model, train = plan.inputs.model, plan.inputs.train
+    pipe = plan.pipelines[p]
+    stage, count, m = pipe.stages[s], len(pipe.stages), pipe.num_micro_batches
+    reserve = max(device_reserve(cluster, d, params) for d in stage.devices)
+    return stage_memory(model, train, stage.tp, stage.num_layers, s == 0, s == count - 1, min(count - s, m), params,
+                        micro_batch_size=pipe.micro_batch_size, reserve_bytes=reserve, measured=measured,
+                        num_micro=m, on_cuda=is_cuda_group(cluster, stage.devices), dp_shared=dp_shared,
+                        warmup=min(count - s - 1, m))
+
+
+def plan_memory(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> dict[tuple[int, int], MemoryBreakdown]:
+    """Every stage's peak memory per device by (pipeline, stage), counted (no layer profile, no time): what
+    `launch`'s preflight checks each rank against."""
+    params = params or CostParams()
+    partners = dp_partners(dp_buckets(plan, cluster, params))
+    return {(p, s): plan_stage_memory(plan, cluster, params, p, s, None, bool(partners.get((p, s))))
+            for p, pipe in enumerate(plan.pipelines) for s in range(len(pipe.stages))}
+
+
 def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> Estimate:
     """Predict one training iteration of `plan` on `cluster`; infeasibility goes to fits/problems."""
     params = params or CostParams()
@@ -181,12 +206,8 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
         sched = simulate_1f1b(fwd, bwd, p2p, m, p2p_back_s=back)
         pipelines.append(PipelineEstimate(sched.total_s, sched.bubble_fraction, pipe.sequences * train.seq_len, m, mbs))
         for s, stage in enumerate(pipe.stages):
-            reserve = max(device_reserve(cluster, d, params) for d in stage.devices)
             lt = times[s]
-            mem = stage_memory(model, train, stage.tp, stage.num_layers, s == 0, s == count - 1,
-                               min(count - s, m), params, micro_batch_size=mbs, reserve_bytes=reserve,
-                               measured=lt.measured, num_micro=m, on_cuda=is_cuda_group(cluster, stage.devices),
-                               dp_shared=bool(partners.get((p, s))), warmup=min(count - s - 1, m))
+            mem = plan_stage_memory(plan, cluster, params, p, s, lt.measured, bool(partners.get((p, s))))
             capacity, tightest = min((device_capacity(cluster, d, params), d) for d in stage.devices)
             headroom = capacity - mem.total
             if headroom < 0:
@@ -215,7 +236,8 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
         last = st.stage == len(plan.pipelines[st.pipeline].stages) - 1
         n_params = sum(stage_params_per_device(model, st.tp, st.layers[1] - st.layers[0], st.stage == 0, last))
         membw = min(cv.info(d).memory_bandwidth for d in st.devices) * params.memory_bandwidth_efficiency
-        opt = n_params * params.optimizer_bytes_per_param / membw
+        optimizer = params.runtime.resolved(st.on_cuda).optimizer
+        opt = n_params * OPTIMIZER_BYTES_PER_PARAM[str(optimizer)] / membw
         end = comm_end + opt
         iteration = max(iteration, end)
         final.append(replace(st, dp_s=comm, optimizer_s=opt, end_s=end,

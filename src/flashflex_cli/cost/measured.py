@@ -1,7 +1,8 @@
 """Measured layer costs: pick the layer profile that matches a stage and read it at any (micro-batch, tp).
 
 A profile matches a stage's devices when the device type, the model shape, the sequence length, the dtype,
-the attention implementation and the recompute setting are all the same (`profile_key`). Inside a profile:
+the attention implementation, the recompute setting and the runtime paths (compiled parts, chunked loss) are all
+the same (`profile_key`). Inside a profile:
   - between two measured micro-batch sizes at a measured TP degree: linear interpolation (times and bytes
     are affine in the micro-batch size to first order: a + b * mbs);
   - outside them: the least-squares line a + b * mbs over every measured size at that TP degree (slope and
@@ -79,22 +80,25 @@ def device_type_key(name: str) -> str:
 
 
 def profile_key(device_type: str, shape: ModelShape, seq_len: int, dtype: str, attention: str,
-                recompute: bool) -> tuple:
-    """What a profile must share with a stage to describe it."""
-    return (device_type_key(device_type), shape, seq_len, dtype, attention, recompute)
+                recompute: bool, compile_: bool = False, chunked_loss: bool = False) -> tuple:
+    """What a profile must share with a stage to describe it: the device type, the model's shape and the
+    training settings, and the runtime paths the parts run on (compiled or eager, chunked or whole loss)."""
+    return (device_type_key(device_type), shape, seq_len, dtype, attention, recompute, compile_, chunked_loss)
 
 
 def key_of_profile(profile: LayerProfile) -> tuple:
     """`profile_key` of a profile."""
+    paths = profile.paths()
     return profile_key(profile.device_type, profile.model, profile.seq_len, profile.dtype, profile.attention,
-                       profile.recompute)
+                       profile.recompute, paths.compile, paths.chunked_loss)
 
 
 def find_profile(profiles: Iterable[LayerProfile], device_type: str, model: ModelSpec,
-                 train: TrainConfig) -> LayerProfile | None:
-    """The profile that matches `device_type` training `model` under `train`, or None."""
+                 train: TrainConfig, compile_: bool = False, chunked_loss: bool = False) -> LayerProfile | None:
+    """The profile that matches `device_type` training `model` under `train` on the runtime paths
+    (`compile_`, `chunked_loss`: the stage's resolved RuntimeOptions), or None."""
     wanted = profile_key(device_type, ModelShape.of(model), train.seq_len, train.dtype, train.attention,
-                         train.recompute)
+                         train.recompute, compile_, chunked_loss)
     for profile in profiles:
         if key_of_profile(profile) == wanted:
             return profile

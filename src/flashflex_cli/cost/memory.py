@@ -176,7 +176,7 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     w = warmup if warmup is not None else in_flight - 1
     dtype = params.compute_dtype or compute_dtype(train.dtype)
     p = A.PartShape(model, tp, mbs, train.seq_len, dtype, train.attention, on_cuda, chunked_loss=paths.chunked_loss,
-                    loss_chunk=params.loss_chunk_tokens)
+                    loss_chunk=params.loss_chunk_tokens, compiled=bool(paths.compile))
     layer_params, extra_params = stage_params_per_device(model, tp, num_layers, first, last)
     n_params = layer_params + extra_params
     weights, grads, moments = 4.0 * n_params, 4.0 * n_params, params.optimizer_state_bytes * n_params

@@ -135,7 +135,7 @@ class CostParams:
     default_compute_efficiency: float = field(default_factory=_median_half_precision)
     default_compute_intercept: float = field(default_factory=_median_intercept)
     tf32_compute_efficiency: float = 0.35
-    measured_compute_efficiency: float = 0.8
+    measured_compute_efficiency: float = 1.0
     tp_comm_efficiency: float = 1.0
     p2p_efficiency: float = 1.0
     dp_comm_efficiency: float = 1.0
@@ -144,7 +144,7 @@ class CostParams:
     dp_overlap_fraction: float = 0.0
     grad_reduce_bytes: float = 4.0
     activation_transfer_bytes: float = 4.0
-    memory_bandwidth_efficiency: float = 0.8
+    memory_bandwidth_efficiency: float = 0.85
     optimizer_bytes_per_param: float = 28.0
     loss_passes: float = 4.0
     master_weights: bool = True
@@ -156,6 +156,9 @@ class CostParams:
     dp_buffer_factor: float = 1.0
     memory_fragmentation: float = 0.03
     memory_safety_margin: float = 0.05
+    host_op_seconds: float = 10e-6
+    cpu_op_seconds: float = 5e-6
+    kernel_seconds: float = 4e-6
     layer_profiles: tuple[LayerProfile, ...] = ()
     runtime: RuntimeOptions = field(default_factory=RuntimeOptions)
     compute_dtype: str | None = None

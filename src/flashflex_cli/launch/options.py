@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .. import validate_numbers
 from ..errors import InputError
-from ..semantics.runtime_paths import OPTIMIZER_PATHS
+from ..semantics.runtime_paths import OPTIMIZER_PATHS, RuntimeOptions
 
 WORKER_MODULE = "flashflex_cli.runtime.worker"
 # The workers' CUDA caching allocator grows its segments instead of caching fixed blocks (less fragmentation over
@@ -60,6 +60,12 @@ class RunOptions:
         validate_numbers.int_in_range(self.checkpoint_every, "--checkpoint-every", 0, validate_numbers.MAX_STEPS)
         if self.optimizer not in OPTIMIZER_PATHS:
             raise InputError(f"--optimizer must be one of {', '.join(OPTIMIZER_PATHS)}, got {self.optimizer!r}")
+
+    def runtime(self) -> RuntimeOptions:
+        """The runtime paths these options ask for (before a worker resolves them for its device)."""
+        return RuntimeOptions(lean_p2p=self.lean_p2p, overlap_dp=self.overlap_dp, hierarchical_dp=self.hierarchical_dp,
+                              compile=self.compile, chunked_loss=self.chunked_loss,
+                              optimizer=self.optimizer)  # type: ignore[arg-type]
 
     def worker_argv(self, node: str | None = None) -> list[str]:
         """Arguments after `-m flashflex_cli.runtime.worker`."""

@@ -7,6 +7,7 @@ or inconsistent inputs are input errors (exit code 2).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -16,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckFailed, InputError
 from ..fileio import check_writable_dir
 from ..hardware.cluster import Cluster
-from ..model.flops import dtype_bytes, embedding_params, head_params, layer_params_per_device, total_params
+from ..model.flops import total_params
 from ..plan.schema import Plan
+from ..semantics.runtime_paths import RuntimeOptions
 from ..units import byte_size
 from .layout import node_layouts
 
@@ -54,25 +56,17 @@ def check_plan_cluster(plan: Plan, cluster: Cluster, cluster_path: str) -> None:
             raise CheckFailed(f"plan rank {info.rank} uses device {info.device}, absent from {cluster_path}")
 
 
-def rank_memory_bytes(plan: Plan) -> list[float]:
-    """Estimated bytes each rank holds: weights, gradients and AdamW state (16 bytes per fp32 parameter,
-    or dtype weights + fp32 master + grads + 2 moments under bf16/fp16) plus 1F1B activations."""
-    model, train = plan.inputs.model, plan.inputs.train
-    per_param = 16.0 if train.dtype == "fp32" else 2.0 * dtype_bytes(train.dtype) + 12.0
-    out = []
-    for info in plan.ranks():
-        pipe = plan.pipelines[info.pipeline]
-        stage = pipe.stages[info.stage]
-        params = stage.num_layers * layer_params_per_device(model, stage.tp)
-        if info.stage == 0:
-            params += embedding_params(model) / stage.tp
-        if info.stage == len(pipe.stages) - 1:
-            params += head_params(model) / stage.tp
-        in_flight = min(len(pipe.stages) - info.stage, pipe.num_micro_batches)
-        act = (stage.num_layers * in_flight * pipe.micro_batch_size * train.seq_len
-               * (16 * model.hidden_size + 8 * model.intermediate_size / stage.tp) * dtype_bytes(train.dtype))
-        out.append(params * per_param + act)
-    return out
+def rank_memory_bytes(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | None = None) -> list[float]:
+    """Bytes each rank needs at its peak, as the cost model predicts its stage (cost/memory.py: the allocated
+    peak, the allocator's slack and what lives outside it), for the runtime paths the launch takes."""
+    from ..cost.estimate import plan_memory
+    from ..cost.params import CostParams
+
+    runtime = runtime or RuntimeOptions()
+    params = dataclasses.replace(CostParams(), runtime=runtime, dp_overlap=runtime.overlap_dp,
+                                 dp_hierarchical=runtime.hierarchical_dp)
+    stages = plan_memory(plan, cluster, params)
+    return [stages[(info.pipeline, info.stage)].total for info in plan.ranks()]
 
 
 def _available_host_bytes() -> float | None:
@@ -85,12 +79,13 @@ def _available_host_bytes() -> float | None:
     return None
 
 
-def check_local_machine(plan: Plan, cluster: Cluster) -> Preflight:
+def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | None = None) -> Preflight:
     """This machine can run every rank of the plan: CPU-emulated plans run all nodes here; GPU plans
-    need one node whose devices exist here with enough memory."""
+    need one node whose devices exist here with enough memory (the cost model's prediction of each stage, for
+    the runtime paths `runtime`)."""
     import torch
 
-    report = Preflight(rank_bytes=rank_memory_bytes(plan))
+    report = Preflight(rank_bytes=rank_memory_bytes(plan, cluster, runtime))
     ranks = plan.ranks()
     gpu_ranks = [info for info in ranks if not is_cpu_device(cluster, info.device)]
     if gpu_ranks and len(gpu_ranks) != len(ranks):

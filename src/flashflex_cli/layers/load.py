@@ -14,9 +14,10 @@ from .schema import LayerProfile, ModelShape, load_layer_profile
 
 
 def profile_identity(profile: LayerProfile) -> tuple:
-    """What two profiles must not share: device type, model shape, seq_len, dtype, attention, recompute."""
+    """What two profiles must not share: device type, model shape, seq_len, dtype, attention, recompute and the
+    runtime paths they were measured on."""
     return (profile.device_type.lower(), profile.model, profile.seq_len, profile.dtype, profile.attention,
-            profile.recompute)
+            profile.recompute, profile.paths())
 
 
 def warn(line: str) -> None:

@@ -87,13 +87,27 @@ class ProfileEntry(_Strict):
     fixed_bytes: HeldBytes | None = None
 
 
+class ProfilePaths(_Strict):
+    """The runtime paths a profile was measured on (semantics/runtime_paths.py): compiled parts, the chunked loss.
+    A profile without this object was measured eager with the whole-vocabulary loss (what flashflex ran before
+    the paths existed)."""
+
+    compile: bool = False
+    chunked_loss: bool = False
+
+
 class LayerProfile(_Strict):
     """Measured per-layer costs of one model shape on one device type (module docstring).
 
     tp_comm_included: whether the times of entries at tp > 1 include the TP group's collectives (default
     true); false for tools that measure each rank's compute alone. Written only when false, so profiles
-    without it keep their text and sha256.
+    without it keep their text and sha256. runtime: the runtime paths the times were measured on (absent: eager,
+    whole-vocabulary loss); the cost model uses a profile only for stages that run the same paths.
     """
+
+    def paths(self) -> ProfilePaths:
+        """The runtime paths the profile was measured on (the legacy ones where it does not say)."""
+        return self.runtime or ProfilePaths()
 
     schema_: Literal["flashflex.layers/1"] = Field(LAYERS_SCHEMA, alias="schema")
     device_type: str = Field(min_length=1)
@@ -104,6 +118,7 @@ class LayerProfile(_Strict):
     recompute: bool = False
     source: str = ""
     tp_comm_included: bool = True
+    runtime: ProfilePaths | None = None
     entries: list[ProfileEntry] = Field(min_length=1)
 
     @model_validator(mode="after")

@@ -30,7 +30,7 @@ from ..cost.measured import device_type_key
 from ..cost.params import CostParams
 from ..errors import InputError
 from ..hardware.cluster import Cluster
-from ..layers.schema import LayerProfile, ModelShape, PartCost, ProfileEntry
+from ..layers.schema import LayerProfile, ModelShape, PartCost, ProfileEntry, ProfilePaths
 from ..model import flops as F
 from ..plan.schema import Plan
 from .reader import RunRecord
@@ -139,6 +139,8 @@ def fit_profiles(plan: Plan, cluster: Cluster, run: RunRecord, params: CostParam
     if not fits:
         raise InputError(f"{run.path}: no stage of one device type with layers to fit")
     model, train = plan.inputs.model, plan.inputs.train
+    on_cuda = any(cluster.device(d).type.lower() not in ("cpu", "host") for info in plan.ranks() for d in [info.device])
+    paths = (params or CostParams()).runtime.resolved(on_cuda)  # the run's paths: its profile's
     by_type: dict[str, list[StageFit]] = {}
     for fit in fits:
         by_type.setdefault(device_type_key(fit.device_type), []).append(fit)
@@ -154,7 +156,9 @@ def fit_profiles(plan: Plan, cluster: Cluster, run: RunRecord, params: CostParam
                    for (mbs, tp), cell in sorted(cells.items())]
         profiles.append(LayerProfile(device_type=group[0].device_type, model=ModelShape.of(model),
                                      seq_len=train.seq_len, dtype=train.dtype, attention=train.attention,
-                                     recompute=train.recompute, source=_source(run, group), entries=entries))
+                                     recompute=train.recompute, source=_source(run, group), entries=entries,
+                                     runtime=ProfilePaths(compile=bool(paths.compile),
+                                                          chunked_loss=paths.chunked_loss)))
     return profiles, fits
 
 

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError, RuntimeFailure
-from ..layers.schema import LayerProfile, ModelShape, PartCost, ProfileEntry
+from ..layers.schema import LayerProfile, ModelShape, PartCost, ProfileEntry, ProfilePaths
 from ..model.spec import ModelSpec
 from .attention import EAGER, FLASH, LOG, SDPA, flash_attn_available
 from .compiled import compile_stage, eager_stage, warm_up
@@ -528,6 +528,9 @@ def build_profile(config: BenchConfig, entries: list[EntryResult], device_type: 
                          embedding=_part_cost(e.parts["embedding"]), head=_part_cost(e.parts["head"]),
                          fixed_bytes=None if e.fixed_bytes is None else _sig(e.fixed_bytes))
             for e in sorted(entries, key=lambda e: (e.tp, e.micro_batch_size))]
+    kind, _ = devices_available()
+    paths = config.runtime.resolved(kind == "cuda")
     return LayerProfile(device_type=device_type, model=ModelShape.of(config.spec), seq_len=config.seq_len,
                         dtype=config.dtype, attention=config.attention,  # type: ignore[arg-type]
-                        recompute=config.recompute, source=source, entries=rows)
+                        recompute=config.recompute, source=source, entries=rows,
+                        runtime=ProfilePaths(compile=bool(paths.compile), chunked_loss=paths.chunked_loss))

@@ -1,0 +1,136 @@
+"""What one micro-batch costs a part besides its matrix products: bytes the other operations move, operations
+the host dispatches and kernels the device launches, forward and backward, for the runtime's paths.
+
+Counted on the runtime's own modules (runtime/model.py) with a dispatch-mode tracer (scripts/count_traffic.py):
+every aten operation of a part's forward and backward, the bytes of the tensors each operation other than a
+view, a matrix product or the fused attention reads and writes, the operations dispatched (views included: each
+costs the host a dispatch) and those that run a kernel. The byte counts are linear in the widths per token, fitted
+over ten shapes and checked on three others to 0.7% (`tests/test_cost_traffic.py` re-counts two shapes), with
+N tokens of the micro-batch, h hidden, q the query width, k the key/value width (kx: the width saved after
+grouped-query heads are repeated), f the MLP width, V vocabulary rows and W the layer's matrix weights on one
+device, c the compute dtype's bytes:
+
+  layer, eager, 16-bit forward   104 Nh + 45 Nq + 31 Nk + 3 N(q + k)[grouped] + 10 Nf + 6 W
+                        backward 304 Nh + 59 Nq + 52 Nk + 3 N(q + k)[grouped] + 18 Nf + 18 W
+  layer, eager, fp32   forward    78 Nh + 53 Nq + 31 Nk + 7 N(q + k)[grouped] + 20 Nf
+                        backward 262 Nh + 61 Nq + 54 Nk + 7 N(q + k)[grouped] + 36 Nf + 12 W
+  head, whole-vocabulary loss     forward 34 (28) Nh + 18 (12) NV + 6 (0) Vh; backward 114 (108) Nh + 26 (20) NV
+                                  + 18 (12) Vh  (16-bit, fp32 in brackets)
+  head, chunked loss (n chunks)   forward 44 (32) Nh + 64 (56) NV + 6 (0) Vh + 10 (8) Vh per chunk;
+                                  backward 116 Nh + 20 Vh
+  embedding                       forward 8 Nh; backward 4 Nh + 16 Vh (its dense [V, h] gradient)
+The W and Vh terms are per micro-batch (autocast's weight copies, the weight gradients' cast and accumulation),
+the rest per token. Operations per micro-batch: layer 92 / 162 (16-bit; 84 / 156 without grouped-query heads),
+78 / 142 (fp32; 70 / 136); kernels 50 / 97 (48 / 95), 36 / 77 (34 / 75); head 22 / 36 (fp32 19 / 33), chunked
+15 + 43 per chunk (14 + 38) / 23; embedding 2 / 2.
+
+Compiled layers (torch.compile, RuntimeOptions.compile; TP 1): the elementwise operations fuse around the matrix
+products, so a layer's forward reads its input and weights and writes what it keeps for the backward and its
+output, and its backward reads those and writes the gradients: bytes = the compiled saved bytes (cost/
+activations.py) + 2 x [N, h] fp32 + 6 W forward, twice the saved bytes + 2 x [N, h] + 18 W backward; 12 / 25
+kernels launched by one compiled call each way. An estimate from the graph's structure, not yet checked on a GPU.
+
+Tensor parallelism splits q, k, f and V (and W) over the group; the replicated [N, h] work is done by every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..model import flops as F
+from ..semantics.runtime_paths import loss_chunk_tokens
+from .activations import FP32, PartShape, compiled_layer, layer_saved_bytes, layer_weight_copies
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """One pass (forward or backward) of a part for one micro-batch on one device: matrix-product FLOPs,
+    attention FLOPs (the fused score and value products), bytes the other operations move, operations the host
+    dispatches, kernels the device runs."""
+
+    matmul_flops: float
+    attention_flops: float
+    bytes: float
+    ops: float
+    kernels: float
+
+    def plus(self, other: PassCost) -> PassCost:
+        """Both passes' costs added (the backward of a recomputed layer runs its forward again)."""
+        return PassCost(self.matmul_flops + other.matmul_flops, self.attention_flops + other.attention_flops,
+                        self.bytes + other.bytes, self.ops + other.ops, self.kernels + other.kernels)
+
+
+@dataclass(frozen=True)
+class PartTraffic:
+    """A part's forward and backward for one micro-batch (`PassCost` each)."""
+
+    fwd: PassCost
+    bwd: PassCost
+
+
+def _grouped(p: PartShape) -> bool:
+    return p.model.num_kv_heads < p.model.num_heads
+
+
+def layer_traffic(p: PartShape, recompute: bool = False) -> PartTraffic:
+    """One decoder layer (module docstring); with `recompute` its backward runs the forward again."""
+    n, h, q, k, f = p.tokens, p.h, p.q, p.k, p.f
+    weights = F.layer_matmul_params(p.model) / p.tp
+    matmul = 2.0 * n * weights
+    attention = 4.0 * n * F.attended_keys(p.model, p.seq) * q
+    grouped = 1.0 if _grouped(p) else 0.0
+    if compiled_layer(p):
+        saved = layer_saved_bytes(p) + layer_weight_copies(p)
+        boundary = 2 * n * h * FP32
+        fwd = PassCost(matmul, attention, saved + boundary + 6 * weights, 2.0, 12.0)
+        bwd = PassCost(2 * matmul, 2 * attention, 2 * saved + boundary + 18 * weights, 2.0, 25.0)
+    elif p.autocast:
+        fwd = PassCost(matmul, attention, n * (104 * h + 45 * q + 31 * k + 3 * grouped * (q + k) + 10 * f)
+                       + 6 * weights, 84 + 8 * grouped, 48 + 2 * grouped)
+        bwd = PassCost(2 * matmul, 2 * attention, n * (304 * h + 59 * q + 52 * k + 3 * grouped * (q + k) + 18 * f)
+                       + 18 * weights, 156 + 6 * grouped, 95 + 2 * grouped)
+    else:
+        fwd = PassCost(matmul, attention, n * (78 * h + 53 * q + 31 * k + 7 * grouped * (q + k) + 20 * f),
+                       70 + 8 * grouped, 34 + 2 * grouped)
+        bwd = PassCost(2 * matmul, 2 * attention, n * (262 * h + 61 * q + 54 * k + 7 * grouped * (q + k) + 36 * f)
+                       + 12 * weights, 136 + 6 * grouped, 75 + 2 * grouped)
+    return PartTraffic(fwd, fwd.plus(bwd) if recompute else bwd)
+
+
+def head_traffic(p: PartShape) -> PartTraffic:
+    """The last stage's final norm, output projection and loss (module docstring)."""
+    n, h, v = p.tokens, p.h, p.vocab
+    matmul = 2.0 * n * h * v
+    half = p.autocast
+    if p.chunked_loss:
+        chunks = math.ceil(n / p.chunk) if p.chunk else 1
+        fwd_bytes = n * h * (44 if half else 32) + n * v * (64 if half else 56) + v * h * (6 if half else 0) \
+            + chunks * v * h * (10 if half else 8)
+        fwd = PassCost(3 * matmul, 0.0, fwd_bytes, (15 if half else 14) + (43 if half else 38) * chunks,
+                       (10 + 30 * chunks) if half else (9 + 26 * chunks))
+        bwd = PassCost(0.0, 0.0, 116 * n * h + 20 * v * h, 23, 14)
+        return PartTraffic(fwd, bwd)
+    fwd = PassCost(matmul, 0.0, n * h * (34 if half else 28) + n * v * (18 if half else 12) + v * h * (6 if half else 0),
+                   22 if half else 19, 14 if half else 11)
+    bwd = PassCost(2 * matmul, 0.0, n * h * (114 if half else 108) + n * v * (26 if half else 20)
+                   + v * h * (18 if half else 12), 36 if half else 33, 24 if half else 21)
+    return PartTraffic(fwd, bwd)
+
+
+def embedding_traffic(p: PartShape) -> PartTraffic:
+    """The first stage's embedding lookup and its dense gradient (module docstring)."""
+    n, h, v = p.tokens, p.h, p.vocab
+    return PartTraffic(PassCost(0.0, 0.0, 8 * n * h, 2, 1), PassCost(0.0, 0.0, 4 * n * h + 16 * v * h, 2, 2))
+
+
+# Bytes one optimizer step moves per parameter: the gradient norm (read) and clipping (read, write) of fp32
+# gradients, 12, plus AdamW: fused, one pass reading parameter, gradient and both moments and writing parameter
+# and moments (28); multi-tensor, eight passes (decay, the first moment's lerp, the second's scale and addcmul,
+# its square root, the bias correction and epsilon, the update: 80).
+OPTIMIZER_BYTES_PER_PARAM = {"fused": 12.0 + 28.0, "foreach": 12.0 + 80.0}
+
+
+def loss_chunks(p: PartShape) -> int:
+    """Chunks of the chunked loss for one micro-batch (semantics/runtime_paths.loss_chunk_tokens)."""
+    return math.ceil(p.tokens / (p.chunk or loss_chunk_tokens(int(p.vocab))))

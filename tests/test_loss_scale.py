@@ -14,6 +14,7 @@ and growth (every 2 clean steps) reaches 2^18 before the injected overflow, at l
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,14 +23,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flashflex_cli.cli import main
 from flashflex_cli.errors import InputError
 from flashflex_cli.plan.schema import Plan
+from flashflex_cli.runs.reader import load_run
 from flashflex_cli.runtime import checkpoint as ckpt
 from flashflex_cli.runtime.engine import OptimConfig, RankEngine
 from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.loss_scale import LossScaling, OverflowInjection, injected_steps
+from flashflex_cli.runtime.loss_scale import INJECT_ENV, LossScaling, OverflowInjection, injected_steps
 from flashflex_cli.runtime.reference import reference_train
 from tests.infra.worker_pool import WorkerPool, gloo_rank
+from tests.test_launch import GOLDEN, _launch, _rows
 from tests.test_parity import make_batches, make_plan
 
 SEED = 7
@@ -205,7 +209,7 @@ def _check(outputs: list[dict[str, Any]], ref: Any, steps: tuple[int, int]) -> l
             diffs.append(abs(loss / ref.losses[step] - 1))
             assert loss == pytest.approx(ref.losses[step], rel=LOSS_RTOL), f"rank {rank} step {step}"
         assert out["step"] == steps[1]
-        assert out["optimizer_steps"] == [s for s in ref.skipped[:steps[1]]].count(False)
+        assert out["optimizer_steps"] == ref.skipped[:steps[1]].count(False)
     return diffs
 
 
@@ -234,3 +238,57 @@ def test_checkpoint_resumes_the_scale_under_another_plan(tmp_path: Path, pool: W
     outputs = _run(PLAN_B, tmp_path, pool, (5, STEPS), resume=save)
     _check(outputs, reference, (5, STEPS))
     assert all(out["resumed"] == (5, 3, {3.0}) for out in outputs)
+
+
+# ------------------------------------------------------------------------------------------------ launch
+
+
+def _fp16_copy(name: str, folder: Path) -> Path:
+    """The golden plan `name` (tests/golden, the 2-node CPU cluster) trained in fp16 instead."""
+    data = json.loads((GOLDEN / name).read_text())
+    data["inputs"]["train"]["dtype"] = "fp16"
+    out = folder / name.replace(".json", "-fp16.json")
+    out.write_text(json.dumps(data))
+    return out
+
+
+@pytest.mark.slow
+def test_launch_skips_an_injected_overflow_and_resumes_the_scale_under_another_plan(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`flashflex launch` of an fp16 plan on 4 emulated CPU ranks, with rank 3 (the second pipeline; not rank 0,
+    which writes the metrics) made to overflow at step 1: every rank skips it (rank 0's row says so, and the
+    scale halves), a checkpoint after step 3 holds the scale, and a resumed launch under the 3-rank plan
+    continues with it. A one-rank launch with the same overflow gives the same losses, scales and skips.
+    `show --run` tells the skipped steps; the same run without the fp16 fields (an older run) reads as before."""
+    plan4, plan3, plan1 = (_fp16_copy(f"plan-{n}rank.json", tmp_path) for n in (4, 3, 1))
+    run, ck, solo = tmp_path / "run", tmp_path / "ck", tmp_path / "solo"
+    schedule = ("--steps", "3", "--schedule-steps", "5")
+    first = _launch(plan4, run, *schedule, "--checkpoint-dir", str(ck), env={INJECT_ENV: "rank=3,step=1"})
+    assert first.returncode == 0, first.stderr
+    assert "skipped (inf/NaN gradients)" in first.stderr and "fp16 autocast without loss scaling" not in first.stderr
+    assert json.loads((run / "runtime.json").read_text())["loss_scaling"] == LossScaling().to_record()
+    found = ckpt.latest_checkpoint(ck)
+    assert found is not None and found.name == "step-000003"
+    resumed = _launch(plan3, run, "--steps", "5", "--schedule-steps", "5", "--checkpoint-dir", str(ck), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "at step 3 (loss scale 32768)" in resumed.stderr
+    alone = _launch(plan1, solo, "--steps", "5", env={INJECT_ENV: "rank=0,step=1"})
+    assert alone.returncode == 0, alone.stderr
+    rows, want = _rows(run), _rows(solo)
+    assert [r["step"] for r in rows] == list(range(5))
+    for row in (*rows, *want):
+        assert row["loss_scale"] == (2.0**16 if row["step"] < 2 else 2.0**15)
+        assert row["skipped"] == (row["step"] == 1)
+    for mine, ref in zip(rows, want, strict=True):
+        assert mine["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL), mine["step"]
+    capsys.readouterr()
+    assert main(["show", str(plan3), "--run", str(run), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["run_comparison"]
+    assert shown["loss_scaling"] == {"steps": 5, "skipped_steps": 1, "last_scale": 32768.0}
+    assert main(["show", str(plan3), "--run", str(run)]) == 0
+    assert "fp16 loss scaling: 1 of 5 steps skipped (inf/NaN gradients), last scale 32768" in capsys.readouterr().err
+    old = [{k: v for k, v in row.items() if k not in ("loss_scale", "skipped")} for row in rows]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in old))
+    assert load_run(run).loss_scaling() is None
+    assert main(["show", str(plan3), "--run", str(run), "--json"]) == 0
+    assert "loss_scaling" not in json.loads(capsys.readouterr().out)["run_comparison"]

@@ -37,7 +37,7 @@ lacks the optional scalars loads with optimizer_steps = step and the initial los
 Precision: fp32 parameters always; the compute runs under autocast in the plan's dtype on every device (bf16 or
 fp16; semantics/runtime_paths.compute_dtype); fp32 and tf32 plans compute in fp32 (tf32: TF32 matmuls on CUDA).
 fp16 plans scale the loss dynamically, one scale for the whole job (runtime/loss_scale.py): a step whose
-gradients overflow anywhere is skipped on every rank (`StepResult.skipped`) and the scale halves.
+gradients overflow anywhere is skipped on every rank (`StepResult.skipped`) and the scale backs off.
 
 Compilation (options.compile): the stage's layers, final norm and chunked loss are compiled (runtime/compiled.py)
 and warmed up in the constructor, on dummy inputs of the real shapes, so no step pays for it; if compiling fails

@@ -194,10 +194,10 @@ def test_tf32_on_cpu_is_refused(tmp_path, capsys):
 
 
 def test_half_precision_profiles_on_cpu_under_autocast(tmp_path):
-    """bf16 runs under CPU autocast as on a GPU: its layer keeps the 16-bit copies of its matmul weights that
-    autocast made for the backward (the fp32 layer saves its weights themselves, which were there before)."""
+    """bf16 and fp16 run under CPU autocast as on a GPU: their layer keeps the 16-bit copies of its matmul weights
+    that autocast made for the backward (the fp32 layer saves its weights themselves, which were there before)."""
     sizes = {}
-    for dtype in ("fp32", "bf16"):
+    for dtype in ("fp32", "bf16", "fp16"):
         out = tmp_path / f"{dtype}.json"
         assert main(["profile", "--model", "llama-tiny", "--seq-len", "16", "--micro-batch", "2", "--dtype", dtype,
                      "--repeats", "1", "--warmup", "0", "--out", str(out)]) == 0
@@ -205,7 +205,7 @@ def test_half_precision_profiles_on_cpu_under_autocast(tmp_path):
         assert profile.dtype == dtype
         sizes[dtype] = profile.entries[0].layer.activation_bytes
     weight_copies = 2 * layer_matmul_params(resolve_model("llama-tiny"))
-    assert sizes["fp32"] > 0 and sizes["bf16"] > weight_copies
+    assert sizes["fp32"] > 0 and sizes["bf16"] > weight_copies and sizes["fp16"] == sizes["bf16"]
 
 
 def test_without_model_the_layer_options_are_refused(tmp_path, capsys):

@@ -42,7 +42,7 @@ def grad_atol(want: torch.Tensor, tokens: int) -> float:
 
 
 def make_plan(model: str | ModelSpec, pipelines: list[tuple[int, int, list[tuple[int, tuple[int, int]]]]],
-              seq_len: int = SEQ, recompute: bool = False) -> Plan:
+              seq_len: int = SEQ, recompute: bool = False, dtype: str = "fp32") -> Plan:
     """A Plan from [(micro_batch_size, num_micro_batches, [(tp, (first_layer, end_layer)), ...]), ...]."""
     device = 0
     pipes: list[dict[str, Any]] = []
@@ -57,7 +57,7 @@ def make_plan(model: str | ModelSpec, pipelines: list[tuple[int, int, list[tuple
     return Plan.model_validate({
         "schema": "flashflex.plan/1",
         "inputs": {"cluster_sha256": "test", "model": (PRESETS[model] if isinstance(model, str) else model).model_dump(),
-                   "train": {"global_batch": batch, "seq_len": seq_len, "dtype": "fp32",
+                   "train": {"global_batch": batch, "seq_len": seq_len, "dtype": dtype,
                              "recompute": recompute}},
         "pipelines": pipes,
     })

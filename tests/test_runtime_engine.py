@@ -69,8 +69,9 @@ def test_checkpoint_state_round_trip(one_rank: Plan) -> None:
         a.train_step(batch)
     state = a.state_for_checkpoint()
     names = {spec.name for spec in a.shard_specs()}
-    assert set(state) == names | {f"{n}.exp_avg" for n in names} | {f"{n}.exp_avg_sq" for n in names} | {"step"}
-    assert int(state["step"]) == 2 and all(spec.owner for spec in a.shard_specs())
+    assert set(state) == names | {f"{n}.exp_avg" for n in names} | {f"{n}.exp_avg_sq" for n in names} | {
+        "step", "optimizer_steps"}  # no loss scale outside fp16 plans
+    assert int(state["step"]) == 2 == int(state["optimizer_steps"]) and all(spec.owner for spec in a.shard_specs())
     assert float(state["embed.exp_avg_sq"].abs().sum()) > 0
     full = a.gather_full_state()
     b = _engine(one_rank, seed=2)
@@ -93,14 +94,19 @@ def test_slowdown_is_applied(one_rank: Plan) -> None:
     assert 0 < engine.slow.slept <= compute / 2 + 1e-3
 
 
-def test_a_step_reads_nothing_back_from_the_device_before_its_end(one_rank: Plan) -> None:
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_a_step_reads_nothing_back_from_the_device_before_its_end(one_rank: Plan, dtype: str) -> None:
     """No `.item()`, `float(tensor)` or `bool(tensor)` (each a blocking device read on a GPU) in a whole step,
     gradient clipping included: the loss and the gradient norm come back in one `tolist()` after the optimizer
     step (not a dispatched op, so not counted here). The fused optimizer keeps its step counters on the device
-    (foreach keeps them on the host and reads them there, which is no device read)."""
+    (foreach keeps them on the host and reads them there, which is no device read). fp16: the loss scaler's
+    overflow flag goes into the fused kernel and the scale update, both on the device."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    engine = _engine(one_rank, options=RuntimeOptions(optimizer="fused"))
+    plan = one_rank.model_copy(update={"inputs": one_rank.inputs.model_copy(update={
+        "train": one_rank.inputs.train.model_copy(update={"dtype": dtype})})})
+    engine = _engine(plan, options=RuntimeOptions(optimizer="fused"))
+    assert (engine.scaler is not None) == (dtype == "fp16")
     reads: list[str] = []
 
     class Reads(TorchDispatchMode):

@@ -72,13 +72,15 @@ class StageComparison:
 @dataclass(frozen=True)
 class RunComparison:
     """Every stage's terms, the predicted and measured step time (seconds), how many steps the medians used,
-    and the (stage, term) off most: the largest absolute seconds difference over a step."""
+    and the (stage, term) off most: the largest absolute seconds difference over a step. `loss_scaling`: fp16
+    runs' (steps, steps skipped, last loss scale), else None."""
 
     stages: tuple[StageComparison, ...]
     predicted_step_s: float
     measured_step_s: float
     steps_used: int
     worst: tuple[int, int, str, float] | None
+    loss_scaling: tuple[int, int, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict (the "run_comparison" object of `flashflex show --run --json`)."""
@@ -86,7 +88,7 @@ class RunComparison:
         if self.worst is not None:
             p, s, name, diff = self.worst
             worst = {"pipeline": p, "stage": s, "term": name, "measured_minus_predicted_s": round(diff, 6)}
-        return {
+        out: dict[str, Any] = {
             "predicted_step_s": self.predicted_step_s, "measured_step_s": self.measured_step_s,
             "steps_used": self.steps_used,
             "stages": [{"pipeline": c.pipeline, "stage": c.stage, "devices": list(c.devices),
@@ -94,6 +96,10 @@ class RunComparison:
                        for c in self.stages],
             "off_most": worst,
         }
+        if self.loss_scaling is not None:
+            steps, skipped, scale = self.loss_scaling
+            out["loss_scaling"] = {"steps": steps, "skipped_steps": skipped, "last_scale": scale}
+        return out
 
 
 def _minus(total: float | None, *parts: float | None) -> float | None:
@@ -150,4 +156,5 @@ def compare_run(plan: Plan, estimate: Estimate, run: RunRecord) -> RunComparison
                     diff = t.measured - t.predicted
                     if worst is None or abs(diff) > abs(worst[3]):
                         worst = (p, s, t.name, diff)
-    return RunComparison(tuple(out), estimate.iteration_time_s, run.step_time_s(), len(run.used_rows), worst)
+    return RunComparison(tuple(out), estimate.iteration_time_s, run.step_time_s(), len(run.used_rows), worst,
+                         run.loss_scaling())

@@ -55,6 +55,14 @@ class RunRecord:
         values = [float(r["memory_bytes"]) for r in self.used_rows if "memory_bytes" in r]
         return statistics.median(values) if values else None
 
+    def loss_scaling(self) -> tuple[int, int, float] | None:
+        """fp16 runs: (steps recorded, steps skipped for inf/NaN gradients, the last step's loss scale); None for
+        runs without loss scaling (bf16, fp32, and runs recorded before it existed)."""
+        scaled = [r for r in self.rows if isinstance(r.get("loss_scale"), int | float)]
+        if not scaled:
+            return None
+        return len(scaled), sum(1 for r in scaled if r.get("skipped") is True), float(scaled[-1]["loss_scale"])
+
     def stage_ops(self, pipeline: int, stage: int) -> list[tuple[str, int, float, float]]:
         """Recorded ops of one stage: (kind "F"/"B", micro-batch, start_s, end_s) since the step start."""
         for row in self.timeline:

@@ -41,6 +41,10 @@ def render_comparison(console: Console, cmp: RunComparison) -> None:
     ratio = cmp.measured_step_s / cmp.predicted_step_s if cmp.predicted_step_s > 0 else float("nan")
     console.print(f"  step time: predicted {1e3 * cmp.predicted_step_s:.1f} ms, measured "
                   f"{1e3 * cmp.measured_step_s:.1f} ms (measured/predicted {ratio:.2f})")
+    if cmp.loss_scaling is not None:
+        steps, skipped, scale = cmp.loss_scaling
+        console.print(f"  fp16 loss scaling: {skipped} of {steps} steps skipped (inf/NaN gradients), last scale "
+                      f"{scale:g}")
     if cmp.worst is not None:
         p, s, name, diff = cmp.worst
         console.print(f"  off most: pipeline {p} stage {s} {name}: measured {'+' if diff >= 0 else ''}"

@@ -295,10 +295,12 @@ def plan_reads(table: Mapping[str, Any], targets: Mapping[str, tuple[ShardSpec, 
     """For each target (key -> (its slice of the full tensor spec.name, tensor to fill)): the saved pieces to
     read, as (target key, saved key, dim, start, stop, offset in the saved shard) along `dim` (None: the whole
     tensor). `table`: the manifest's "tensors". Raises InputError naming `where` for a missing tensor, another
-    shape, or slices the checkpoint does not cover."""
+    shape, or slices the checkpoint does not cover; an `optional` target the checkpoint lacks gets no read."""
     reads: list[tuple[str, str, int | None, int, int, int]] = []
     for key, (spec, tensor) in targets.items():
         entry = table.get(spec.name)
+        if entry is None and spec.optional:
+            continue
         if entry is None:
             raise InputError(f"{where}: checkpoint has no tensor {spec.name}")
         shape = tuple(entry["shape"])
@@ -487,10 +489,12 @@ def load_into(path: str | os.PathLike[str], targets: Mapping[str, tuple[ShardSpe
 
     targets: key -> (ShardSpec naming the full tensor `spec.name` and the slice [start, stop) along `dim`
     (dim None: the whole tensor), tensor of that slice's shape, any device, the saved dtype or castable).
-    Reads only the saved shards overlapping each slice (see the module docstring for peak memory).
+    Reads only the saved shards overlapping each slice (see the module docstring for peak memory). A target
+    whose ShardSpec is `optional` and which the checkpoint lacks is left as it is.
     Collective over `group` (every rank calls it, each with its own targets).
     """
     table: dict[str, Any] = read_manifest(path)["tensors"]
     pieces = plan_reads(table, targets, str(path))
-    dcp.load({key: tensor for key, (_, tensor) in targets.items()}, storage_reader=_SliceReader(str(path)),
-             planner=_SliceLoadPlanner(pieces), process_group=group)
+    read = {piece[0] for piece in pieces}
+    dcp.load({key: tensor for key, (_, tensor) in targets.items() if key in read},
+             storage_reader=_SliceReader(str(path)), planner=_SliceLoadPlanner(pieces), process_group=group)

@@ -4,7 +4,8 @@ API (stable; later versions only add optional keyword arguments)::
 
     groups = build_groups(plan, rank)                 # runtime/groups.py, collective, after init_process_group
     engine = RankEngine(plan, rank, groups, device, optim: OptimConfig, seed=0, slowdown=1.0,
-                        options=RuntimeOptions())         # the runtime's paths (runtime/options.py)
+                        options=RuntimeOptions(),         # the runtime's paths (runtime/options.py)
+                        loss_scaling=LossScaling())       # fp16 plans: dynamic loss scaling (runtime/loss_scale.py)
     result = engine.train_step(tokens)                # -> StepResult
     engine.pipeline_slice(global_batch) -> slice      # rows of the global batch this rank's pipeline takes
     engine.shard_specs() -> list[ShardSpec]           # global name, full shape, (dim, start, stop), owner
@@ -13,7 +14,9 @@ API (stable; later versions only add optional keyword arguments)::
     engine.load_from_full(get_full)                   # resume from full tensors (any plan)
     engine.gather_full_state() -> dict[str, Tensor]   # full tensors of this rank's state keys (TP collective)
     engine.gather_full_grads() / gather_full_params() # test helpers, collective over the TP group
-    engine.step                                       # optimizer steps taken
+    engine.step                                       # steps taken (batches consumed, skipped ones included)
+    engine.optimizer_steps                            # AdamW updates taken (fp16: steps not skipped)
+    engine.scaler                                     # fp16: the job's loss scaler (runtime/loss_scale.py), else None
     engine.options                                    # the paths that run (resolved; compile off after a fallback)
     engine.compile_seconds                            # the compile warm-up before step 0 (None: not compiled)
 
@@ -26,11 +29,15 @@ summed over tokens and divided by the global token count), so a plan's run equal
 same global batch. `StepResult.loss` is that value, identical on every rank.
 
 State keys: "<name>" (fp32 master parameter shard), "<name>.exp_avg", "<name>.exp_avg_sq" (AdamW moments, same
-shard) and "step" (int64 scalar tensor). Global names are plan-independent (see runtime/model.py).
+shard), "step" (int64 scalar tensor: steps taken), "optimizer_steps" (int64: AdamW updates taken, fewer than
+"step" by the steps fp16 loss scaling skipped) and, in fp16 plans, "loss_scale" (fp32) and
+"loss_scale_growth_tracker" (int32). Global names are plan-independent (see runtime/model.py). A checkpoint that
+lacks the optional scalars loads with optimizer_steps = step and the initial loss scale.
 
-Precision: fp32 parameters always; the compute runs under autocast in the plan's dtype on every device (bf16, or
-fp16 without loss scaling; semantics/runtime_paths.compute_dtype); fp32 and tf32 plans compute in fp32 (tf32:
-TF32 matmuls on CUDA).
+Precision: fp32 parameters always; the compute runs under autocast in the plan's dtype on every device (bf16 or
+fp16; semantics/runtime_paths.compute_dtype); fp32 and tf32 plans compute in fp32 (tf32: TF32 matmuls on CUDA).
+fp16 plans scale the loss dynamically, one scale for the whole job (runtime/loss_scale.py): a step whose
+gradients overflow anywhere is skipped on every rank (`StepResult.skipped`) and the scale backs off.
 
 Compilation (options.compile): the stage's layers, final norm and chunked loss are compiled (runtime/compiled.py)
 and warmed up in the constructor, on dummy inputs of the real shapes, so no step pays for it; if compiling fails
@@ -41,7 +48,7 @@ for the device before its end: the loss and the gradient norm are read once, aft
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
@@ -55,6 +62,7 @@ from .compiled import CompileBackend, compile_stage, eager_stage, warm_up
 from .grad_sync import GradSync
 from .groups import PlanGroups
 from .init import shard_init
+from .loss_scale import SCALE_KEY, TRACKER_KEY, JobScaler, LossScaling, poison
 from .model import ParamInfo, StageModule, stage_params
 from .oom import PhaseTracker
 from .op_timer import OpTimer
@@ -71,6 +79,7 @@ PLAN_ATTENTION = {"flash": FLASH, "sdpa": SDPA, "eager": EAGER}
 __all__ = ["OptimConfig", "RankEngine", "ShardSpec", "StepResult", "plan_shard_specs"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+UPDATES_KEY = "optimizer_steps"
 
 
 @dataclass(frozen=True)
@@ -78,14 +87,19 @@ class StepResult:
     """One optimizer step: global mean loss (same on every rank), gradient norm before clipping, learning rate
     used, and timings in seconds ("forward", "backward", "p2p", "tp_comm" (CPU only), "dp_sync" (the exposed DP
     reduction: from the end of the schedule until the sums are back), "dp_total" (CPU only: seconds the DP
-    collectives ran, overlapped or not), "optimizer", "step", "pipeline"). `ops`: this rank's compute ops (kind "F"/"B", micro-batch, start_s, end_s since the step start), when
-    train_step was asked to record them."""
+    collectives ran, overlapped or not), "optimizer", "step", "pipeline"). `ops`: this rank's compute ops (kind
+    "F"/"B", micro-batch, start_s, end_s since the step start), when train_step was asked to record them.
+    fp16 plans: `loss_scale`, the scale this step's loss was multiplied by, and `skipped`, whether the step was
+    skipped on every rank for inf/NaN gradients (its update not applied; `grad_norm` then inf or NaN); None and
+    False in other plans."""
 
     loss: float
     grad_norm: float
     lr: float
     timings: dict[str, float] = field(default_factory=dict)
     ops: tuple[tuple[str, int, float, float], ...] = ()
+    loss_scale: float | None = None
+    skipped: bool = False
 
 
 def plan_shard_specs(plan: Plan, rank: int) -> list[ShardSpec]:
@@ -108,13 +122,16 @@ def plan_shard_specs(plan: Plan, rank: int) -> list[ShardSpec]:
 class RankEngine:
     """Builds this rank's stage (initialised from `seed`, plan-independent, or by `initial(info, tp, tp_rank)`
     returning the local shard, e.g. from a Hugging Face checkpoint), its optimizer and its schedule.
-    `compile_backend`: torch.compile's backend when `options` compile (tests pass a cheaper one)."""
+    `compile_backend`: torch.compile's backend when `options` compile (tests pass a cheaper one).
+    `loss_scaling`: the dynamic loss scaling of fp16 plans (ignored by others); `overflow_steps`: steps at which
+    this rank's first gradient is made inf after the reduction (tests: runtime/loss_scale.py's injection)."""
 
     def __init__(self, plan: Plan, rank: int, groups: PlanGroups, device: torch.device, optim: OptimConfig,
                  seed: int = 0, slowdown: float = 1.0, attention: str | None = None,
                  initial: Callable[[ParamInfo, int, int], torch.Tensor] | None = None,
                  options: RuntimeOptions | None = None, phases: PhaseTracker | None = None,
-                 compile_backend: CompileBackend = "inductor") -> None:
+                 compile_backend: CompileBackend = "inductor", loss_scaling: LossScaling | None = None,
+                 overflow_steps: Collection[int] = ()) -> None:
         spec, train = plan.inputs.model, plan.inputs.train
         if not 0 <= rank < plan.world_size or groups.rank != rank:
             raise InputError(f"rank {rank} does not match the plan (world size {plan.world_size}) or its groups")
@@ -127,8 +144,6 @@ class RankEngine:
         first, last = me.stage == 0, me.stage == len(self.pipe.stages) - 1
         self.first, self.last = first, last
         self.amp_dtype = autocast_dtype(train.dtype)
-        if train.dtype == "fp16":
-            LOG.warning("rank %d: fp16 autocast without loss scaling; prefer bf16 where supported", rank)
         if device.type == "cuda" and train.dtype == "tf32":  # fp32 tensors, TF32 tensor-core matmuls
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -150,6 +165,9 @@ class RankEngine:
         self.module.to(device)
         self.optimizer = make_optimizer(((n, p) for n, (_, p) in self.params.items()), optim,
                                         path=str(self.options.optimizer))
+        self.scaler = JobScaler(loss_scaling or LossScaling(), device, self.optimizer, groups.world_group) \
+            if self.amp_dtype == torch.float16 else None
+        self.overflow_steps = frozenset(overflow_steps)
         self.sync = GradSync(self.params, groups, overlap=self.options.overlap_dp,
                              hierarchical=self.options.hierarchical_dp, num_micro=self.pipe.num_micro_batches)
         self.slow = Slowdown(slowdown, comm_clock=lambda: self.tp.comm_seconds[0])
@@ -158,6 +176,7 @@ class RankEngine:
                                      autocast=self._autocast, slowdown=self.slow, lean=self.options.lean_p2p,
                                      transfer_dtype=self.amp_dtype or torch.float32, phases=self.phases)
         self.step = 0
+        self.optimizer_steps = 0
         self._specs = plan_shard_specs(plan, rank)
         self.compile_seconds: float | None = None
         # A first collective with every rank on the world group, so later batched P2P on it may involve only a
@@ -221,13 +240,23 @@ class RankEngine:
         global_tokens = train.global_batch * train.seq_len
         times = PipelineTimes(ops=[] if record_ops else None, origin=origin, origin_mark=t0)
         self.sync.start_step()  # overlap_dp: buckets start reducing inside the last backward
-        loss_sum = self.runner.run(inputs, targets, 1.0 / global_tokens, times, timer=timer)
+        loss_sum = self.runner.run(inputs, targets, 1.0 / global_tokens, times, timer=timer,
+                                   scale_loss=self.scaler.scale if self.scaler is not None else None)
         t1 = timer.mark()
         self.sync.finish()  # overlap_dp: wait for this rank's buckets; else the blocking reduction
         t2 = timer.mark()
         self.phases.enter("optimizer")
+        scaling: list[torch.Tensor] = []  # fp16: [found-inf flag, the scale this step used], read at the end
+        if self.scaler is not None:
+            if self.step in self.overflow_steps:
+                poison([p.grad for _, p in self.params.values() if p.grad is not None])
+            scaling = [self.scaler.unscale_and_agree(), self.scaler.current()]  # clipping sees true gradients
         grad_norm = self.sync.clip(self.optim.grad_clip)  # a device scalar: read with the loss, at the end
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step()  # skipped on every rank when any rank overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         t3 = timer.mark()
         if not (self.last and self.tp.rank == 0):
             loss_sum.zero_()
@@ -244,13 +273,20 @@ class RankEngine:
             timings["tp_comm"] = self.tp.comm_seconds[0]
             timings["dp_total"] = self.sync.busy_s  # seconds the DP collectives ran, hidden or not
             timings["dp_across"] = self.sync.across_s  # of which hierarchical reductions' cross-node step
-        loss, norm = torch.stack([loss_sum, grad_norm]).tolist()  # the step's one read of device values
+        read = torch.stack([loss_sum, grad_norm, *(t.double() for t in scaling)]).tolist()  # the step's one read
+        loss, norm = read[0], read[1]
+        if self.scaler is None:
+            self.optimizer_steps += 1
+            return StepResult(loss=loss / global_tokens, grad_norm=norm, lr=lr, timings=timings,
+                              ops=tuple(times.ops or ()))
+        skipped = read[2] > 0
+        self.optimizer_steps += 0 if skipped else 1
         return StepResult(loss=loss / global_tokens, grad_norm=norm, lr=lr, timings=timings,
-                          ops=tuple(times.ops or ()))
+                          ops=tuple(times.ops or ()), loss_scale=read[3], skipped=skipped)
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
-        """Local shards (detached views, do not modify): params, AdamW moments (zeros before the first step)
-        and "step"."""
+        """Local shards (detached views, do not modify): params, AdamW moments (zeros before the first step),
+        "step", "optimizer_steps" and, with a loss scaler, its scale and growth tracker (module docstring)."""
         out: dict[str, torch.Tensor] = {}
         for name, (_, param) in self.params.items():
             out[name] = param.detach()
@@ -258,21 +294,53 @@ class RankEngine:
             for moment in MOMENTS:
                 out[f"{name}.{moment}"] = state[moment].detach() if moment in state else torch.zeros_like(param)
         out["step"] = torch.tensor(self.step, dtype=torch.int64)
+        out[UPDATES_KEY] = torch.tensor(self.optimizer_steps, dtype=torch.int64)
+        if self.scaler is not None:
+            out.update(self.scaler.state())
         return out
 
+    def _scalar_defaults(self, step: int) -> dict[str, torch.Tensor]:
+        """What a checkpoint without the optional scalars means: no skipped step, the initial loss scale."""
+        out = {UPDATES_KEY: torch.tensor(step, dtype=torch.int64)}
+        if self.scaler is not None:
+            out[SCALE_KEY] = torch.tensor(self.scaler.config.init_scale, dtype=torch.float32)
+            out[TRACKER_KEY] = torch.tensor(0, dtype=torch.int32)
+        return out
+
+    def _restore_scalars(self, step: int, scalars: dict[str, torch.Tensor]) -> None:
+        """Take over the step counts and the loss scale (`scalars`: the keys of `_scalar_defaults`)."""
+        updates = int(scalars[UPDATES_KEY].item())
+        if not 0 <= updates <= step:
+            raise InputError(f"checkpoint optimizer_steps {updates} is not within 0..step {step}")
+        self.step, self.optimizer_steps = step, updates
+        if self.scaler is not None:
+            self.scaler.load(float(scalars[SCALE_KEY].item()), int(scalars[TRACKER_KEY].item()))
+
     def load_from_full(self, get_full: Callable[[str], torch.Tensor]) -> None:
-        """Load this rank's shards of params and AdamW moments, and the step count, from FULL fp32 tensors
-        (`get_full(key)` for the keys of `state_for_checkpoint`), whatever plan saved them."""
+        """Load this rank's shards of params and AdamW moments, the step counts and the loss scale, from FULL
+        fp32 tensors (`get_full(key)` for the keys of `state_for_checkpoint`; a KeyError for an optional scalar
+        leaves its default), whatever plan saved them."""
         step = int(get_full("step").item())
         with torch.no_grad():
             for name, (info, param) in self.params.items():
                 param.copy_(self._shard(info, get_full(name)))
-                if step > 0:
-                    restore_moments(self.optimizer, param, step,
+        scalars = self._scalar_defaults(step)
+        for key in scalars:
+            try:
+                scalars[key] = get_full(key)
+            except KeyError:
+                pass
+            if scalars[key].numel() != 1:
+                raise InputError(f"checkpoint {key}: shape {list(scalars[key].shape)}, a scalar expected")
+        updates = int(scalars[UPDATES_KEY].item())
+        with torch.no_grad():
+            for name, (info, param) in self.params.items():
+                if updates > 0:
+                    restore_moments(self.optimizer, param, updates,
                                     *(self._shard(info, get_full(f"{name}.{m}")).clone() for m in MOMENTS))
                 else:
                     restore_moments(self.optimizer, param, 0)
-        self.step = step
+        self._restore_scalars(step, scalars)
 
     def _shard(self, info: ParamInfo, full: torch.Tensor) -> torch.Tensor:
         if tuple(full.shape) != info.shape:
@@ -309,7 +377,8 @@ class RankEngine:
         for name, (info, _) in self.params.items():
             for key in (name, f"{name}.exp_avg", f"{name}.exp_avg_sq"):
                 out[key] = self._gather(info, local[key]).cpu()
-        out["step"] = local["step"]
+        for key in ("step", *self._scalar_defaults(0)):
+            out[key] = local[key]
         return out
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
@@ -318,10 +387,12 @@ class RankEngine:
 
 
     def load_local(self, fill: Callable[[dict[str, tuple[ShardSpec, torch.Tensor]]], None]) -> None:
-        """Load this rank's shards of params and AdamW moments, and the step count, in place, whatever plan saved
-        them: `fill(targets)` writes into each target tensor the saved values of the slice its ShardSpec names
-        (keys: those of `state_for_checkpoint`), e.g. `lambda t: checkpoint.load_into(path, t)`. No full tensor is
-        built here: host memory grows by the two moments (on CPU) plus what `fill` holds at once."""
+        """Load this rank's shards of params and AdamW moments, the step counts and the loss scale, in place,
+        whatever plan saved them: `fill(targets)` writes into each target tensor the saved values of the slice its
+        ShardSpec names (keys: those of `state_for_checkpoint`), e.g. `lambda t: checkpoint.load_into(path, t)`;
+        targets whose ShardSpec is `optional` (the scalars a checkpoint may lack) hold their default and are left
+        as they are when the checkpoint lacks them. No full tensor is built here: host memory grows by the two
+        moments (on CPU) plus what `fill` holds at once."""
         targets: dict[str, tuple[ShardSpec, torch.Tensor]] = {}
         moments: dict[str, dict[str, torch.Tensor]] = {}
         for spec in self._specs:
@@ -333,9 +404,15 @@ class RankEngine:
                                                          spec.stop, spec.owner), buf)
         step = torch.zeros((), dtype=torch.int64)
         targets["step"] = (ShardSpec("step", (), None, 0, 1, self.rank == 0), step)
+        scalars = self._scalar_defaults(-1)  # -1: "optimizer_steps" absent from the checkpoint, read as "step"
+        for key, value in scalars.items():
+            targets[key] = (ShardSpec(key, (), None, 0, 1, self.rank == 0, optional=True), value)
         with torch.no_grad():
             fill(targets)
         steps = int(step.item())
+        if int(scalars[UPDATES_KEY].item()) < 0:
+            scalars[UPDATES_KEY].fill_(steps)
+        updates = int(scalars[UPDATES_KEY].item())
         for name, (_, param) in self.params.items():
-            restore_moments(self.optimizer, param, steps, moments[name]["exp_avg"], moments[name]["exp_avg_sq"])
-        self.step = steps
+            restore_moments(self.optimizer, param, updates, moments[name]["exp_avg"], moments[name]["exp_avg_sq"])
+        self._restore_scalars(steps, scalars)

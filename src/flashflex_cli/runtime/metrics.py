@@ -6,7 +6,8 @@ memory_bytes (largest over ranks), and `stages`: per pipeline stage (from its TP
 forward_s, backward_s, comm_s (pipeline p2p + gradient sync), optimizer_s and, on CPU, tp_comm_s (the
 tensor-parallel all-reduces, included in forward_s and backward_s) of that step; comm_s split into p2p_s and
 dp_s, pipeline_s (the whole 1F1B schedule: compute, transfers and waits) and memory_bytes (largest over the
-stage's TP ranks).
+stage's TP ranks). fp16 runs add `loss_scale` (the scale the step's loss was multiplied by) and `skipped`
+(true when inf/NaN gradients made every rank skip the update; the scale then backed off: runtime/loss_scale.py).
 
 `RUN_DIR/timeline.jsonl` (`write_timeline`): the compute ops of the last step, one JSON object per stage:
 {"step", "pipeline", "stage", "ops": [[kind "F"/"B", micro-batch, start_s, end_s], ...]}, seconds since the
@@ -169,9 +170,11 @@ class MetricsLog:
 
     def record(self, step: int, loss: float, tokens: int, step_time_s: float, lr: float, grad_norm: float,
                memory_bytes: int, stages: list[dict[str, Any]],
-               memory_growth_bytes: int | None = None) -> dict[str, Any]:
+               memory_growth_bytes: int | None = None, loss_scale: float | None = None,
+               skipped: bool = False) -> dict[str, Any]:
         """Write and show one step (`tokens` processed in `step_time_s` seconds); returns the record.
-        `memory_growth_bytes`: the largest rank's peak memory above what it held before the first step."""
+        `memory_growth_bytes`: the largest rank's peak memory above what it held before the first step;
+        `loss_scale` (fp16 runs, else None) and `skipped`: the step's loss scale and whether it was skipped."""
         tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
         mfu = self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops > 0 else 0.0
         row = {"step": step, "loss": round(loss, 6), "tokens_per_s": round(tokens_per_s, 3), "mfu": round(mfu, 6),
@@ -179,6 +182,8 @@ class MetricsLog:
                "memory_bytes": memory_bytes, "stages": stages}
         if memory_growth_bytes is not None:
             row["memory_growth_bytes"] = memory_growth_bytes
+        if loss_scale is not None:
+            row["loss_scale"], row["skipped"] = loss_scale, skipped
         self._handle.write(json.dumps(row) + "\n")
         self._handle.flush()
         self.step_times.append(step_time_s)
@@ -186,7 +191,9 @@ class MetricsLog:
             self.console.print(
                 f"[bold]step {step + 1:>4}/{self.total_steps}[/]  loss [cyan]{loss:7.4f}[/]  "
                 f"{tokens_per_s:9,.0f} tok/s  MFU {100 * mfu:5.2f}%  step {1e3 * step_time_s:7.1f} ms  "
-                f"mem {memory_bytes / GIB:5.2f} GiB")
+                f"mem {memory_bytes / GIB:5.2f} GiB"
+                + (f"  scale {loss_scale:g}" if loss_scale is not None else "")
+                + ("  [yellow]skipped (inf/NaN gradients)[/]" if skipped else ""))
         if self._live is not None:
             self._live.update(self._task, completed=step + 1, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
         return row

@@ -6,10 +6,18 @@ block. A send and the receive that follows it in the schedule go out as one `bat
 Megatron-LM's send_forward_recv_backward, so backends whose sends block until matched (NCCL) cannot deadlock.
 
 Activations and gradients [mbs, seq, hidden] cross a boundary in one of two ways:
-- lean (RuntimeOptions.lean_p2p): in the transfer dtype (the compute dtype: bf16/fp16 under CUDA autocast,
-  fp32 otherwise), each sending TP rank sending only its chunks of the tensor (`boundary.ChunkPlan`) and the
-  receiving TP group all-gathering them; the received tensor is cast back to fp32 for the stage;
+- lean (RuntimeOptions.lean_p2p): in the transfer dtype (the compute dtype: bf16/fp16 under autocast on every
+  device, fp32 otherwise), each sending TP rank sending only its chunks of the tensor (`boundary.ChunkPlan`) and
+  the receiving TP group all-gathering them; the received tensor is cast back to fp32 for the stage;
 - full (lean off): every receiving TP rank takes the whole fp32 tensor from one sending rank (`groups`).
+
+fp16 plans send gradients multiplied by the job's loss scale (runtime/loss_scale.py), in fp16 on the lean path.
+An element beyond fp16's range (65504) becomes inf in the cast, never a wrong finite value; every weight gradient
+the receiving stage computes from it is then inf or NaN (inf times any activation, zero included), so that
+rank's overflow check finds it and every rank skips the step and halves the scale. One-device training has the
+same overflow: the gradient crossing a boundary is that of the receiving stage's last layer's output, which the
+layer's down-projection backward casts to fp16 under autocast in any layout. (Only a receiving stage holding the
+embedding and no layer keeps that gradient in fp32 on one device: there the fp16 transfer alone can overflow.)
 
 Timing does not stall the device: compute ops and transfers are bracketed by `OpTimer` marks (CUDA events on
 GPU, perf_counter on CPU) that are read once, after the step (`PipelineTimes.resolve`).
@@ -220,10 +228,13 @@ class PipelineRunner:
         return full.to(torch.float32)  # the stage's input dtype; a no-op in fp32
 
     def run(self, inputs: list[torch.Tensor], targets: list[torch.Tensor | None], loss_scale: float,
-            times: PipelineTimes, timer: OpTimer | None = None) -> torch.Tensor:
+            times: PipelineTimes, timer: OpTimer | None = None,
+            scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward every micro-batch; returns the summed (unscaled) loss of this pipeline's tokens
         as an fp64 scalar on the last stage (zero elsewhere). Gradients accumulate into the parameters, scaled
-        by `loss_scale` (1 / global token count).
+        by `loss_scale` (1 / global token count) and then, with `scale_loss` (fp16: the job's dynamic loss scale,
+        runtime/loss_scale.py), by what it multiplies the last stage's loss by; the gradients crossing stage
+        boundaries carry the same factor.
 
         Communication follows the schedule: a forward followed by a backward sends its activation and receives
         the backward's gradient in one batch; a backward followed by a forward sends its input gradient and
@@ -261,6 +272,8 @@ class PipelineRunner:
                     if self.last:
                         loss_sum += out.detach().double()
                         out = out * loss_scale
+                        if scale_loss is not None:
+                            out = scale_loss(out)
                     if self._sync_ops:
                         _sync(self.device)
                 times.spans.append(("F", i, start, timer.mark()))

@@ -11,7 +11,8 @@ import torch
 class ShardSpec:
     """A local tensor: global name, full shape, the slice [start, stop) along `dim` held here (dim None: the
     whole tensor; start/stop then span dim 0), and `owner`: True on exactly one rank per (name, dim, start,
-    stop) in the whole job (the rank that writes it to a checkpoint)."""
+    stop) in the whole job (the rank that writes it to a checkpoint). `optional`: as a load target, a tensor a
+    checkpoint may lack (it then keeps the value it holds)."""
 
     name: str
     full_shape: tuple[int, ...]
@@ -19,6 +20,7 @@ class ShardSpec:
     start: int
     stop: int
     owner: bool
+    optional: bool = False
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This shard of a full tensor (a view)."""

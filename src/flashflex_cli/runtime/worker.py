@@ -15,7 +15,9 @@ the next step boundary, with a checkpoint (repeats are ignored: the launcher esc
 Started by `flashflex launch` (local), it also dies with the launcher, beats a heartbeat the launcher watches
 and leaves its one-line error for the launcher's report (runtime/heartbeat.py).
 Fault injection for tests: FLASHFLEX_FAULT_INJECT="rank=R,step=K" kills plan rank R with SIGKILL at the
-start of step K; FLASHFLEX_OOM_INJECT="rank=R,phase=P,step=K" raises an out-of-memory there (runtime/oom.py).
+start of step K; FLASHFLEX_OOM_INJECT="rank=R,phase=P,step=K" raises an out-of-memory there (runtime/oom.py);
+FLASHFLEX_OVERFLOW_INJECT="rank=R,step=K" makes plan rank R's gradient inf at step K of an fp16 plan
+(runtime/loss_scale.py: every rank skips that step).
 An out-of-memory is one line (runtime/oom.py: rank, device, stage, phase, bytes, the plan's prediction, what
 to change) and exit code 1. On GPUs NCCL sets up its communicators at process-group init (`device_id`), so
 its buffers are taken before the model's tensors.
@@ -189,6 +191,7 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
     from .data import open_source, stage_tokens
     from .engine import RankEngine
     from .groups import build_groups
+    from .loss_scale import LossScaling, injected_steps
     from .metrics import (
         MetricsLog,
         held_memory_bytes,
@@ -246,7 +249,7 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
                                                                 compile=args.compile,
                                                                 chunked_loss=not args.no_chunked_loss,
                                                                 optimizer=args.optimizer),
-                        phases=phases)
+                        phases=phases, loss_scaling=LossScaling(), overflow_steps=injected_steps(os.environ, rank))
     if rank == 0 and engine.compile_seconds is not None:
         print(f"flashflex: compiled in {engine.compile_seconds:.1f} s (warm-up before step 0, in no step's time)",
               file=sys.stderr, flush=True)
@@ -265,7 +268,8 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
             engine.load_local(lambda targets: ckpt.load_into(found, targets))
             start = engine.step
             if rank == 0:
-                print(f"flashflex: resumed from {found} at step {start}", file=sys.stderr, flush=True)
+                scale = f" (loss scale {engine.scaler.state()['loss_scale'].item():g})" if engine.scaler else ""
+                print(f"flashflex: resumed from {found} at step {start}{scale}", file=sys.stderr, flush=True)
 
     log = None
     if rank == 0:
@@ -278,6 +282,8 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
         # which runtime paths ran (the launch switches, resolved for the device): the cost model charges the
         # run by them (semantics/runtime_paths.py)
         record = engine.options.to_record(train.dtype)
+        if engine.scaler is not None:
+            record["loss_scaling"] = engine.scaler.config.to_record()
         if engine.compile_seconds is not None:
             record["compile_warmup_s"] = round(engine.compile_seconds, 3)
         atomic_write_text(os.path.join(args.out, "runtime.json"), json.dumps(record, indent=2, sort_keys=True) + "\n")
@@ -304,7 +310,8 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
                        max(int(g[1]) for g in gathered),
                        stage_times(ranks, [g[0] for g in gathered], [int(g[1]) for g in gathered],
                                    [int(g[3]) for g in gathered]),
-                       memory_growth_bytes=max(int(g[3]) for g in gathered))
+                       memory_growth_bytes=max(int(g[3]) for g in gathered),
+                       loss_scale=result.loss_scale, skipped=result.skipped)
             timeline = stage_ops(ranks, [g[2] for g in gathered], step)
         done = step + 1
         stopping = flag.item() > 0

@@ -14,6 +14,10 @@ Paths:
   passes and a temporary as large as the parameters); "auto": fused on CUDA, foreach on CPU.
 - compute_dtype: the dtype matmuls run in: the plan's bf16/fp16 under autocast on every device, fp32 for fp32
   plans (tf32: fp32 tensors; on CUDA with TF32 matmuls).
+- loss_scaling (fp16 runs only, written beside these by the worker): the dynamic loss scaling's settings
+  (runtime/loss_scale.py: init_scale, growth_factor, backoff_factor, growth_interval); absent: no loss scaling
+  (bf16 and fp32 runs, and fp16 runs recorded before it existed). It changes no time or memory the cost model
+  charges, so `from_record` does not read it.
 """
 
 from __future__ import annotations

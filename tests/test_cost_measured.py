@@ -203,6 +203,21 @@ def test_plan_show_and_diff_take_layer_profiles(files: dict[str, Path], capsys: 
     assert f"layer profile {sha[:12]}: now used" in json.loads(capsys.readouterr().out)["changes"]
 
 
+def test_a_profile_measured_on_other_runtime_paths_is_named_and_left_out(files: dict[str, Path],
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    data = json.loads(files["layers"].read_text())
+    del data["runtime"]  # measured eager with the whole-vocabulary loss; the default launch chunks the loss
+    files["layers"].write_text(json.dumps(data))
+    out = files["dir"] / "p.json"
+    capsys.readouterr()
+    assert main(["plan", str(files["cluster"]), *PLAN, "--layers", str(files["layers"]), "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "layer profile of cpu (eager, whole-vocabulary loss) matched no stage" in " ".join(err.split())
+    assert load_plan(out).inputs.layer_profiles is None
+    assert main(["show", str(out), "--cluster", str(files["cluster"]), "--layers", str(files["layers"])]) == 0
+    assert "matched no stage" in " ".join(capsys.readouterr().err.split())
+
+
 @pytest.mark.parametrize("mutate", [
     lambda d: d.update(schema="flashflex.layers/2"),
     lambda d: d.update(dtype="int8"),

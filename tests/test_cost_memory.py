@@ -26,7 +26,7 @@ from .cost_fixtures import cluster
 
 MODEL = PRESETS["llama2-7b"]
 TRAIN = TrainConfig(global_batch=16, seq_len=4096)
-FUSED = dataclasses.replace(CostParams(), runtime=RuntimeOptions(optimizer="fused", chunked_loss=False))
+FUSED = dataclasses.replace(CostParams(), runtime=RuntimeOptions(optimizer="fused", chunked_loss=False, compile=False))
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
@@ -105,7 +105,7 @@ def test_the_multi_tensor_optimizer_needs_a_parameter_sized_temporary() -> None:
     fast = stage_memory(MODEL, train, 1, 4, False, False, 1, FUSED)
     assert slow.phase == "optimizer" and slow.transient == pytest.approx(4 * 4 * F.layer_params(MODEL))
     assert fast.phase != "optimizer" and fast.allocated < slow.allocated
-    auto = dataclasses.replace(FUSED, runtime=RuntimeOptions(chunked_loss=False))
+    auto = dataclasses.replace(FUSED, runtime=RuntimeOptions(chunked_loss=False, compile=False))
     assert stage_memory(MODEL, train, 1, 4, False, False, 1, auto, on_cuda=True).allocated == fast.allocated
     assert stage_memory(MODEL, train, 1, 4, False, False, 1, auto, on_cuda=False).allocated == slow.allocated
 

@@ -67,7 +67,8 @@ HELD_OUT_LIKE = [
 def test_bf16_plans_claim_what_a_compute_only_count_gives(spec: str, newer: int, model: str, batch: int,
                                                          seq: int) -> None:
     """Before devices lacking bf16 were costed at their fp32 rate, these plans claimed 1.58x and 1.94x of the
-    symmetric layout on the newer nodes while the count put them at 0.30x and 0.36x (claims 4.9x the count)."""
+    symmetric layout on the newer nodes while the count put them at 0.30x and 0.36x (claims 4.9x the count):
+    now no plan claims more than the count of what its stages really compute."""
     cluster = build_cluster(spec)
     train = TrainConfig(global_batch=batch, seq_len=seq, dtype="bf16")
     params = CostParams()
@@ -76,10 +77,10 @@ def test_bf16_plans_claim_what_a_compute_only_count_gives(spec: str, newer: int,
                                    PRESETS[model], train, strategy="uniform", params=params)
     claimed = planned.predicted["tokens_per_s"], symmetric.predicted["tokens_per_s"]
     counted = counted_tokens_per_s(planned, cluster), counted_tokens_per_s(symmetric, cluster)
-    # the count leaves out communication, bubbles' tails and fixed per-micro-batch costs: a claim may sit
-    # below it by that much (8% here), never far above it (the cost model's fixed terms may be negative)
-    assert 0.8 <= claimed[0] / counted[0] <= 1.05
-    assert claimed[0] / claimed[1] == pytest.approx(counted[0] / counted[1], rel=0.1)
+    # the count leaves out communication, bubbles' tails, the operations besides the matrix products (their bytes
+    # at the memory bandwidth: a large share on the L4's and T4's 300 GB/s, where the 128k-vocabulary loss runs)
+    # and fixed per-micro-batch costs: a claim may sit below it by that much, never above it
+    assert claimed[0] <= 1.02 * counted[0] and claimed[1] <= 1.02 * counted[1]
 
 
 @pytest.fixture
@@ -149,10 +150,14 @@ def test_auto_is_deterministic(files: dict[str, Path], tmp_path: Path) -> None:
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
 
 
-def test_devices_left_idle_in_bf16_say_they_lack_it(files: dict[str, Path], tmp_path: Path) -> None:
-    plan = _plan(files["t4"], tmp_path / "t4-plan.json", "--model", "llama-1b", "--global-batch", "128")
-    t4 = [u for u in plan.unused_devices if u.device.startswith(("node2/", "node3/", "node4/", "node5/"))]
-    assert t4, "the T4s are left idle in bf16 (their fp32 rate does not pay beside the L4s)"
+def test_devices_left_idle_in_bf16_say_they_lack_it(tmp_path: Path) -> None:
+    """A100 nodes beside a T4 node: in bf16 the T4s compute at their fp32 rate (8.1 TFLOP/s against the A100s'
+    312), so they are left idle, and their reason says why and that fp16 would use their tensor cores."""
+    path = tmp_path / "a100-t4.json"
+    save_cluster(path, build_cluster("2x8xA100-80G-SXM:nic=ib,1x8xT4:nic=ib", name="a100-t4"))
+    plan = _plan(path, tmp_path / "plan.json", "--model", "llama-1b", "--global-batch", "128")
+    t4 = [u for u in plan.unused_devices if u.device.startswith("node2/")]
+    assert len(t4) == 8, "the T4s are left idle in bf16 (their fp32 rate does not pay beside the A100s)"
     assert all("T4 lacks bf16: costed at no more than the fp32 rate (fp16 is native there: --dtype auto weighs it)"
                in u.reason for u in t4)
 

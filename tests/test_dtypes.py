@@ -139,7 +139,7 @@ def test_a_measured_gpu_keeps_what_its_probe_found() -> None:
     assert mystery.native_dtypes == ("fp32", "tf32", "fp16", "bf16") and mystery.compute_dtype("bf16") == "bf16"
     c = Cluster.model_validate({"nodes": [node.model_dump()]})
     # the measured bf16 matmul rate is what a bf16 matmul really runs at there: it is used as it is
-    assert view(c).rate("host/0", "bf16", CostParams()) == pytest.approx(1.4e13 * 0.8)
+    assert view(c).rate("host/0", "bf16", CostParams()) == pytest.approx(1.4e13 * CostParams().measured_compute_efficiency)
 
 
 # ---- the cost model ------------------------------------------------------------------------------------
@@ -166,6 +166,8 @@ def _profile(device_type_: str, dtype: str, seconds: float, tps: tuple[int, ...]
     return LayerProfile.model_validate({
         "device_type": device_type_, "model": ModelShape.of(SMALL).model_dump(exclude_none=True), "seq_len": 128,
         "dtype": dtype, "attention": "sdpa",
+        # measured on the paths a run takes by default there: compiled on GPUs, eager on CPU, the chunked loss
+        "runtime": {"compile": device_type_ != "cpu", "chunked_loss": True},
         "entries": [{"micro_batch_size": 1, "tp": tp, "layer": part(seconds / tp), "embedding": part(1e-5),
                      "head": part(seconds / tp)} for tp in tps], **over})
 

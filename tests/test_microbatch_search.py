@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -21,6 +22,7 @@ from flashflex_cli.plan.schema import Plan, TrainConfig
 from flashflex_cli.planner.batch import split_batch
 from flashflex_cli.planner.microbatch import mbs_options, split_sequences
 from flashflex_cli.planner.search import plan_layout
+from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 
 # Short sequences on fast GPUs: the fixed per-micro-batch part of every layer (a in a + b * mbs) and the
 # per-message latencies weigh most, so larger micro-batches pay off.
@@ -104,7 +106,9 @@ def _cpu_profile(layers: int) -> LayerProfile:
 
 def test_measured_fixed_cost_per_micro_batch_makes_the_search_pick_larger_ones() -> None:
     model = PRESETS["llama-small"]
-    params = CostParams().with_layer_profiles((_cpu_profile(model.num_layers),))
+    # the profile was measured eager with the whole-vocabulary loss: plan for a run on those paths
+    legacy = dataclasses.replace(CostParams(), runtime=RuntimeOptions(chunked_loss=False))
+    params = legacy.with_layer_profiles((_cpu_profile(model.num_layers),))
     cluster = build_cluster("1x4xcpu:slowdown=1,1,2,2")
     train = TrainConfig(global_batch=16, seq_len=128, dtype="fp32")
     pinned = plan_layout(cluster, model, train, time_budget_s=60, params=params)

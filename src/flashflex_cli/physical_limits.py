@@ -150,6 +150,9 @@ INTERCEPT = Limit("weight reads", 0.0, 1e4)
 # A share of something (of memory the allocator cannot hand out, of a reduction hidden): 0 up to, not
 # including, 1 (all of it).
 SHARE = Limit("", 0.0, 1.0, below_high=True)
+# per-operation host and device costs: at least a nanosecond, at most a second (no dispatch or kernel launch
+# takes longer than that on any machine)
+OP_SECONDS = Limit("s", 1e-9, 1.0)
 
 # ---- prices -------------------------------------------------------------------------------------------------
 # Price of one device-hour: from 1e-6 (a millionth of a currency unit: below any rental price, and a free

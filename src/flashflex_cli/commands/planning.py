@@ -11,7 +11,7 @@ from rich.console import Console
 from .. import validate_numbers
 from ..cost.estimate import estimate
 from ..cost.params import CostParams
-from ..cost.reestimate import reestimated, validate_plan
+from ..cost.reestimate import reestimated, unmatched_profiles, validate_plan
 from ..errors import CheckFailed, FlashflexError, InputError
 from ..fileio import atomic_write_text, check_writable_output, read_json, refuse_same_path
 from ..hardware.cluster import Cluster, load_cluster
@@ -155,6 +155,8 @@ def plan_command(
     if json_out:
         typer.echo(plan.to_json(), nl=False)
     console = _stderr()
+    for line in unmatched_profiles(estimate(plan, cluster, params), params) if params.layer_profiles else ():
+        console.print(f"[yellow]warning[/yellow]: {line}")
     render_plan(console, plan)
     uniform, why = None, ""
     if baseline and strategy != "uniform":

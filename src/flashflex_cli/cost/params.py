@@ -22,6 +22,7 @@ from ..physical_limits import (
     FACTOR,
     HELD_BYTES,
     INTERCEPT,
+    OP_SECONDS,
     SHARE,
     Limit,
 )
@@ -54,24 +55,22 @@ def dtype_class(dtype: str) -> str:
 class CostParams:
     """Every efficiency factor and overhead of the cost model, named, with defaults and their source.
 
-    compute_efficiency: "DEVICE-TYPE" or "DEVICE-TYPE:fp16|fp32|tf32" -> slope efficiency: the fraction of
-        the dense catalog peak that each further sequence of a micro-batch achieves in a Llama layer
-        (forward + backward). Default: scripts/derive_efficiency.py from the Cephalo measurements' fits
-        t(b) = a + b * slope; bf16 uses the fp16 figure. A dtype a device lacks is looked up as fp32 (the
+    compute_efficiency: "DEVICE-TYPE" or "DEVICE-TYPE:fp16|fp32|tf32" -> matrix-product efficiency: the fraction
+        of the dense catalog peak a Llama layer's matrix products achieve, the bytes of its other operations
+        taken at the memory bandwidth (cost/compute.py). Default: scripts/derive_efficiency.py from the Cephalo
+        measurements' fitted slopes; bf16 uses the fp16 figure. A dtype a device lacks is looked up as fp32 (the
         callers pass `Device.compute_dtype`: it runs on the fp32 units).
-    compute_intercept: the same keys -> the fixed time of one micro-batch through a layer (a in
-        t(b) = a + ...), in units of one read of the layer's weights from device memory (weight bytes /
-        memory bandwidth): kernel launches and weight traffic that do not shrink with the micro-batch.
-        Default: the same derivation (median of the fitted intercepts; negative where clocks throttle as
-        batches grow, and then never below half the slope time).
+    compute_intercept: IGNORED (see below); the table's fitted intercepts, for reference.
     default_compute_efficiency: for types absent from the table: the median of the table's fp16 entries.
     default_compute_intercept: likewise, the median of the table's fp16 intercepts.
     tf32_compute_efficiency: for tf32 on types without a tf32 entry: fraction of the TF32 tensor-core peak.
         0.35: an assumption (TF32 matmuls reach about the 16-bit tensor-core efficiency, but the layer's
         elementwise work moves fp32 data at half the 16-bit rate); calibrate it with a layer profile.
-    measured_compute_efficiency: for devices whose peak was measured by `flashflex profile` (a matmul
-        rate, not a datasheet peak): the fraction of that rate a whole layer achieves. 0.8:
-        scripts/measure_cpu_efficiency.py measured 0.73-0.91 (median 0.81) on a one-thread CPU device.
+    measured_compute_efficiency: for devices whose matmul rate was measured by `flashflex profile` (not a
+        datasheet peak): the fraction of that rate a layer's matrix products achieve (its other operations are
+        counted apart). 1.0: the recorded H100 layer profile's forward and backward follow the probe's 780.9
+        TFLOP/s plus the counted bytes to within 3%; on this machine's CPU the layers' matmuls run at the probe's
+        rate within 5%.
     tp_comm_efficiency, p2p_efficiency, dp_comm_efficiency: achieved fraction of a link's bandwidth for
         TP all-reduces, pipeline sends and DP gradient all-reduces. 1.0: link classes already hold
         achieved rates (hardware/links.py).
@@ -88,13 +87,12 @@ class CostParams:
         fp32 main gradients.
     activation_transfer_bytes: bytes per element of the activations and gradients sent between pipeline
         stages. 4: the runtime sends them in fp32 (runtime/pipeline.py).
-    memory_bandwidth_efficiency: achieved fraction of datasheet memory bandwidth for streaming kernels
-        (embedding, loss, optimizer step). 0.8: a typical figure for copy kernels on current GPUs (an
-        assumption, not measured here; these terms are a few percent of an iteration).
-    optimizer_bytes_per_param: bytes Adam moves per parameter in one step: reads fp32 master, m, v and
-        a 16-bit gradient, writes master, m, v and the 16-bit weight (4+4+4+2 twice = 28).
-    loss_passes: passes over the fp32 logits of one micro-batch in the loss (upcast, log-softmax,
-        gradient: read and write), used for the memory-bound part of the head.
+    memory_bandwidth_efficiency: achieved fraction of a device's memory bandwidth (measured by the probe, or the
+        catalog's) for the operations besides matrix products (cost/traffic.py). 0.85: the recorded H100 optimizer
+        step moved 92 bytes per parameter for 1.50 G parameters in 53.4 ms, 2.58 TB/s, 0.87 of the probe's 2.97.
+    optimizer_bytes_per_param, loss_passes, compute_intercept, default_compute_intercept: IGNORED since the
+        optimizer step, the loss and the fixed part of a micro-batch are counted from the runtime's operations
+        (cost/traffic.py); still accepted so older cost-parameter files load.
     eager_score_bytes: IGNORED since the attention's saved probabilities are counted from the runtime's operations
         (cost/activations.py); still accepted so older cost-parameter files load.
     layer_profiles: measured layer profiles (flashflex.layers/1); a stage whose devices all match one is
@@ -126,6 +124,12 @@ class CostParams:
     memory_fragmentation: the caching allocator's slack, as a fraction of the allocated peak (reserved but not
         allocated bytes). 0.03: the recorded H100 out-of-memory (expandable segments) bounds it by 2.5%; without
         expandable segments it can be larger (the launcher sets them).
+    host_op_seconds: a GPU host's dispatch of one operation (seconds): the recorded H100 run at micro-batch 1
+        dispatched 1,494 forward operations in 19.3 ms while the device kept up (at most 12.9 us each); 10 us.
+    cpu_op_seconds: an emulated CPU device's cost per operation beyond its FLOPs and bytes (seconds), fitted to a
+        measured llama-small layer profile on this machine (one pinned thread): 5 us.
+    kernel_seconds: the device-side fixed time of one GPU kernel (seconds): 4 us, an assumption (launch latency
+        and tail; a few percent at small micro-batches).
     memory_safety_margin: fraction of every device's memory the planner never plans into: a stage fits when its
         total (allocated peak, allocator slack, reserve) stays within memory x (1 - margin). 0.05.
     """
@@ -239,6 +243,7 @@ _LIMITS: dict[str, Limit] = {
                      "compute_efficiency"), EFFICIENCY),
     **dict.fromkeys(("default_compute_intercept", "compute_intercept"), INTERCEPT),
     **dict.fromkeys(("dp_overlap_fraction", "memory_fragmentation", "memory_safety_margin"), SHARE),
+    **dict.fromkeys(("host_op_seconds", "cpu_op_seconds", "kernel_seconds"), OP_SECONDS),
     **dict.fromkeys(("grad_reduce_bytes", "activation_transfer_bytes", "eager_score_bytes"), BYTES_PER_ELEMENT),
     **dict.fromkeys(("optimizer_bytes_per_param", "optimizer_state_bytes"), BYTES_PER_PARAMETER),
     **dict.fromkeys(("loss_passes", "activation_bytes_factor", "dp_buffer_factor"), FACTOR),

@@ -39,19 +39,26 @@ def validate_plan(plan: Plan, cluster: Cluster, params: CostParams | None = None
     out.estimate = est
     for problem in est.problems:
         out.errors.append(f"out of memory: {problem}")
-    used = set(est.profiles_used())
-    for profile in (params or CostParams()).layer_profiles:
-        if profile.sha256() not in used:
-            paths = profile.paths()
-            out.warnings.append(
-                f"the layer profile of {profile.device_type} ({'compiled' if paths.compile else 'eager'}, "
-                f"{'chunked' if paths.chunked_loss else 'whole-vocabulary'} loss) matched no stage: a stage uses a "
-                "profile of its device type, shape, settings and runtime paths (the launch defaults: compiled on "
-                "GPUs, chunked loss); re-measure with flashflex profile --model on those paths")
+    out.warnings.extend(unmatched_profiles(est, params))
     for st in est.stages:
         if st.extrapolated:
             out.warnings.append(f"pipelines.{st.pipeline}.stages.{st.stage}: its layer profile was extrapolated "
                                 "beyond the measured micro-batch sizes or TP degrees (a + b * mbs fit)")
+    return out
+
+
+def unmatched_profiles(est: Estimate, params: CostParams | None) -> list[str]:
+    """One warning per layer profile of `params` that costed no stage of `est`."""
+    used = set(est.profiles_used())
+    out = []
+    for profile in (params or CostParams()).layer_profiles:
+        if profile.sha256() not in used:
+            paths = profile.paths()
+            out.append(
+                f"the layer profile of {profile.device_type} ({'compiled' if paths.compile else 'eager'}, "
+                f"{'chunked' if paths.chunked_loss else 'whole-vocabulary'} loss) matched no stage: a stage uses a "
+                "profile of its device type, shape, settings and runtime paths (the launch defaults: compiled on "
+                "GPUs, chunked loss); re-measure with flashflex profile --model on those paths")
     return out
 
 

@@ -9,7 +9,7 @@ ratio, and each plan's measured / predicted iteration time. Two clusters:
   Emulation is faithful only while the devices' total demand (sum of 1/slowdown, in cores) fits the host:
   processes that compete for cores run slower than the cluster file says, which no cost model of the file
   can predict.
-Each emulated device is one intra-op thread pinned to one core (runtime/cpu_share.py). Beside each run:
+Each emulated device is one intra-op thread pinned to one core (hardware/cpu_share.py). Beside each run:
 its launch wall time, the CPU time of its processes (user + system, all ranks and the launcher) and the
 1-minute load average before and after it (the host is shared: other load slows the devices down).
 Run: .venv/bin/python benchmarks/bench_emulated_runs.py [STEPS] [--cluster two-cores]

@@ -10,7 +10,7 @@ with one host's link shaped to 1 Gbit/s, and compares each run with two predicti
 RUN --layers PROFILE`), as a user's first run would. Holmes' setting end to end: three namespace hosts, the cluster file measured by `flashflex profile
 --distributed` across them, the flashflex plan and the uniform plan both planned and launched there.
 
-Every emulated device is one thread pinned to one core (runtime/cpu_share.py), and every cluster leaves
+Every emulated device is one thread pinned to one core (hardware/cpu_share.py), and every cluster leaves
 each core headroom (the demand of the devices pinned there, sum of 1 / slowdown, at most 0.75 of it), so a
 device runs as its cluster file says even beside the launcher and gloo's threads.
 Measured iteration time: the median step time after the warm-up steps. Measured memory (CPU): the largest

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from flashflex_cli.cli import main
+from flashflex_cli.data import token_file as token_data
 from flashflex_cli.errors import InputError
 from flashflex_cli.fileio import check_writable_dir, check_writable_output
-from flashflex_cli.runtime import data as token_data
 from tests.conftest import FLASHFLEX
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from flashflex_cli.hardware import probe_local
+from flashflex_cli.hardware.cpu_share import as_emulated_device, core_for_device, usable_cores
 from flashflex_cli.hardware.synthetic import build_cluster
-from flashflex_cli.runtime.cpu_share import as_emulated_device, core_for_device, usable_cores
 from flashflex_cli.runtime.worker import host_device_index
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")

@@ -10,18 +10,16 @@ import numpy as np
 import pytest
 import torch
 
+from flashflex_cli.data.prepare import prepare_files
+from flashflex_cli.data.token_file import HEADER_BYTES, TokenFile, write_token_file
 from flashflex_cli.errors import InputError
 from flashflex_cli.plan.schema import load_plan
 from flashflex_cli.runtime.data import (
-    HEADER_BYTES,
     SyntheticSource,
-    TokenFile,
     TokenFileSource,
     open_source,
     pipeline_rows,
-    prepare,
     stage_tokens,
-    write_token_file,
 )
 from tests.conftest import FLASHFLEX
 
@@ -122,16 +120,16 @@ def test_rows_equal_the_global_batch_slice_and_read_only_those_rows(tmp_path: Pa
 def test_prepare_byte_level_and_hf_tokenizer(tmp_path: Path) -> None:
     text = tmp_path / "a.txt"
     text.write_text(TEXT)
-    count, vocab = prepare([text, text], tmp_path / "bytes.bin")
-    assert vocab == 256 and count == 2 * len(TEXT.encode()) + 1
+    done = prepare_files([text, text], tmp_path / "bytes.bin")
+    assert done.vocab_size == 256 and done.tokens == 2 * len(TEXT.encode()) + 1  # documents joined by a newline
     assert bytes(np.asarray(TokenFile(tmp_path / "bytes.bin").tokens[:6], dtype=np.uint8)) == b"It was"
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.train_from_iterator([TEXT], tokenizers.trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
     tok.save(str(tmp_path / "tokenizer.json"))
-    count, vocab = prepare([text], tmp_path / "hf.bin", tmp_path / "tokenizer.json")
-    assert vocab == tok.get_vocab_size() and count == len(tok.encode(TEXT).ids)
+    done = prepare_files([text], tmp_path / "hf.bin", tmp_path / "tokenizer.json")
+    assert done.vocab_size == tok.get_vocab_size() and done.tokens == len(tok.encode(TEXT).ids)
     assert TokenFile(tmp_path / "hf.bin").tokens[0] == tok.token_to_id("It")
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from flashflex_cli.cli import main as cli_main
 from flashflex_cli.data.prepare import prepare_files
-from flashflex_cli.runtime.data import TokenFile
+from flashflex_cli.data.token_file import TokenFile
 
 DOCS = ["The keeper lit the lamp.", "Ships passed in the night.", "Fog rolled over the rocks at dawn."]
 

@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 import torch.distributed.checkpoint as dcp
 
+from flashflex_cli.data.token_file import write_token_file
 from flashflex_cli.errors import InputError
 from flashflex_cli.launch.failures import checkpoint_note, checkpoint_stamp, describe_failure, root_cause
 from flashflex_cli.launch.local import RankExit
 from flashflex_cli.launch.lock import run_lock
 from flashflex_cli.plan.schema import load_plan
 from flashflex_cli.runtime import checkpoint as ckpt
-from flashflex_cli.runtime.data import TokenFileSource, write_token_file
+from flashflex_cli.runtime.data import TokenFileSource
 from tests.conftest import FLASHFLEX
 
 GOLDEN = Path(__file__).parent / "golden"

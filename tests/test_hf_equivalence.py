@@ -31,8 +31,9 @@ from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime.attention import SDPA
 from flashflex_cli.runtime.engine import OptimConfig, RankEngine
 from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.model import StageModule, model_params
+from flashflex_cli.runtime.model import StageModule
 from flashflex_cli.runtime.tensor_parallel import TPContext
+from flashflex_cli.semantics.parameters import model_params
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 from tests.test_parity import _worker as parity_worker
 from tests.test_parity import check_parity, make_plan

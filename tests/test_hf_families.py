@@ -24,8 +24,9 @@ from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime.attention import EAGER, SDPA, attention_fn, band_mask
 from flashflex_cli.runtime.engine import plan_shard_specs
 from flashflex_cli.runtime.groups import slice_holders
-from flashflex_cli.runtime.model import StageModule, llama3_inv_freq, model_params, stage_params
+from flashflex_cli.runtime.model import StageModule, llama3_inv_freq
 from flashflex_cli.runtime.tensor_parallel import TPContext
+from flashflex_cli.semantics.parameters import model_params, stage_params
 from tests.test_parity import make_plan
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -20,15 +20,16 @@ import torch.nn.functional as F
 from flashflex_cli.cli import main as cli_main
 from flashflex_cli.errors import InputError
 from flashflex_cli.hf import names
-from flashflex_cli.hf.export import export_hf, parse_size, plan_shards, read_hf_weights
 from flashflex_cli.hf.files import HFCheckpoint
 from flashflex_cli.hf.load import SlicedLoader, check_checkpoint
 from flashflex_cli.hf.tiny import write_with_safetensors, write_with_transformers
 from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime.attention import SDPA
-from flashflex_cli.runtime.model import StageModule, model_params
+from flashflex_cli.runtime.hf_export import export_hf, parse_size, plan_shards, read_hf_weights
+from flashflex_cli.runtime.model import StageModule
 from flashflex_cli.runtime.tensor_parallel import TPContext
+from flashflex_cli.semantics.parameters import model_params
 from tests.test_parity import make_plan
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -329,7 +330,7 @@ from pathlib import Path
 import torch
 from flashflex_cli.hf.load import SlicedLoader
 from flashflex_cli.model.spec import ModelSpec
-from flashflex_cli.runtime.model import stage_params
+from flashflex_cli.semantics.parameters import stage_params
 
 folder, spec_json, first, stop, tp, tp_rank = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
 spec = ModelSpec.model_validate_json(spec_json)

@@ -136,7 +136,7 @@ def test_preflight_refuses_mismatches_before_starting(tmp_path: Path, capsys: py
         refused = launch(str(gpu_plan), "--cluster", str(gpu_cluster))
         assert refused.returncode == 1 and "has no CUDA device" in refused.stderr
     tokens = tmp_path / "big.bin"
-    from flashflex_cli.runtime.data import write_token_file
+    from flashflex_cli.data.token_file import write_token_file
 
     write_token_file(tokens, torch.arange(2000).numpy() % 1000, vocab_size=1000)
     bad_data = launch(plan, "--cluster", CLUSTER, "--data", str(tokens))

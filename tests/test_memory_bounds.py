@@ -23,7 +23,7 @@ import torch.distributed as dist
 from flashflex_cli.model.spec import ModelSpec
 from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime.init import block_draw_is_exact, full_init, shard_init
-from flashflex_cli.runtime.model import stage_params
+from flashflex_cli.semantics.parameters import stage_params
 from tests.conftest import REPO
 from tests.test_parity import make_plan
 

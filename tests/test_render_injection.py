@@ -16,6 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from flashflex_cli.cli import main
+from flashflex_cli.data.token_file import write_token_file
 from flashflex_cli.errors import InputError
 from flashflex_cli.hardware.cluster import Cluster, load_cluster
 from flashflex_cli.launch.options import RunOptions
@@ -23,7 +24,6 @@ from flashflex_cli.launch.slurm import SlurmSettings, render_slurm
 from flashflex_cli.launch.templates import render, sbatch_word, shell_word
 from flashflex_cli.launch.torchrun import RenderSettings, render_torchrun
 from flashflex_cli.plan.schema import load_plan
-from flashflex_cli.runtime.data import write_token_file
 
 GOLDEN = Path(__file__).parent / "golden"
 PAYLOADS = ["$(touch {m})", "`touch {m}`", "; touch {m}", "x' ; touch {m}; '", 'x" ; touch {m}; "',

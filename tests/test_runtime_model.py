@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.runtime.attention import FLASH, SDPA, attention_fn, choose_backend
 from flashflex_cli.runtime.init import INIT_STD, full_init, param_seed
-from flashflex_cli.runtime.model import apply_rotary, layer_params, model_params, rotary_tables
+from flashflex_cli.runtime.model import apply_rotary, rotary_tables
 from flashflex_cli.runtime.reference import build_reference
-from flashflex_cli.runtime.tensor_parallel import shard_bounds
+from flashflex_cli.semantics.parameters import layer_params, model_params, shard_bounds
 
 TINY = PRESETS["llama-tiny"]
 GQA = PRESETS["llama-tiny-gqa"]

@@ -19,8 +19,8 @@ import numpy as np
 
 from ..errors import InputError
 from ..fileio import atomic_open, read_json
-from ..runtime.data import BYTE_VOCAB, HEADER_BYTES, TokenFile, header_bytes, token_dtype
 from .readers import expand_inputs, read_documents
+from .token_file import BYTE_VOCAB, HEADER_BYTES, TokenFile, header_bytes, token_dtype
 
 NEWLINE = 10  # the byte-level tokenizer's document separator
 EOT_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")

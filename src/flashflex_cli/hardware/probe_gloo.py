@@ -128,7 +128,7 @@ def _worker(rank: int, port: int, sizes: GlooSizes, results, timeout_s: float) -
     """One of the two spawned processes; rank 0 puts (bandwidth, latency_s) on `results`."""
     import torch.distributed as dist
 
-    from ..runtime.cpu_share import pin_emulated_device
+    from .cpu_share import pin_emulated_device
 
     pin_emulated_device(rank)  # as the runtime runs emulated devices: one thread on its own core
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,

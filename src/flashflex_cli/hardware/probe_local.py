@@ -3,7 +3,7 @@
 GPU (CUDA): bf16 n x n matmuls, `torch.cuda.mem_get_info`, copies between every device pair, and the dtypes
 it computes natively from its compute capability (`native_dtypes_for_capability`).
 CPU-only: fp32 matmuls and copies with one thread pinned to one core, as the runtime runs each emulated
-device (runtime/cpu_share.py), so the measured peak is a one-core figure; host memory from /proc/meminfo
+device (hardware/cpu_share.py), so the measured peak is a one-core figure; host memory from /proc/meminfo
 shared by `cpu_devices` emulated devices and, with 2 or more of them, the "shm" link between them measured the
 way the runtime uses it: two spawned processes exchanging tensors with gloo over loopback TCP
 (probe_gloo.py; bandwidth and one-way latency). One emulated device has no such link.
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..hostnames import host_problem
-from ..runtime.cpu_share import as_emulated_device
 from .catalog import AMPERE_ON, FP16_TENSOR_CORES, FP32_ONLY, device_type
 from .cluster import Device, DevicePair, IntraLink, Node
+from .cpu_share import as_emulated_device
 from .probe_gloo import FULL_GLOO, QUICK_GLOO, GlooProbe, gloo_link
 
 MIB = 1024**2

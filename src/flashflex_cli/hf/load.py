@@ -20,7 +20,7 @@ from .files import FLOAT_DTYPES, HFCheckpoint
 from .names import HEAD, to_hf
 
 if TYPE_CHECKING:
-    from ..runtime.model import ParamInfo
+    from ..semantics.parameters import ParamInfo
 
 
 def _source_name(checkpoint: HFCheckpoint, spec: ModelSpec, name: str) -> str:
@@ -35,7 +35,7 @@ def _source_name(checkpoint: HFCheckpoint, spec: ModelSpec, name: str) -> str:
 def check_checkpoint(folder: str | os.PathLike[str], spec: ModelSpec) -> HFCheckpoint:
     """`folder` is a Hugging Face checkpoint of `spec`: config fields equal, files readable, every runtime
     parameter present with its shape and a float dtype. One InputError naming the first problem."""
-    from ..runtime.model import model_params
+    from ..semantics.parameters import model_params
 
     check_config(folder, spec)
     checkpoint = HFCheckpoint(folder)

@@ -29,7 +29,7 @@ def write_with_safetensors(out: Path, spec: ModelSpec, seed: int, dtype: torch.d
     """config.json and model.safetensors of a random `spec` model, with safetensors only."""
     from safetensors.torch import save_file
 
-    from ..runtime.model import model_params
+    from ..semantics.parameters import model_params
 
     generator = torch.Generator().manual_seed(seed)
     tensors = {}

@@ -57,13 +57,14 @@ import torch.distributed as dist
 
 from ..errors import InputError
 from ..plan.schema import Plan
+from ..semantics.parameters import ParamInfo, stage_params
 from .attention import EAGER, FLASH, LOG, SDPA, choose_backend
 from .compiled import CompileBackend, compile_stage, eager_stage, warm_up
 from .grad_sync import GradSync
 from .groups import PlanGroups
 from .init import shard_init
 from .loss_scale import SCALE_KEY, TRACKER_KEY, JobScaler, LossScaling, poison
-from .model import ParamInfo, StageModule, stage_params
+from .model import StageModule
 from .oom import PhaseTracker
 from .op_timer import OpTimer
 from .optimizer import OptimConfig, lr_at, make_optimizer, restore_moments, set_lr

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..semantics.parameters import ParamInfo
 from .grad_buckets import Bucket, holder_set_buckets, overlap_buckets, rank_buckets
 from .groups import PlanGroups, SliceHolders
 from .hier_reduce import hier_all_reduce
-from .model import ParamInfo
 
 
 def _local_view(grad: torch.Tensor, info: ParamInfo, sl: SliceHolders, tp: int, tp_rank: int) -> torch.Tensor:

@@ -32,9 +32,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..plan.schema import Plan, StagePlan
+from ..semantics.parameters import ParamInfo, model_params, shard_bounds
 from .hier_reduce import NodeSplit, hierarchical_groups, node_splits
-from .model import ParamInfo, model_params
-from .tensor_parallel import TPContext, shard_bounds
+from .tensor_parallel import TPContext
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError, RuntimeFailure
+from ..hardware.cpu_share import pin_emulated_device, usable_cores
 from ..layers.schema import LayerProfile, ModelShape, PartCost, ProfileEntry, ProfilePaths
 from ..model.spec import ModelSpec
 from .attention import EAGER, FLASH, LOG, SDPA, flash_attn_available
 from .compiled import compile_stage, eager_stage, warm_up
-from .cpu_share import pin_emulated_device, usable_cores
 from .model import StageModule
 from .options import RuntimeOptions
 from .precision import autocast

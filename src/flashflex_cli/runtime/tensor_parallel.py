@@ -2,7 +2,7 @@
 
 Conventions: weights are stored like `torch.nn.Linear` ([out_features, in_features]). A column-parallel linear
 holds rows [start, stop) of the full weight (output features split), a row-parallel linear holds columns
-[start, stop) (input features split). Shard bounds come from `shard_bounds`, so a shard of a TP-2 group is exactly
+[start, stop) (input features split). Shard bounds come from `semantics/parameters.shard_bounds`, so a shard of a TP-2 group is exactly
 the union of two shards of a TP-4 group.
 
 Autograd operators (identity when the group has one rank):
@@ -20,11 +20,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-
-def shard_bounds(n: int, tp: int, tp_rank: int) -> tuple[int, int]:
-    """Rows [start, stop) of an n-long dimension held by `tp_rank` of `tp` (floor split, nested across degrees)."""
-    return n * tp_rank // tp, n * (tp_rank + 1) // tp
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -6,7 +6,7 @@ RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment torchrun sets
 `--plan-node`, every device of the plan runs on this host, and the plan rank is LOCAL_RANK). The process group
 uses plan ranks (gloo on CPU devices, NCCL on GPUs) over torchrun's store, so torchrun's own rank order
 does not matter. A rank on an emulated CPU device runs one intra-op thread pinned to one core
-(runtime/cpu_share.py), whatever OMP_NUM_THREADS says.
+(hardware/cpu_share.py), whatever OMP_NUM_THREADS says.
 
 Exit codes: 0 done (or stopped by SIGTERM / SIGINT after saving a checkpoint); 1 an error on this rank;
 3 a peer rank failed (a collective broke or timed out); 2 bad input; 128 + N a stop signal N before training.
@@ -36,9 +36,9 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
+from ..hardware.cpu_share import pin_emulated_device, usable_cores
 from ..semantics.runtime_paths import OPTIMIZER_PATHS
 from . import heartbeat, oom
-from .cpu_share import pin_emulated_device, usable_cores
 
 if TYPE_CHECKING:
     from ..hardware.cluster import Cluster
@@ -144,7 +144,7 @@ def claim_host_share(on_cpu: bool, device_index: int) -> None:
     """Set this rank's host threads; call before any parallel torch work.
 
     Emulated CPU device (`device_index`: see host_device_index): one intra-op thread pinned to one core
-    (runtime/cpu_share.py), even when OMP_NUM_THREADS is set, since the device model is one core per device.
+    (hardware/cpu_share.py), even when OMP_NUM_THREADS is set, since the device model is one core per device.
     GPU rank: unless OMP_NUM_THREADS is set, the host's cores are split between the LOCAL_WORLD_SIZE ranks.
     """
     import torch

@@ -22,10 +22,10 @@ import torch
 
 from ..errors import InputError
 from ..fileio import atomic_write_text, dumps_json, read_json
+from ..hf.config import HF_DTYPES, hf_config
+from ..hf.files import CONFIG, INDEX, WEIGHTS
+from ..hf.names import HEAD, to_hf
 from ..model.spec import ModelSpec
-from .config import HF_DTYPES, hf_config
-from .files import CONFIG, INDEX, WEIGHTS
-from .names import HEAD, to_hf
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD = "5GB"  # transformers' save_pretrained default
@@ -61,7 +61,7 @@ class ExportSummary:
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A checkpoint step folder (holding manifest.json), or a checkpoint root's newest complete one."""
-    from ..runtime.checkpoint import MANIFEST, latest_checkpoint
+    from .checkpoint import MANIFEST, latest_checkpoint
 
     folder = Path(path)
     if not folder.is_dir():
@@ -137,8 +137,8 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], m
     dtype: "fp32" (the master weights, exact), "bf16" or "fp16" (rounded to nearest even by torch)."""
     from safetensors.torch import save_file
 
-    from ..runtime.checkpoint import load_full, read_manifest
-    from ..runtime.model import model_params
+    from ..semantics.parameters import model_params
+    from .checkpoint import load_full, read_manifest
 
     if dtype not in TORCH_DTYPES:
         raise InputError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")

@@ -1,0 +1,173 @@
+"""The import rules of docs/architecture.md: which part of the package may import which, read from the source
+(every import statement, at module level or inside a function), and which parts stay importable without torch."""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+import flashflex_cli
+
+PACKAGE = Path(flashflex_cli.__file__).parent
+ROOT = "flashflex_cli"
+
+# Modules any part may import: errors, units, number and file checks.
+BASE = frozenset({"__init__", "errors", "units", "validate_numbers", "physical_limits", "fileio", "hostnames"})
+# Each part and the parts it may import besides BASE (docs/architecture.md, "Import rules").
+ALLOWED: dict[str, frozenset[str]] = {
+    "model": frozenset(),
+    "semantics": frozenset({"model"}),
+    "hardware": frozenset({"model"}),
+    "data": frozenset(),
+    "plan": frozenset({"hardware", "model"}),
+    "layers": frozenset({"model", "plan"}),
+    "hf": frozenset({"model", "semantics"}),
+    "cost": frozenset({"model", "semantics", "hardware", "plan", "layers"}),
+    "planner": frozenset({"model", "semantics", "hardware", "plan", "layers", "cost"}),
+    "runs": frozenset({"model", "semantics", "hardware", "plan", "layers", "cost"}),
+    "runtime": frozenset({"model", "semantics", "hardware", "data", "plan", "layers", "hf"}),
+    "launch": frozenset({"model", "semantics", "hardware", "data", "plan", "layers", "hf", "cost", "planner",
+                         "runtime"}),
+    "commands": frozenset({"model", "semantics", "hardware", "data", "plan", "layers", "hf", "cost", "planner",
+                           "runs", "runtime", "launch"}),
+    "cli": frozenset({"commands"}),
+}
+# Parts whose every module imports without torch: planning, costing and reading files need no torch.
+TORCH_FREE = ("model", "semantics", "data", "plan", "layers", "cost", "planner", "runs", "launch")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module an ImportFrom names, absolute (`package`: the importing module's package)."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(source: str, module: str, is_package: bool) -> set[str]:
+    """Every flashflex_cli name `source` (module `module`) imports anywhere in it, as absolute dotted names:
+    the module of each `from X import y` and X.y (y may be a submodule)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            target = _absolute(node, package)
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.split(".")[0] == ROOT and name != ROOT}
+
+
+def _part(dotted: str) -> str:
+    """The part of a dotted flashflex_cli name: its first component below the package."""
+    parts = dotted.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    """The imports of `source` (module `module`) its part's rule does not allow."""
+    part = _part(module)
+    allowed = BASE | {"__version__"} | ({part} if part in BASE else ALLOWED[part] | {part})
+    return sorted(f"{module} imports {target}" for target in _imports(source, module, is_package)
+                  if _part(target) not in allowed)
+
+
+def _sources() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_part_has_a_rule() -> None:
+    parts = {_part(_module_name(p)) for p in _sources()} - BASE - {"__main__"}
+    assert parts <= set(ALLOWED), f"parts without an import rule: {sorted(parts - set(ALLOWED))}"
+
+
+@pytest.mark.parametrize("part", sorted(ALLOWED) + ["base"])
+def test_a_part_imports_only_what_its_rule_allows(part: str) -> None:
+    mine = [p for p in _sources() if (_part(_module_name(p)) in BASE if part == "base" else
+                                      _part(_module_name(p)) == part)]
+    assert mine
+    assert [line for p in mine for line in _violations(p.read_text(), _module_name(p), p.name == "__init__.py")] \
+        == []
+
+
+@pytest.mark.parametrize(("module", "source", "bad"), [
+    ("flashflex_cli.planner.search.probe", "from ...runtime import engine\n", "runtime"),
+    ("flashflex_cli.runtime.probe", "def f():\n    from ..cost.estimate import estimate\n", "cost"),
+    ("flashflex_cli.cost.probe", "import flashflex_cli.planner.search\n", "planner"),
+    ("flashflex_cli.plan.probe", "from .. import cost\n", "cost"),
+])
+def test_the_checker_finds_a_forbidden_import(module: str, source: str, bad: str) -> None:
+    """The rules can fail: a forbidden import, at module level or inside a function, is reported."""
+    assert {line.rsplit(" ", 1)[1].split(".")[1] for line in _violations(source, module)} == {bad}
+
+
+def _first_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """A cycle of `graph` (node -> nodes it imports) as [a, b, ..., a], or [] when there is none."""
+    done: set[str] = set()
+
+    def visit(node: str, stack: list[str]) -> list[str]:
+        if node in stack:
+            return stack[stack.index(node):] + [node]
+        if node in done:
+            return []
+        for nxt in sorted(graph.get(node, ())):
+            found = visit(nxt, stack + [node])
+            if found:
+                return found
+        done.add(node)
+        return []
+
+    for start in sorted(graph):
+        found = visit(start, [])
+        if found:
+            return found
+    return []
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert _first_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _first_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """Module-level imports form no cycle (a cycle makes import order matter and hides a missing layer)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    names = {_module_name(p) for p in _sources()}
+    for path in _sources():
+        me = _module_name(path)
+        tree = ast.parse(path.read_text())
+        package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+        for node in tree.body:  # module level only: imports inside functions run after both modules loaded
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                mod = _absolute(node, package)
+                targets = [f"{mod}.{a.name}" for a in node.names] + [mod]
+            for target in targets:
+                if target in names and target != me and not me.startswith(target + "."):
+                    graph[me].add(target)
+    cycle = _first_cycle(graph)
+    assert cycle == []
+
+
+@pytest.mark.parametrize("part", TORCH_FREE)
+def test_parts_that_plan_and_cost_import_without_torch(part: str) -> None:
+    package = __import__(f"{ROOT}.{part}", fromlist=["_"])
+    modules = sorted(m.name for m in pkgutil.walk_packages(package.__path__, f"{ROOT}.{part}."))
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + "print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False"

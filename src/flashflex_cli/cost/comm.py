@@ -6,18 +6,18 @@ ring hop in 2 (p - 1) steps (Patarasuk & Yuan 2009), so the slowest hop sets the
 moves (p - 1) / p * n bytes per hop in p - 1 steps.
 
 Stage-to-stage transfers are charged as the runtime makes them (runtime/pipeline.py): by default the lean
-scatter-gather of runtime/boundary.py in the compute dtype, else full fp32 copies to every receiving rank.
+scatter-gather of semantics/boundary.py in the compute dtype, else full fp32 copies to every receiving rank.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from ..hardware.cluster import Cluster
 from ..model.flops import dtype_bytes
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
+from ..semantics.boundary import chunk_route
 from .params import CostParams
 from .view import view
 
@@ -104,8 +104,8 @@ def transfer_element_bytes(cluster: Cluster, devices: Sequence[str], train: Trai
 def lean_transfer_time(cluster: Cluster, src: Sequence[str], dst: Sequence[str], nbytes: float,
                        efficiency: float = 1.0, gather_efficiency: float = 1.0) -> float:
     """Seconds to deliver a tensor of `nbytes`, replicated on every `src` device, to every `dst` device by
-    scatter-gather (runtime/boundary.py): cut into n = lcm(t, t') chunks, chunk k goes from src[k % t] to
-    dst[k % t'], then the `dst` group all-gathers the chunks (a ring over its slowest hop).
+    scatter-gather (semantics/boundary.py `chunk_route`: n = lcm(t, t') chunks, chunk k from src[k % t] to
+    dst[k % t']), then the `dst` group all-gathers the chunks (a ring over its slowest hop).
 
     Sends that share a channel (a source device's own link inside a node, or the NIC pair between two nodes)
     run one after another, distinct channels in parallel, as in `transfer_time`; the all-gather follows.
@@ -117,11 +117,11 @@ def lean_transfer_time(cluster: Cluster, src: Sequence[str], dst: Sequence[str],
     found = cv.transfers.get(key)
     if found is not None:
         return found
-    n = math.lcm(len(src), len(dst))
-    chunk = nbytes / n
+    route = chunk_route(len(src), len(dst))
+    chunk = nbytes / len(route)
     channels: dict[tuple[str, str], float] = {}
-    for k in range(n):
-        source, target = src[k % len(src)], dst[k % len(dst)]
+    for sender, receiver in route:
+        source, target = src[sender], dst[receiver]
         link = cv.link(source, target)
         a, b = cv.info(source).node, cv.info(target).node
         channel = (source, "") if a == b else (a, b)

@@ -21,7 +21,7 @@ activation [mbs, seq, hidden] is replicated within each group): receiver j takes
 j % tp_s; sender i takes the gradient from receiver i % tp_r (every receiver's input gradient is the full,
 identical gradient of the replicated input). That is the full-copy path; with lean transfers (the default,
 RuntimeOptions.lean_p2p) each side sends only its chunks to the whole adjacent stage (`PlanGroups.prev_stage`,
-`next_stage`; the mapping is runtime/boundary.py).
+`next_stage`; the mapping is semantics/boundary.py).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def neighbours(plan: Plan, rank: int) -> tuple[int | None, tuple[int, ...], int 
 
 def adjacent_stages(plan: Plan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(ranks of the previous stage, ranks of the next stage) of `rank`'s pipeline, () where there is none:
-    the two ends of the lean boundary transfers (`boundary.ChunkPlan`)."""
+    the two ends of the lean boundary transfers (`semantics/boundary.ChunkPlan`)."""
     info = plan.ranks()[rank]
     ranks = stage_ranks(plan)[info.pipeline]
     s = info.stage

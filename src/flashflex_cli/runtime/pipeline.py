@@ -7,7 +7,7 @@ Megatron-LM's send_forward_recv_backward, so backends whose sends block until ma
 
 Activations and gradients [mbs, seq, hidden] cross a boundary in one of two ways:
 - lean (RuntimeOptions.lean_p2p): in the transfer dtype (the compute dtype: bf16/fp16 under autocast on every
-  device, fp32 otherwise), each sending TP rank sending only its chunks of the tensor (`boundary.ChunkPlan`) and
+  device, fp32 otherwise), each sending TP rank sending only its chunks of the tensor (`semantics/boundary.ChunkPlan`) and
   the receiving TP group all-gathering them; the received tensor is cast back to fp32 for the stage;
 - full (lean off): every receiving TP rank takes the whole fp32 tensor from one sending rank (`groups`).
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .boundary import ChunkPlan
+from ..semantics.boundary import ChunkPlan
 from .groups import PlanGroups
 from .oom import PhaseTracker
 from .op_timer import OpTimer

@@ -9,12 +9,20 @@ every sender sends n / t chunks (1/t of the tensor), every receiver receives n /
 remainder theorem each (sender, receiver) pair exchanges at most one chunk. Each receiver then all-gathers the
 chunks inside its TP group: receiver j contributes chunks j, j + t', j + 2 t', ..., so the gathered
 [t', n / t', c] buffer, read in [n / t', t', c] order, is the padded tensor.
+
+The runtime sends by this mapping (runtime/pipeline.py) and the cost model charges each link the chunks this
+mapping puts on it (cost/comm.py `lean_transfer_time`), so both follow `chunk_route`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+
+def chunk_route(senders: int, receivers: int) -> list[tuple[int, int]]:
+    """(sending TP rank, receiving TP rank) of chunk k = 0 .. lcm(t, t') - 1: k % t to k % t'."""
+    return [(k % senders, k % receivers) for k in range(math.lcm(senders, receivers))]
 
 
 @dataclass(frozen=True)
@@ -52,12 +60,12 @@ class ChunkPlan:
 
     def sent_by(self, sender: int) -> list[tuple[int, int]]:
         """(chunk k, receiver k % t') for every chunk that TP rank `sender` of the sending stage sends."""
-        return [(k, k % self.receivers) for k in range(sender, self.chunks, self.senders)]
+        return [(k, r) for k, (s, r) in enumerate(chunk_route(self.senders, self.receivers)) if s == sender]
 
     def received_by(self, receiver: int) -> list[tuple[int, int]]:
         """(chunk k, sender k % t) for every chunk that TP rank `receiver` of the receiving stage receives, in
         the order of its slots in the all-gather (slot m holds chunk receiver + m t')."""
-        return [(k, k % self.senders) for k in range(receiver, self.chunks, self.receivers)]
+        return [(k, s) for k, (s, r) in enumerate(chunk_route(self.senders, self.receivers)) if r == receiver]
 
     def span(self, chunk: int) -> tuple[int, int]:
         """Elements [start, stop) of the flattened tensor that chunk k holds (stop <= numel; the rest of the

@@ -380,7 +380,7 @@ def test_refusals_name_the_file_the_field_and_the_value(workspace: Path, argv: l
 
 def test_host_names_and_addresses_are_rendered(workspace: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """RFC 1123 names (a trailing root dot too), IPv4 and IPv6 (an endpoint's IPv6 host in brackets)."""
-    argv = [arg.replace("{d}", str(workspace)) for arg in RENDER]
+    argv = [arg.replace("{d}", str(workspace)) for arg in RENDER] + ["--out", str(workspace / "run")]
     assert main([*argv, "--hosts", "::1,gpu-2.example.org."]) == 0
     out = capsys.readouterr().out
     assert "[::1]:" in out and "gpu-2.example.org." in out

@@ -10,6 +10,7 @@ gradient reductions), and all 3 once node0/1 is lost. Time bounds are hang guard
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -31,8 +32,9 @@ from flashflex_cli.launch.elastic import (
 )
 from flashflex_cli.launch.elastic_options import ElasticSettings
 from flashflex_cli.launch.local import JobOutcome, RankExit
-from flashflex_cli.launch.options import RunOptions
+from flashflex_cli.launch.options import launch_config
 from flashflex_cli.plan.schema import load_plan
+from flashflex_cli.run_config import load_run_config
 from flashflex_cli.runtime import checkpoint as ckpt
 from tests.conftest import FLASHFLEX
 
@@ -140,6 +142,9 @@ def test_a_killed_worker_is_replanned_away_and_the_losses_match(plans: dict[str,
     new_plan, new_cluster = load_plan(event["new_plan"]), load_cluster(event["new_cluster"])
     assert new_plan.inputs.cluster_sha256 == new_cluster.sha256() and len(new_cluster.device_ids) == 3
     assert new_plan.to_json() == (run / "plan.json").read_text()  # the run finished under the new plan
+    config = load_run_config(run / "config.json")  # rewritten before the relaunch: what its workers read
+    assert (config.plan, config.cluster, config.resume) == (event["new_plan"], event["new_cluster"], True)
+    assert config.optimizer.total_steps == STEPS and config.steps == STEPS
     rows = _rows(run)
     assert [row["step"] for row in rows] == list(range(STEPS))
     assert ckpt.latest_checkpoint(ck).name == f"step-{STEPS:06d}"
@@ -205,8 +210,8 @@ def test_reduced_cluster_renumbers_devices_and_drops_empty_nodes() -> None:
 def _elastic(plans: dict[str, Path], tmp_path: Path, outcome: JobOutcome, monkeypatch: pytest.MonkeyPatch,
              **settings: object) -> ElasticRun:
     monkeypatch.setattr("flashflex_cli.launch.elastic.run_job", lambda *a, **k: outcome)
-    options = RunOptions(plan=str(plans["plan4"]), cluster=str(plans["cluster4"]), out=str(tmp_path / "run"),
-                         checkpoint_dir=str(tmp_path / "ck"))
+    options = launch_config(plan=str(plans["plan4"]), cluster=str(plans["cluster4"]), out=str(tmp_path / "run"),
+                            checkpoint_dir=str(tmp_path / "ck"))
     layout = Layout(load_plan(plans["plan4"]), str(plans["plan4"]), load_cluster(plans["cluster4"]),
                     str(plans["cluster4"]))
     return ElasticRun(layout, options, ElasticSettings(**settings), (), lambda line: None)  # type: ignore[arg-type]
@@ -307,4 +312,31 @@ def test_elastic_torchrun_rendering_restarts_with_a_smaller_rendezvous(tmp_path:
     assert len(lines) == 2 and all("--nnodes=1:2" in x and "--max-restarts=2" in x for x in lines)
     assert all("-m flashflex_cli.launch.elastic_worker" in x and "last_call_timeout=5" in x for x in lines)
     assert lines[0].endswith("--plan-node node0") and lines[1].endswith("--plan-node node1")
-    assert not (tmp_path / "run").exists()  # rendering starts nothing and writes nothing
+    # rendering starts nothing; it writes only the run configuration every rendered worker reads
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock", "config.json"]
+    assert not (tmp_path / "ck").exists()
+
+
+def test_elastic_worker_writes_the_run_configuration_of_a_replanned_round(tmp_path: Path) -> None:
+    """Global rank 0 of a rendered elastic job, in a round that lost node1: the round's plan, cluster and run
+    configuration (resume on) go to RUN/elastic/, RUN/config.json stays the rendered one, the event names them;
+    the first round with every node present keeps the launched configuration."""
+    from flashflex_cli.launch.elastic_worker import _decide
+    from flashflex_cli.run_config import save_run_config
+
+    launched = launch_config(plan=str(GOLDEN / "plan-4rank.json"), cluster=str(GOLDEN_CLUSTER),
+                             out=str(tmp_path / "run"), checkpoint_dir=str(tmp_path / "ck"), steps=5, lr=2e-3)
+    path = str(save_run_config(launched))
+    assert _decide(launched, path, ["node0", "node1"], 0) == path
+    written = _decide(launched, path, ["node0"], 1)
+    assert written == str(tmp_path / "run" / "elastic" / "config-round-1.json")
+    config = load_run_config(written)
+    assert config == dataclasses.replace(launched, plan=str(tmp_path / "run" / "elastic" / "plan-round-1.json"),
+                                         cluster=str(tmp_path / "run" / "elastic" / "cluster-round-1.json"),
+                                         resume=True)
+    plan = load_plan(config.plan)
+    assert {r.device.split("/")[0] for r in plan.ranks()} == {"node0"}
+    assert plan.inputs.cluster_sha256 == load_cluster(config.cluster).sha256()
+    assert load_run_config(path) == launched
+    [event] = _events(tmp_path / "run")
+    assert event["config"] == written and event["present_nodes"] == ["node0"] and event["round"] == 1

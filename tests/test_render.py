@@ -17,17 +17,18 @@ from torch.distributed.run import get_args_parser
 from flashflex_cli.errors import InputError
 from flashflex_cli.hardware.cluster import load_cluster
 from flashflex_cli.launch.layout import node_layouts
-from flashflex_cli.launch.options import ALLOC_CONF_SHELL, RunOptions
+from flashflex_cli.launch.options import ALLOC_CONF_SHELL, launch_config
 from flashflex_cli.launch.slurm import SlurmSettings, default_template, render_slurm
 from flashflex_cli.launch.torchrun import RenderSettings, command_lines, render_torchrun
 from flashflex_cli.plan.schema import load_plan
+from flashflex_cli.run_config import load_run_config
 from tests.conftest import FLASHFLEX
 
 GOLDEN = Path(__file__).parent / "golden"
 PLAN = load_plan(GOLDEN / "plan-4rank.json")
 CLUSTER = load_cluster(GOLDEN / "cluster-2node.json")
-OPTIONS = RunOptions(plan="plans/plan-4rank.json", cluster="profiles/cluster-2node.json", out="runs/r1",
-                     data="runs/data.bin", steps=30, checkpoint_dir="runs/ckpt", checkpoint_every=10)
+OPTIONS = launch_config(plan="plans/plan-4rank.json", cluster="profiles/cluster-2node.json", out="runs/r1",
+                        data="runs/data.bin", steps=30, checkpoint_dir="runs/ckpt", checkpoint_every=10)
 
 
 def _check_golden(name: str, text: str) -> None:
@@ -71,9 +72,8 @@ def test_torchrun_commands_match_golden_and_parse_as_torchrun() -> None:
         assert args.rdzv_endpoint == "10.200.0.1:29511" and args.rdzv_conf == f"is_host={1 - i}"
         assert args.local_addr == f"10.200.0.{i + 1}" and args.max_restarts == 0
         assert args.training_script == "flashflex_cli.runtime.worker"
-        worker = args.training_script_args
-        assert worker[worker.index("--plan-node") + 1] == f"node{i}"
-        assert worker[worker.index("--checkpoint-every") + 1] == "10"
+        # every setting is in the run configuration the launch saves; the line names it and the plan node
+        assert args.training_script_args == ["--config", "runs/r1/config.json", "--plan-node", f"node{i}"]
 
 
 @pytest.mark.parametrize(("template", "golden"), [(None, "slurm-hetjob-4rank.sbatch"),
@@ -104,18 +104,28 @@ def test_user_templates_and_template_errors(tmp_path: Path) -> None:
 
 def test_cli_renders_and_refuses_a_mismatched_cluster(tmp_path: Path) -> None:
     plan, cluster = str(GOLDEN / "plan-4rank.json"), str(GOLDEN / "cluster-2node.json")
-    script = tmp_path / "launch.sh"
+    script, run = tmp_path / "launch.sh", tmp_path / "run"
     ok = subprocess.run([FLASHFLEX, "launch", plan, "--cluster", cluster, "--launcher", "torchrun", "--script",
-                         str(script), "--hosts", "h0,h1"], capture_output=True, text=True)
+                         str(script), "--hosts", "h0,h1", "--out", str(run), "--steps", "7", "--lr", "0.002"],
+                        capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert os.access(script, os.X_OK) and len(command_lines(script.read_text())) == 2
-    dry = subprocess.run([FLASHFLEX, "launch", plan, "--cluster", cluster, "--dry-run", "--steps", "3"],
-                         capture_output=True, text=True)
+    config = load_run_config(run / "config.json")  # what the rendered lines' workers read
+    assert (config.plan, config.cluster, config.steps, config.optimizer.lr) == (plan, cluster, 7, 0.002)
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.json"]
+    dry = subprocess.run([FLASHFLEX, "launch", plan, "--cluster", cluster, "--dry-run", "--steps", "3", "--out",
+                          str(tmp_path / "dry")], capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.startswith(f"env {ALLOC_CONF_SHELL} torchrun --standalone --nnodes=1 --nproc-per-node=4 ")
+    assert dry.stdout.rstrip().endswith(f"-m flashflex_cli.runtime.worker --config {tmp_path / 'dry' / 'config.json'}")
+    dry = subprocess.run([FLASHFLEX, "launch", plan, "--cluster", cluster, "--launcher", "slurm", "--dry-run",
+                          "--out", str(tmp_path / "dry")], capture_output=True, text=True)
+    assert dry.returncode == 0 and "srun " in dry.stdout, dry.stderr
+    assert not (tmp_path / "dry").exists()  # a dry run writes no run configuration
     other = tmp_path / "other.json"
     other.write_text(Path(cluster).read_text().replace('"test-2node"', '"renamed"'))
-    bad = subprocess.run([FLASHFLEX, "launch", plan, "--cluster", str(other), "--launcher", "slurm"],
-                         capture_output=True, text=True)
+    bad = subprocess.run([FLASHFLEX, "launch", plan, "--cluster", str(other), "--launcher", "slurm", "--out",
+                          str(tmp_path / "bad")], capture_output=True, text=True)
     assert bad.returncode == 1 and "is not the cluster this plan was made for" in bad.stderr
     assert "Traceback" not in bad.stderr and bad.stdout == ""
+    assert not (tmp_path / "bad").exists()

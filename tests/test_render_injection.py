@@ -2,11 +2,13 @@
 
 Each hostile value is rendered into a torchrun script, checked with `bash -n`, then the script is run with
 a fake `torchrun` first on PATH that records its argv: the payload never runs (its marker file never
-appears) and the hostile value arrives as ONE argument.
+appears) and the hostile value arrives as ONE argument, or, for the settings the workers read from the run
+configuration (RUN/config.json), as that file's value.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -19,11 +21,12 @@ from flashflex_cli.cli import main
 from flashflex_cli.data.token_file import write_token_file
 from flashflex_cli.errors import InputError
 from flashflex_cli.hardware.cluster import Cluster, load_cluster
-from flashflex_cli.launch.options import RunOptions
+from flashflex_cli.launch.options import launch_config
 from flashflex_cli.launch.slurm import SlurmSettings, render_slurm
 from flashflex_cli.launch.templates import render, sbatch_word, shell_word
 from flashflex_cli.launch.torchrun import RenderSettings, render_torchrun
 from flashflex_cli.plan.schema import load_plan
+from flashflex_cli.run_config import RunConfig, load_run_config
 
 GOLDEN = Path(__file__).parent / "golden"
 PAYLOADS = ["$(touch {m})", "`touch {m}`", "; touch {m}", "x' ; touch {m}; '", 'x" ; touch {m}; "',
@@ -54,16 +57,21 @@ def _calls(env: dict[str, str]) -> list[list[str]]:
 
 def _render_and_run(tmp_path: Path, env: dict[str, str], *extra: str, plan: Path | None = None,
                     data: str = "synthetic") -> list[list[str]]:
-    """Render the 4-rank plan through the CLI with `extra` options, `bash -n` it, run it; the argv of each
-    torchrun call."""
+    """Render the 4-rank plan through the CLI with `extra` options (in `tmp_path`: relative run folders go there),
+    `bash -n` it, run it; the argv of each torchrun call."""
     script = tmp_path / "launch.sh"
-    code = main(["launch", str(plan or GOLDEN / "plan-4rank.json"), "-c", str(GOLDEN / "cluster-2node.json"),
-                 "--launcher", "torchrun", "--data", data, "--script", str(script), *extra])
+    with contextlib.chdir(tmp_path):
+        code = main(["launch", str(plan or GOLDEN / "plan-4rank.json"), "-c", str(GOLDEN / "cluster-2node.json"),
+                     "--launcher", "torchrun", "--data", data, "--script", str(script), *extra])
     assert code == 0
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     run = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     return _calls(env)
+
+
+def _config(plan: str, cluster: str, out: str) -> RunConfig:
+    return launch_config(plan=plan, cluster=cluster, out=out)
 
 
 def _payload(template: str, marker: Path) -> str:
@@ -84,8 +92,11 @@ def test_hostile_option_is_one_argument_and_never_runs(tmp_path: Path, fake_path
             assert f"--rdzv-id={value}" in argv
         elif option == "--ifname":
             assert argv[0] == f"GLOO={value}"
+        elif option == "--out":
+            assert argv[argv.index("--config") + 1] == os.path.join(value, "config.json")
+            assert load_run_config(tmp_path / value / "config.json").out == value
         else:
-            assert argv[argv.index(option) + 1] == value
+            assert load_run_config(tmp_path / "runs" / "run" / "config.json").checkpoint_dir == value
 
 
 @pytest.mark.parametrize("template", PAYLOADS)
@@ -116,9 +127,10 @@ def test_hostile_file_names_reach_the_worker_as_one_argument(tmp_path: Path, fak
     write_token_file(data, list(range(200)) * 10, 256)
     calls = _render_and_run(tmp_path, fake_path, plan=plan, data=str(data))
     assert not marker.exists()
+    config = load_run_config(tmp_path / "runs" / "run" / "config.json")
+    assert (config.plan, config.data) == (str(plan), str(data))
     for argv in calls:
-        assert argv[argv.index("--plan") + 1] == str(plan)
-        assert argv[argv.index("--data") + 1] == str(data)
+        assert argv[argv.index("--config") + 1] == "runs/run/config.json"
 
 
 @pytest.mark.parametrize("template", PAYLOADS[:3])
@@ -127,7 +139,8 @@ def test_hostile_torchrun_executable_is_never_split(tmp_path: Path, fake_path: d
     marker = tmp_path / "pwned"
     script = tmp_path / "launch.sh"
     assert main(["launch", str(GOLDEN / "plan-4rank.json"), "-c", str(GOLDEN / "cluster-2node.json"),
-                 "--launcher", "torchrun", "--torchrun", _payload(template, marker), "--script", str(script)]) == 0
+                 "--launcher", "torchrun", "--torchrun", _payload(template, marker), "--script", str(script),
+                 "--out", str(tmp_path / "run")]) == 0
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     run = subprocess.run(["bash", str(script)], env=fake_path, cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 127  # one word naming no program: nothing ran
@@ -150,7 +163,7 @@ def test_control_characters_are_refused(tmp_path: Path, capsys: pytest.CaptureFi
 
 def _slurm(tmp_path: Path, **settings: str) -> str:
     plan, cluster = load_plan(GOLDEN / "plan-4rank.json"), load_cluster(GOLDEN / "cluster-2node.json")
-    options = RunOptions(plan="plan.json", cluster="cluster.json", out=settings.pop("out", "runs/r"))
+    options = _config(plan="plan.json", cluster="cluster.json", out=settings.pop("out", "runs/r"))
     render = RenderSettings(torchrun=settings.pop("torchrun", "torchrun"),
                             ifnames=tuple(filter(None, [settings.pop("ifname", "")])))
     return render_slurm(plan, cluster, options, render, SlurmSettings(**settings))
@@ -162,7 +175,7 @@ def test_slurm_scripts_quote_shell_values(tmp_path: Path, template: str | None, 
     marker = tmp_path / "pwned"
     value = _payload(payload, marker)
     plan, cluster = load_plan(GOLDEN / "plan-4rank.json"), load_cluster(GOLDEN / "cluster-2node.json")
-    text = render_slurm(plan, cluster, RunOptions(plan=value, cluster="c.json", out=value),
+    text = render_slurm(plan, cluster, _config(plan=value, cluster="c.json", out=value),
                         RenderSettings(torchrun=value, ifnames=(value,), template=template), SlurmSettings())
     script = tmp_path / "job.sbatch"
     script.write_text(text)
@@ -198,7 +211,7 @@ def _with_hostname(node: int, hostname: str) -> Cluster:
 def test_hostile_cluster_hostname_is_refused_in_sbatch_lines() -> None:
     cluster = _with_hostname(0, "n0\n#SBATCH --wrap=touch /tmp/x")
     with pytest.raises(InputError, match="control characters"):
-        render_slurm(load_plan(GOLDEN / "plan-4rank.json"), cluster, RunOptions(plan="p", cluster="c", out="o"),
+        render_slurm(load_plan(GOLDEN / "plan-4rank.json"), cluster, _config(plan="p", cluster="c", out="o"),
                      RenderSettings(), SlurmSettings())
 
 
@@ -206,13 +219,13 @@ def test_cluster_hostname_outside_the_sbatch_set_is_refused() -> None:
     cluster = _with_hostname(0, "n0 --wrap=x")
     with pytest.raises(InputError, match="hostname of node node0"):
         render_slurm(load_plan(GOLDEN / "plan-4rank.json"), cluster,
-                     RunOptions(plan="p", cluster="c", out="o"), RenderSettings(), SlurmSettings())
+                     _config(plan="p", cluster="c", out="o"), RenderSettings(), SlurmSettings())
 
 
 def test_hostile_cluster_hostname_is_quoted_in_torchrun_scripts(tmp_path: Path, fake_path: dict[str, str]) -> None:
     marker = tmp_path / "pwned"
     text = render_torchrun(load_plan(GOLDEN / "plan-4rank.json"), _with_hostname(1, f"$(touch {marker})"),
-                           RunOptions(plan="p", cluster="c", out="o"), RenderSettings())
+                           _config(plan="p", cluster="c", out="o"), RenderSettings())
     script = tmp_path / "t.sh"
     script.write_text(text)
     assert subprocess.run(["bash", str(script)], env=fake_path, capture_output=True).returncode == 0

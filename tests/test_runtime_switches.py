@@ -1,7 +1,8 @@
 """The comparison switches (`--no-lean-p2p --no-overlap-dp --no-hierarchical-dp --no-chunked-loss`,
-`--compile/--no-compile`, `--optimizer`) reach every worker: rendered torchrun and SLURM scripts carry them, a
-local launch starts its workers with them, they accept them, and runtime.json records what ran. The workers get
-the CUDA allocator's expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF."""
+`--compile/--no-compile`, `--optimizer`) reach every worker through the run configuration (RUN/config.json): the
+launch saves them there, rendered torchrun and SLURM scripts and a local launch start every worker with that
+file only, the worker runs with what it holds, and runtime.json records what ran. The workers get the CUDA
+allocator's expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF."""
 
 from __future__ import annotations
 
@@ -15,104 +16,106 @@ from pathlib import Path
 
 import pytest
 
-from flashflex_cli.errors import InputError
 from flashflex_cli.hardware.cluster import load_cluster
 from flashflex_cli.launch.local import LocalJob, run_job, worker_env
-from flashflex_cli.launch.options import RunOptions
+from flashflex_cli.launch.options import launch_config, worker_argv
 from flashflex_cli.launch.slurm import SlurmSettings, render_slurm
 from flashflex_cli.launch.torchrun import ElasticRender, RenderSettings, command_lines, render_torchrun
 from flashflex_cli.plan.schema import load_plan
+from flashflex_cli.run_config import RunConfig, load_run_config, save_run_config
 from flashflex_cli.runtime.worker import parse_args
+from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 
 GOLDEN = Path(__file__).parent / "golden"
 PLAN = load_plan(GOLDEN / "plan-4rank.json")
 CLUSTER = load_cluster(GOLDEN / "cluster-2node.json")
-SWITCHES = ("--no-lean-p2p", "--no-overlap-dp", "--no-hierarchical-dp", "--no-chunked-loss")
-BASE = RunOptions(plan="plans/p.json", cluster="profiles/c.json", out="runs/r")
-ALL_OFF = dataclasses.replace(BASE, lean_p2p=False, overlap_dp=False, hierarchical_dp=False, chunked_loss=False,
-                              compile=False, optimizer="fused")
-ALL_OFF_WORDS = {*SWITCHES, "--no-compile", "--optimizer", "fused"}
+SWITCHES = {"lean_p2p": "--no-lean-p2p", "overlap_dp": "--no-overlap-dp", "hierarchical_dp": "--no-hierarchical-dp",
+            "chunked_loss": "--no-chunked-loss"}
+BASE = launch_config(plan="plans/p.json", cluster="profiles/c.json", out="runs/r")
+ALL_OFF_SWITCHES = RuntimeOptions(lean_p2p=False, overlap_dp=False, hierarchical_dp=False, chunked_loss=False,
+                                  compile=False, optimizer="fused")
+ALL_OFF = dataclasses.replace(BASE, runtime=ALL_OFF_SWITCHES)
 
 
 def _worker_words(line: str) -> list[str]:
-    """The words after `-m <module>` of one rendered command line (shell-parsed, as the shell would)."""
+    """The words after `-m <module>` of one rendered command line (shell-parsed, as the shell would; without the
+    `&` that puts an srun line in the background)."""
     words = shlex.split(line.split("#", 1)[0])
-    return words[words.index("-m") + 2:]
+    return [word for word in words[words.index("-m") + 2:] if word != "&"]
 
 
-def test_defaults_pass_no_switch_and_each_switch_passes_its_own_flag() -> None:
-    assert not set(BASE.worker_argv()) & ALL_OFF_WORDS
-    for field, flag in zip(("lean_p2p", "overlap_dp", "hierarchical_dp", "chunked_loss"), SWITCHES, strict=True):
-        argv = dataclasses.replace(BASE, **{field: False}).worker_argv(node="node0")
-        assert [a for a in argv if a in ALL_OFF_WORDS] == [flag]
-        assert argv[-2:] == ["--plan-node", "node0"]
-    for value, words in ((True, ["--compile"]), (False, ["--no-compile"]), (None, [])):
-        argv = dataclasses.replace(BASE, compile=value).worker_argv()
-        assert [a for a in argv if a in ("--compile", "--no-compile")] == words
-    for path in ("fused", "foreach"):
-        argv = dataclasses.replace(BASE, optimizer=path).worker_argv()
-        assert argv[argv.index("--optimizer"):argv.index("--optimizer") + 2] == ["--optimizer", path]
-    with pytest.raises(InputError, match="--optimizer must be one of auto, fused, foreach, got 'adam'"):
-        dataclasses.replace(BASE, optimizer="adam")
+def test_each_switch_is_saved_in_the_config_and_loaded_back(tmp_path: Path) -> None:
+    out = str(tmp_path / "run")
+    assert BASE.runtime == RuntimeOptions()  # the fast paths unless a switch turns one off
+    cases = [{name: False} for name in SWITCHES] + [{"compile": True}, {"compile": False}, {"compile": None},
+                                                    {"optimizer": "fused"}, {"optimizer": "foreach"}]
+    for switches in cases:
+        config = launch_config(plan="p.json", cluster="c.json", out=out, runtime=switches)
+        assert config.runtime == RuntimeOptions(**switches)  # type: ignore[arg-type]
+        path = save_run_config(config)
+        assert path == tmp_path / "run" / "config.json"
+        assert json.loads(path.read_text())["runtime"] == dataclasses.asdict(config.runtime)
+        assert load_run_config(path) == config
 
 
-def test_worker_parses_the_flags_into_its_runtime_options() -> None:
-    args = parse_args(ALL_OFF.worker_argv())
-    assert (args.no_lean_p2p, args.no_overlap_dp, args.no_hierarchical_dp, args.no_chunked_loss) == (True,) * 4
-    assert (args.compile, args.optimizer) == (False, "fused")
-    args = parse_args(BASE.worker_argv())
-    assert (args.no_lean_p2p, args.no_overlap_dp, args.no_hierarchical_dp, args.no_chunked_loss) == (False,) * 4
-    assert (args.compile, args.optimizer) == (None, "auto")
-    assert parse_args([*BASE.worker_argv(), "--compile"]).compile is True
+def test_worker_takes_only_the_config_and_the_plan_node(capsys: pytest.CaptureFixture[str]) -> None:
+    assert worker_argv("runs/r/config.json", "node0") == ["--config", "runs/r/config.json", "--plan-node", "node0"]
+    args = parse_args(worker_argv("runs/r/config.json", "node0"))
+    assert (args.config, args.node) == ("runs/r/config.json", "node0")
+    assert parse_args(worker_argv("c.json")).node is None
+    for old in (["--no-lean-p2p"], ["--plan", "p.json"], ["--lr", "0.1"]):  # settings come from the file only
+        with pytest.raises(SystemExit) as exc:
+            parse_args([*worker_argv("c.json"), *old])
+        assert exc.value.code == 2
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize("template", ["torchrun", "torchrun-elastic", "slurm", "slurm-hetjob"])
-def test_rendered_scripts_carry_the_switches_on_every_worker_line(template: str) -> None:
+def test_rendered_scripts_start_every_worker_with_the_config_only(template: str) -> None:
     settings = RenderSettings(hosts=("10.200.0.1", "10.200.0.2"), template=template,
                               elastic=ElasticRender() if template == "torchrun-elastic" else None)
-    for options, expected in ((ALL_OFF, ALL_OFF_WORDS), (BASE, set())):
+    for options in (ALL_OFF, BASE):
         if template.startswith("slurm"):
             text = render_slurm(PLAN, CLUSTER, options, settings, SlurmSettings())
             lines = [line for line in text.splitlines() if line.startswith("srun ")]
         else:
             lines = command_lines(render_torchrun(PLAN, CLUSTER, options, settings))
         assert len(lines) == 2  # one per plan node
-        for line in lines:
-            assert set(_worker_words(line)) & ALL_OFF_WORDS == expected, line
+        for line, node in zip(lines, ("node0", "node1"), strict=True):
+            assert _worker_words(line) == ["--config", "runs/r/config.json", "--plan-node", node], line
 
 
-def test_cli_launch_flags_reach_the_rendered_script(tmp_path: Path) -> None:
+def test_cli_launch_flags_reach_the_saved_config(tmp_path: Path) -> None:
     from flashflex_cli.cli import main
 
-    script = tmp_path / "run.sh"
+    script, run = tmp_path / "run.sh", tmp_path / "run"
     code = main(["launch", str(GOLDEN / "plan-4rank.json"), "--cluster", str(GOLDEN / "cluster-2node.json"),
-                 "--launcher", "torchrun", "--script", str(script), "--no-overlap-dp", "--no-chunked-loss",
-                 "--compile", "--optimizer", "foreach"])
+                 "--launcher", "torchrun", "--script", str(script), "--out", str(run), "--no-overlap-dp",
+                 "--no-chunked-loss", "--compile", "--optimizer", "foreach"])
     assert code == 0
     for line in command_lines(script.read_text()):
-        words = _worker_words(line)
-        assert "--no-overlap-dp" in words and "--no-lean-p2p" not in words and "--no-hierarchical-dp" not in words
-        assert "--no-chunked-loss" in words and "--compile" in words and "--no-compile" not in words
-        assert words[words.index("--optimizer") + 1] == "foreach"
+        assert _worker_words(line)[:2] == ["--config", str(run / "config.json")]
+    assert load_run_config(run / "config.json").runtime == RuntimeOptions(
+        lean_p2p=True, overlap_dp=False, hierarchical_dp=True, compile=True, chunked_loss=False, optimizer="foreach")
 
 
 def test_cli_refuses_an_unknown_optimizer_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from flashflex_cli.cli import main
 
-    script = tmp_path / "run.sh"
+    script, run = tmp_path / "run.sh", tmp_path / "run"
     code = main(["launch", str(GOLDEN / "plan-4rank.json"), "--cluster", str(GOLDEN / "cluster-2node.json"),
-                 "--launcher", "torchrun", "--script", str(script), "--optimizer", "adam"])
+                 "--launcher", "torchrun", "--script", str(script), "--out", str(run), "--optimizer", "adam"])
     err = capsys.readouterr().err
-    assert code == 2 and not script.exists()
+    assert code == 2 and not script.exists() and not run.exists()
     assert err.strip().splitlines() == ["error: --optimizer must be one of auto, fused, foreach, got 'adam'"]
 
 
-def test_local_launch_starts_its_workers_with_the_switches(tmp_path: Path) -> None:
-    """A real supervised one-rank launch of one step: the running worker's own command line (/proc) holds the
-    flags, and the run ends well (the worker's argument parser accepted them: it exits 2 on an unknown one)."""
-    options = dataclasses.replace(ALL_OFF, plan=str(GOLDEN / "plan-1rank.json"),
-                                  cluster=str(GOLDEN / "cluster-2node.json"), out=str(tmp_path / "run"), steps=1,
-                                  timeout_s=60.0)
+def test_local_launch_starts_its_workers_with_the_config(tmp_path: Path) -> None:
+    """A real supervised one-rank launch of one step: the running worker's own command line (/proc) names only
+    RUN/config.json, which holds the switches, and runtime.json records that the worker ran them."""
+    options: RunConfig = dataclasses.replace(ALL_OFF, plan=str(GOLDEN / "plan-1rank.json"),
+                                             cluster=str(GOLDEN / "cluster-2node.json"), out=str(tmp_path / "run"),
+                                             steps=1, timeout_s=60.0)
     seen: list[list[str]] = []
     environments: list[dict[str, str]] = []
 
@@ -124,14 +127,15 @@ def test_local_launch_starts_its_workers_with_the_switches(tmp_path: Path) -> No
             except OSError:
                 continue
             if raw:  # empty once the process exited (a zombie until reaped)
-                seen.append(raw.decode().split("\0"))
+                seen.append(raw.decode().rstrip("\0").split("\0"))
                 environments.append(dict(item.split("=", 1) for item in env.decode().split("\0") if "=" in item))
 
-    (tmp_path / "run").mkdir()
     outcome = run_job(load_plan(options.plan), options, hook=look)
     assert not outcome.failures and not outcome.signals
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
-    assert seen and all(ALL_OFF_WORDS <= set(argv) for argv in seen)
+    config = str(tmp_path / "run" / "config.json")
+    assert seen and all(argv[argv.index("-m") + 2:] == ["--config", config] for argv in seen)
+    assert load_run_config(config) == options
     assert environments and all(env.get("PYTORCH_CUDA_ALLOC_CONF") == os.environ.get(
         "PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True") for env in environments)
     # the run records which paths ran

@@ -16,14 +16,14 @@ import time
 from pathlib import Path
 
 from flashflex_cli.launch.local import FAILURE_GRACE_S, LocalJob, Worker
-from flashflex_cli.launch.options import RunOptions
+from flashflex_cli.launch.options import launch_config
 from flashflex_cli.runtime import heartbeat
 
 TIMEOUT_S = 5.0  # the launcher's smallest silence limit (heartbeat.MIN_SILENCE_S)
 
 
 def _job(tmp_path: Path) -> tuple[LocalJob, Worker]:
-    job = LocalJob(RunOptions(plan="p.json", cluster="c.json", out=str(tmp_path / "run"), timeout_s=TIMEOUT_S),
+    job = LocalJob(launch_config(plan="p.json", cluster="c.json", out=str(tmp_path / "run"), timeout_s=TIMEOUT_S),
                    str(tmp_path))
     proc = subprocess.Popen(["sleep", "60"])
     long_ago = time.time() - 10 * TIMEOUT_S  # no heartbeat for far longer than the silence limit

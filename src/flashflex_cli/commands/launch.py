@@ -11,11 +11,12 @@ import typer
 from rich.console import Console
 
 from ..errors import InputError
-from ..fileio import atomic_write_text, check_writable_output, refuse_same_path
+from ..fileio import atomic_write_text, check_writable_dir, check_writable_output, refuse_same_path
 from ..launch.elastic_options import ElasticSettings, check_elastic_plan, elastic_options
-from ..launch.options import RunOptions
+from ..launch.options import DEFAULT_LR, launch_config
 from ..launch.preflight import check_run_dirs
 from ..launch.recorded_cluster import recorded_cluster_path
+from ..run_config import RunConfig, save_run_config
 from ..validate_numbers import port as port_number
 
 if TYPE_CHECKING:
@@ -56,17 +57,24 @@ def _script_inputs(plan_path: Path, cluster_path: Path, data: str, template: str
     return inputs
 
 
-def _check_outputs(launcher: str, script: Path | None, options: RunOptions, inputs: list[str | Path]) -> None:
+def _check_outputs(launcher: str, script: Path | None, options: RunConfig, inputs: list[str | Path],
+                   dry_run: bool) -> None:
     """Before anything is read: the script file can be written and is no input; a local run's folders can
-    be created and written."""
+    be created and written; the run configuration (RUN/config.json, not written by a dry run) is no input or
+    script, and a rendering's run folder can be written."""
     if script is not None:
         check_writable_output(script, "--script")
         refuse_same_path(script, inputs, "--script")
     if launcher == "local":
         check_run_dirs(options.out, options.checkpoint_dir)
+    elif not dry_run:
+        check_writable_dir(options.out, "--out")
+    if not dry_run:  # an --init-from folder has a config.json of its own
+        hf_config = Path(options.init_from) / "config.json" if options.init_from else None
+        refuse_same_path(options.path, [*inputs, script, hf_config], "the run configuration")
 
 
-def _run_here(plan: Plan, plan_path: Path, options: RunOptions, lock_fds: tuple[int, ...], console: Console,
+def _run_here(plan: Plan, plan_path: Path, options: RunConfig, lock_fds: tuple[int, ...], console: Console,
               elastic: ElasticSettings | None = None) -> None:
     """Run every rank on this host (re-planning on lost devices with `elastic`); a stop signal ends with one
     line saying whether a checkpoint was written (not an error line) and exit code 128 + the signal."""
@@ -97,7 +105,7 @@ def launch_command(
     schedule_steps: int | None = typer.Option(None, "--schedule-steps", help="Length of the learning-rate "
                                               "schedule (default: --steps); keep it fixed across stops and resumes."),
     seed: int = typer.Option(0, "--seed", help="Seed of the initial weights and of the data order."),
-    lr: float = typer.Option(1e-3, "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
+    lr: float = typer.Option(DEFAULT_LR, "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder of checkpoints."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Save every K steps (0: only at the end and on SIGTERM)."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint (any plan)."),
@@ -107,7 +115,8 @@ def launch_command(
                                   "rank exit after at most this long."),
     launcher: str = typer.Option("local", "--launcher", help="local: run every rank here, supervised; torchrun: "
                                  "print one torchrun command per host; slurm: print an sbatch script."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the per-node commands, start nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the per-node commands, start nothing "
+                                 "and write nothing (not even RUN/config.json, which the commands name)."),
     hosts: str | None = typer.Option(None, "--hosts", help="Comma-separated host address per plan node "
                                      "(default: the cluster's hostnames or node names)."),
     port: int = typer.Option(29500, "--port", help="Rendezvous port on the first host."),
@@ -163,26 +172,27 @@ def launch_command(
                                        layers, checkpoint_dir)
     if cluster_path is None:
         cluster_path = recorded_cluster_path(plan_path)
-    options = RunOptions(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
-                         seed=seed, lr=lr, checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-                         checkpoint_every=checkpoint_every, resume=resume, timeout_s=timeout,
-                         schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None,
-                         lean_p2p=not no_lean_p2p, overlap_dp=not no_overlap_dp,
-                         hierarchical_dp=not no_hierarchical_dp, compile=compile_,
-                         chunked_loss=not no_chunked_loss, optimizer=optimizer)
+    options = launch_config(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
+                            seed=seed, lr=lr, checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                            checkpoint_every=checkpoint_every, resume=resume, timeout_s=timeout,
+                            schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None,
+                            runtime={"lean_p2p": not no_lean_p2p, "overlap_dp": not no_overlap_dp,
+                                     "hierarchical_dp": not no_hierarchical_dp, "compile": compile_,
+                                     "chunked_loss": not no_chunked_loss, "optimizer": optimizer})
     if launcher != "local":
         port_number(port)
-    _check_outputs(launcher, script, options, _script_inputs(plan_path, cluster_path, data, template))
+    _check_outputs(launcher, script, options, _script_inputs(plan_path, cluster_path, data, template), dry_run)
     plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
     check_plan_cluster(plan, cluster, str(cluster_path))
     check_elastic_plan(plan, elastic_settings)
-    warnings = check_run(plan, data, steps, options.checkpoint_dir, checkpoint_every, resume, schedule_steps)
+    warnings = check_run(plan, data, steps, options.checkpoint_dir, checkpoint_every, resume,
+                         options.optimizer.total_steps)
     warnings += check_init_from(plan, options.init_from, here=launcher == "local")
     if launcher == "local":
         from ..launch.local import dry_run_text
         from ..launch.lock import run_lock
 
-        warnings += check_local_machine(plan, cluster, options.runtime()).warnings
+        warnings += check_local_machine(plan, cluster, options.runtime).warnings
         check_checkpoint_space(plan, options.checkpoint_dir)
         # the run folders are locked before any worker starts, while they run and until the last one ends
         with nullcontext(None) if dry_run else run_lock(options.out, options.checkpoint_dir) as lock:
@@ -210,6 +220,12 @@ def launch_command(
         text = render_slurm(plan, cluster, options, settings, SlurmSettings(job_name=job_name))
     for line in warnings:  # after rendering, so that a refused value is the only line
         console.print(f"[yellow]warning:[/] {line}")
+    if not dry_run:  # what every rendered worker reads; not while a local launch runs in the folder
+        from ..launch.lock import run_lock
+
+        with run_lock(options.out, None):
+            save_run_config(options)
+        console.print(f"wrote {options.path}")
     if script is not None:
         atomic_write_text(script, text, mode=0o777)
         console.print(f"wrote {script}")

@@ -4,7 +4,8 @@ The supervised local launcher (local.py) runs the plan. When the job ends with l
 a signal nobody in the job sends, such as SIGKILL or SIGSEGV, or a rank found frozen: no heartbeat), this loop
 writes the cluster without them (`RUN/elastic/cluster-N.json`), plans the same model and training
 configuration on it with the planner (`RUN/elastic/plan-N.json`: same strategy, seed and layer profiles as the
-plan in force, whose `inputs` record them) and relaunches from the newest checkpoint with `--resume`. The global
+plan in force, whose `inputs` record them) and relaunches from the newest checkpoint with `--resume`: the run
+configuration RUN/config.json is rewritten with the new plan and cluster and resume on (local.run_job). The global
 batch is kept and the data order depends only on (seed, step), so step k trains on the same tokens under any
 plan (runtime/data.py); the learning-rate schedule is kept too (--steps / --schedule-steps).
 
@@ -36,11 +37,11 @@ from ..errors import FlashflexError, InputError, RuntimeFailure
 from ..fileio import atomic_write_text
 from ..hardware.cluster import Cluster
 from ..plan.schema import Plan
+from ..run_config import RunConfig
 from .cluster_watch import ClusterWatch
 from .elastic_options import ElasticSettings
 from .failures import checkpoint_stamp, describe_failure
 from .local import JobOutcome, LocalJob, RankExit, interrupted, run_job
-from .options import RunOptions
 
 EVENTS_FILE = "events.jsonl"
 ELASTIC_DIR = "elastic"
@@ -250,7 +251,7 @@ class WatchHook:
 class ElasticRun:
     """One elastic launch: the layout in force, the restarts used, the files written."""
 
-    def __init__(self, layout: Layout, options: RunOptions, settings: ElasticSettings,
+    def __init__(self, layout: Layout, options: RunConfig, settings: ElasticSettings,
                  inherit_fds: tuple[int, ...], say: Callable[[str], None]) -> None:
         if options.checkpoint_dir is None:
             raise InputError("--elastic needs --checkpoint-dir (a lost device is survived from the last checkpoint)")
@@ -341,7 +342,7 @@ class ElasticRun:
         self.layout = new
 
 
-def run_elastic(plan: Plan, options: RunOptions, settings: ElasticSettings, inherit_fds: tuple[int, ...],
+def run_elastic(plan: Plan, options: RunConfig, settings: ElasticSettings, inherit_fds: tuple[int, ...],
                 say: Callable[[str], None]) -> None:
     """Run `plan` (its cluster file: options.cluster) elastically; returns when every step is trained."""
     from ..hardware.cluster import load_cluster

@@ -1,8 +1,9 @@
 """Launch every rank of a plan on this host and supervise them until they end.
 
-One worker process per plan device (`python -u -m flashflex_cli.runtime.worker ...`), in the launcher's
-process group, with the environment torchrun would give (LOCAL_RANK, RANK, WORLD_SIZE, and MASTER_ADDR /
-MASTER_PORT of a TCP store this process serves). The launcher then polls every `poll_s` seconds:
+One worker process per plan device (`python -u -m flashflex_cli.runtime.worker --config RUN/config.json`: the run
+configuration, run_config.py, is written before the first worker starts), in the launcher's process group, with
+the environment torchrun would give (LOCAL_RANK, RANK, WORLD_SIZE, and MASTER_ADDR / MASTER_PORT of a TCP store
+this process serves). The launcher then polls every `poll_s` seconds:
 - a rank that exits non-zero ends the job: the others exit on their own once their collectives break (no
   signal: one arriving while a process shuts down can abort it and blur the report), else get SIGKILL after
   FAILURE_GRACE_S; one line names the rank that started it (failures.py), with its own error if it left one;
@@ -38,6 +39,7 @@ from typing import Any
 from ..errors import RuntimeFailure
 from ..fileio import atomic_write_text
 from ..plan.schema import Plan
+from ..run_config import RunConfig, save_run_config
 from ..runtime import heartbeat
 from .failures import (
     CheckpointStamp,
@@ -47,7 +49,7 @@ from .failures import (
     describe_failure,
     stop_text,
 )
-from .options import ALLOC_CONF_DEFAULT, ALLOC_CONF_ENV, ALLOC_CONF_SHELL, WORKER_MODULE, RunOptions
+from .options import ALLOC_CONF_DEFAULT, ALLOC_CONF_ENV, ALLOC_CONF_SHELL, WORKER_MODULE, worker_argv
 
 FAILURE_GRACE_S = 3.0  # after a rank failed: time for the others to see their collectives break and exit
 STOP_GRACE_S = 30.0  # after a stop signal (plus --timeout): time to finish the step and save a checkpoint
@@ -56,13 +58,14 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 WORKERS_FILE = "workers.json"  # in the run folder: pid, plan rank and device of every running worker
 
 
-def local_command(plan: Plan, options: RunOptions) -> list[str]:
-    """The equivalent single-host torchrun command line (what `--dry-run` prints)."""
+def local_command(plan: Plan, options: RunConfig) -> list[str]:
+    """The equivalent single-host torchrun command line (what `--dry-run` prints; it names RUN/config.json, which
+    a dry run does not write)."""
     return ["torchrun", "--standalone", "--nnodes=1", f"--nproc-per-node={plan.world_size}", "--max-restarts=0",
-            "-m", WORKER_MODULE, *options.worker_argv()]
+            "-m", WORKER_MODULE, *worker_argv(options.path)]
 
 
-def dry_run_text(plan: Plan, options: RunOptions) -> str:
+def dry_run_text(plan: Plan, options: RunConfig) -> str:
     """Shell text of the single-host command, with the allocator setting the launcher gives its workers."""
     return f"env {ALLOC_CONF_SHELL} {shlex.join(local_command(plan, options))}"
 
@@ -126,7 +129,7 @@ def worker_env(local_rank: int, world: int, port: int, job_dir: str, timeout_s: 
 class LocalJob:
     """The workers of one local launch and the launcher's decisions about them."""
 
-    def __init__(self, options: RunOptions, job_dir: str) -> None:
+    def __init__(self, options: RunConfig, job_dir: str) -> None:
         self.options = options
         self.job_dir = job_dir
         self.workers: list[Worker] = []
@@ -137,7 +140,7 @@ class LocalJob:
 
     def spawn(self, world: int, port: int, signals: StopSignals, inherit_fds: tuple[int, ...]) -> None:
         """Start local ranks 0..world-1 (fewer when a stop signal arrives meanwhile)."""
-        argv = [sys.executable, "-u", "-m", WORKER_MODULE, *self.options.worker_argv()]
+        argv = [sys.executable, "-u", "-m", WORKER_MODULE, *worker_argv(self.options.path)]
         for local_rank in range(world):
             if signals.received:
                 return
@@ -291,10 +294,12 @@ class JobOutcome:
     stopped: bool = False
 
 
-def run_job(plan: Plan, options: RunOptions, poll_s: float = 0.1, inherit_fds: tuple[int, ...] = (),
+def run_job(plan: Plan, options: RunConfig, poll_s: float = 0.1, inherit_fds: tuple[int, ...] = (),
             hook: PollHook | None = None) -> JobOutcome:
-    """Run every rank of the plan on this host and supervise them until the last one ended (module docstring);
-    returns how it ended, raising only when a worker cannot be started."""
+    """Save the run configuration (RUN/config.json), then run every rank of the plan on this host and supervise
+    them until the last one ended (module docstring); returns how it ended, raising only when the configuration
+    cannot be written or a worker cannot be started."""
+    save_run_config(options)
     job_dir = tempfile.mkdtemp(prefix=f"flashflex-{uuid.uuid4().hex[:8]}-")
     job = LocalJob(options, job_dir)
     try:
@@ -311,13 +316,13 @@ def run_job(plan: Plan, options: RunOptions, poll_s: float = 0.1, inherit_fds: t
     return JobOutcome(list(signals.received), job.failures(), job.stop_requested)
 
 
-def interrupted(outcome: JobOutcome, options: RunOptions, before: CheckpointStamp | None) -> Interrupted:
+def interrupted(outcome: JobOutcome, options: RunConfig, before: CheckpointStamp | None) -> Interrupted:
     """The one-line ending of a job stopped by a signal, saying whether a checkpoint was written."""
     sig = outcome.signals[0]
     return Interrupted(f"{stop_text(sig)}: {checkpoint_note(options.checkpoint_dir, before)}", 128 + int(sig))
 
 
-def launch_local(plan: Plan, options: RunOptions, poll_s: float = 0.1, inherit_fds: tuple[int, ...] = ()) -> None:
+def launch_local(plan: Plan, options: RunConfig, poll_s: float = 0.1, inherit_fds: tuple[int, ...] = ()) -> None:
     """Run the plan on this host; returns when every rank finished. Raises RuntimeFailure when one failed or
     froze, Interrupted (exit code 128 + signal) when a signal stopped the job.
 

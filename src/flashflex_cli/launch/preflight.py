@@ -129,7 +129,8 @@ def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, che
               resume: bool, schedule_steps: int | None = None) -> list[str]:
     """The model, training configuration, data and checkpoint options fit together; returns warnings.
 
-    Numbers (steps, seed, ...) are range-checked by RunOptions; token ids are scanned against the vocabulary."""
+    Numbers (steps, seed, ...) are range-checked by RunConfig (run_config.py); token ids are scanned against the
+    vocabulary."""
     from ..runtime.data import open_source
 
     warnings: list[str] = []

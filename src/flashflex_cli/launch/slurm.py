@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from ..errors import InputError
 from ..hardware.cluster import Cluster
 from ..plan.schema import Plan
+from ..run_config import RunConfig
 from .layout import NodeLayout, node_layouts
-from .options import RunOptions
 from .templates import find_template, plain_text, render, sbatch_word
 from .torchrun import RenderSettings, global_values, node_values
 
@@ -54,7 +54,7 @@ def default_template(plan: Plan, cluster: Cluster | None) -> str:
     return "slurm-hetjob" if len(shapes) > 1 else "slurm"
 
 
-def render_slurm(plan: Plan, cluster: Cluster | None, options: RunOptions, settings: RenderSettings,
+def render_slurm(plan: Plan, cluster: Cluster | None, options: RunConfig, settings: RenderSettings,
                  slurm: SlurmSettings) -> str:
     """The sbatch script text."""
     layouts = node_layouts(plan, cluster, list(settings.hosts) if settings.hosts else None)

@@ -1,4 +1,9 @@
-"""Render a plan as one `torchrun` command line per host (c10d rendezvous; hosts may differ in size)."""
+"""Render a plan as one `torchrun` command line per host (c10d rendezvous; hosts may differ in size).
+
+Each line starts the workers with `--config RUN/config.json --plan-node NODE`: the run configuration
+(run_config.py) is saved by `flashflex launch` when it renders, and every host must read it, the plan and the
+cluster at the paths it names (a shared folder, or copies at the same paths).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,10 @@ from ..errors import InputError
 from ..hardware.cluster import Cluster
 from ..hostnames import url_host
 from ..plan.schema import Plan
+from ..run_config import RunConfig
 from ..validate_numbers import port
 from .layout import NodeLayout, node_layouts
-from .options import ALLOC_CONF_SHELL, RunOptions
+from .options import ALLOC_CONF_SHELL, worker_argv
 from .templates import find_template, plain_text, render, shell_join, shell_word
 
 
@@ -61,11 +67,11 @@ def check_settings(settings: RenderSettings, nodes: int) -> None:
                          f"per host ({nodes})")
 
 
-def node_values(layouts: list[NodeLayout], options: RunOptions, settings: RenderSettings) -> list[dict[str, object]]:
+def node_values(layouts: list[NodeLayout], options: RunConfig, settings: RenderSettings) -> list[dict[str, object]]:
     """Per-node template fields, each a shell word: node, host, index, nproc, is_host, ranks, devices, env,
-    worker_args."""
+    worker_args (`--config RUN/config.json`: the template adds `--plan-node {{ node }}`)."""
     check_settings(settings, len(layouts))
-    worker_args = shell_join(options.worker_argv(), "worker argument")
+    worker_args = shell_join(worker_argv(options.path), "worker argument")
     out = []
     for i, layout in enumerate(layouts):
         out.append({
@@ -82,7 +88,7 @@ def node_values(layouts: list[NodeLayout], options: RunOptions, settings: Render
     return out
 
 
-def global_values(plan: Plan, layouts: list[NodeLayout], options: RunOptions,
+def global_values(plan: Plan, layouts: list[NodeLayout], options: RunConfig,
                   settings: RenderSettings) -> dict[str, object]:
     """Template fields shared by every node, each a shell word."""
     check_settings(settings, len(layouts))
@@ -97,7 +103,7 @@ def global_values(plan: Plan, layouts: list[NodeLayout], options: RunOptions,
     }
 
 
-def render_torchrun(plan: Plan, cluster: Cluster | None, options: RunOptions, settings: RenderSettings) -> str:
+def render_torchrun(plan: Plan, cluster: Cluster | None, options: RunConfig, settings: RenderSettings) -> str:
     """A shell script with one torchrun command line per host (comment lines name the host)."""
     layouts = node_layouts(plan, cluster, list(settings.hosts) if settings.hosts else None)
     elastic = settings.elastic

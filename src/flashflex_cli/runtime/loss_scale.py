@@ -5,7 +5,8 @@ subnormal (2^-24, about 6e-8) would flush to zero in the fp16 backward, so the l
 (a power of two) and the gradients are divided by S before anything reads them. A step whose gradients hold an
 inf or NaN anywhere in the job is skipped by every rank and S is halved; after `growth_interval` clean steps in a
 row S doubles. These are the semantics of `torch.amp.GradScaler` (Micikevicius et al., "Mixed Precision
-Training", ICLR 2018), and GradScaler does the per-rank work here:
+Training", ICLR 2018), and GradScaler does the per-rank work here (its settings, LossScaling, are part of the run
+configuration: run_config.py):
 
 - `scale(loss)`: GradScaler.scale on the last stage's loss (already multiplied by 1 / global tokens);
 - `unscale_and_agree()`: GradScaler.unscale_ after the data-parallel reduction (this rank's gradients divided by
@@ -43,35 +44,11 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
+from ..run_config import LossScaling
 
 INJECT_ENV = "FLASHFLEX_OVERFLOW_INJECT"
 SCALE_KEY = "loss_scale"  # checkpoint keys: fp32 scalar (the scale the next step uses) ...
 TRACKER_KEY = "loss_scale_growth_tracker"  # ... and int32 scalar (clean steps in a row since the last change)
-
-
-@dataclass(frozen=True)
-class LossScaling:
-    """Dynamic loss scaling settings (torch.amp.GradScaler's defaults): the initial scale, the factor it grows by
-    after `growth_interval` clean steps in a row, the factor it shrinks by on a skipped step."""
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.init_scale) and self.init_scale > 0):
-            raise InputError(f"loss scale must be a positive finite number, got {self.init_scale}")
-        if not self.growth_factor > 1.0 or not 0.0 < self.backoff_factor < 1.0:
-            raise InputError(f"loss scale growth factor must be > 1 and backoff factor in (0, 1), got "
-                             f"{self.growth_factor} and {self.backoff_factor}")
-        if self.growth_interval < 1:
-            raise InputError(f"loss scale growth interval must be at least 1 step, got {self.growth_interval}")
-
-    def to_record(self) -> dict[str, float | int]:
-        """The runtime.json object of the settings."""
-        return {"init_scale": self.init_scale, "growth_factor": self.growth_factor,
-                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
 
 
 class JobScaler:

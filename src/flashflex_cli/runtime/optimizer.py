@@ -5,41 +5,17 @@ Parameters are kept in fp32 (the master weights); the compute runs under autocas
 so no separate low-precision copy exists. Weight decay applies to matrices (2-D and more: projections,
 embedding, head), not to norm weights. The update is torch's own (fused kernel or multi-tensor kernels,
 `RuntimeOptions.optimizer`); this module only groups the parameters, schedules the learning rate and restores
-a checkpoint's moments.
+a checkpoint's moments. The settings (OptimConfig) are part of the run configuration (run_config.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputError
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """Optimizer settings. lr and min_lr are peak and final learning rates; steps count optimizer steps."""
-
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_steps: int = 10
-    total_steps: int = 1000
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise InputError(f"learning rates must satisfy 0 <= min_lr <= lr, 0 < lr (lr {self.lr}, "
-                             f"min_lr {self.min_lr})")
-        if self.warmup_steps < 0 or self.total_steps < 1:
-            raise InputError("warmup_steps must be >= 0 and total_steps >= 1")
-        if self.grad_clip < 0:
-            raise InputError(f"grad_clip must be >= 0 (0 disables clipping), got {self.grad_clip}")
+from ..run_config import OptimConfig
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:

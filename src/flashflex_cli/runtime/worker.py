@@ -1,5 +1,7 @@
-"""The per-rank entry point: `python -m flashflex_cli.runtime.worker --plan P --cluster C ...`.
+"""The per-rank entry point: `python -m flashflex_cli.runtime.worker --config RUN/config.json [--plan-node NODE]`.
 
+Every setting of the run comes from the run configuration file (run_config.py), which the launcher wrote: the plan,
+cluster, data, steps, checkpoints, the runtime switches, the optimizer and its schedule, the loss scaling.
 Started by torch elastic (`flashflex launch`, torchrun, or SLURM's srun + torchrun), it reads LOCAL_RANK,
 RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the environment torchrun sets. Its plan rank comes from
 (`--plan-node`, LOCAL_RANK): local rank i runs the i-th device of that plan node in plan rank order (without
@@ -37,11 +39,11 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
 from ..hardware.cpu_share import pin_emulated_device, usable_cores
-from ..semantics.runtime_paths import OPTIMIZER_PATHS
 from . import heartbeat, oom
 
 if TYPE_CHECKING:
     from ..hardware.cluster import Cluster
+    from ..run_config import RunConfig
 
 PEER_LOST = 3
 
@@ -57,30 +59,11 @@ def plan_rank(plan, node: str | None, local_rank: int) -> int:  # type: ignore[n
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="flashflex-worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--plan", required=True)
-    parser.add_argument("--cluster", required=True)
-    parser.add_argument("--data", default="synthetic")
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--timeout", type=float, default=60.0, help="collective timeout, seconds")
-    parser.add_argument("--schedule-steps", type=int, default=None, help="learning-rate schedule length")
-    parser.add_argument("--checkpoint-dir")
-    parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--init-from", help="local Hugging Face checkpoint folder of the initial weights")
+    """`--config PATH` (the run configuration) and `--plan-node NODE` (dest `node`; default: every node)."""
+    parser = argparse.ArgumentParser(prog="flashflex-worker", description=__doc__.splitlines()[0],
+                                     allow_abbrev=False)  # an old `--plan P` is refused, not taken as --plan-node
+    parser.add_argument("--config", required=True, help="the run configuration, RUN/config.json (run_config.py)")
     parser.add_argument("--plan-node", dest="node", help="plan node run by this host (default: all)")
-    for name, what in (("lean-p2p", "stage-boundary sends in fp32 from every TP rank"),
-                       ("overlap-dp", "one blocking gradient reduction after the whole backward"),
-                       ("hierarchical-dp", "one flat reduction ring over all holders"),
-                       ("chunked-loss", "the whole logits tensor, upcast to fp32 for the loss")):
-        parser.add_argument(f"--no-{name}", action="store_true", help=f"comparison only: {what}")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile each layer, the final norm and the loss (default: on CUDA devices)")
-    parser.add_argument("--optimizer", choices=OPTIMIZER_PATHS, default="auto",
-                        help="AdamW kernels: fused, foreach (auto: fused on CUDA, foreach on CPU)")
     return parser.parse_args(argv)
 
 
@@ -178,8 +161,9 @@ def _init_process_group(rank: int, world: int, backend: str, timeout_s: float,  
                             timeout=timeout, device_id=device_id)
 
 
-def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int:
-    """Train; returns the exit code. `phases` is told where the rank is (for an out-of-memory's report)."""
+def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | None = None) -> int:
+    """Train with the settings `config` as plan node `node` (None: every node of the plan on this host); returns
+    the exit code. `phases` is told where the rank is (for an out-of-memory's report)."""
     import torch
     import torch.distributed as dist
 
@@ -191,7 +175,7 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
     from .data import open_source, stage_tokens
     from .engine import RankEngine
     from .groups import build_groups
-    from .loss_scale import LossScaling, injected_steps
+    from .loss_scale import injected_steps
     from .metrics import (
         MetricsLog,
         held_memory_bytes,
@@ -202,14 +186,12 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
         stage_times,
         write_timeline,
     )
-    from .optimizer import OptimConfig
-    from .options import RuntimeOptions
 
-    plan, cluster = load_plan(args.plan), load_cluster(args.cluster)
+    plan, cluster = load_plan(config.plan), load_cluster(config.cluster)
     if plan.inputs.cluster_sha256 != cluster.sha256():
-        raise ValueError(f"{args.cluster} is not the cluster plan {args.plan} was made for (sha256 differs)")
+        raise ValueError(f"{config.cluster} is not the cluster plan {config.plan} was made for (sha256 differs)")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    rank = plan_rank(plan, args.node, local_rank)
+    rank = plan_rank(plan, node, local_rank)
     world = plan.world_size
     if int(os.environ.get("WORLD_SIZE", world)) != world:
         raise ValueError(f"torchrun started {os.environ['WORLD_SIZE']} processes, the plan has {world} ranks")
@@ -226,43 +208,36 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
         torch.cuda.set_device(device)
     phases = phases or oom.PhaseTracker()
     phases.attach(oom.stage_place(plan, rank), device, oom.injection_from_env(os.environ))
-    claim_host_share(on_cpu, host_device_index(cluster, me.device, args.node))
+    claim_host_share(on_cpu, host_device_index(cluster, me.device, node))
     phases.enter("nccl")
-    _init_process_group(rank, world, "gloo" if on_cpu else "nccl", args.timeout, None if on_cpu else device)
+    _init_process_group(rank, world, "gloo" if on_cpu else "nccl", config.timeout_s, None if on_cpu else device)
 
     stop = StopRequest()
     train, model = plan.inputs.train, plan.inputs.model
-    groups = build_groups(plan, rank, timeout=timedelta(seconds=args.timeout))
+    groups = build_groups(plan, rank, timeout=timedelta(seconds=config.timeout_s))
     phases.enter("setup")
-    schedule = max(1, args.schedule_steps or args.steps)
-    optim = OptimConfig(lr=args.lr, min_lr=args.lr / 10, warmup_steps=min(10, max(1, schedule // 10)),
-                        total_steps=schedule)
     initial = None
-    if args.init_from:
+    if config.init_from:
         from ..hf.load import SlicedLoader
 
-        initial = SlicedLoader(args.init_from, model)
-    engine = RankEngine(plan, rank, groups, device, optim, seed=args.seed, slowdown=device_info.slowdown,
-                        initial=initial, options=RuntimeOptions(lean_p2p=not args.no_lean_p2p,
-                                                                overlap_dp=not args.no_overlap_dp,
-                                                                hierarchical_dp=not args.no_hierarchical_dp,
-                                                                compile=args.compile,
-                                                                chunked_loss=not args.no_chunked_loss,
-                                                                optimizer=args.optimizer),
-                        phases=phases, loss_scaling=LossScaling(), overflow_steps=injected_steps(os.environ, rank))
+        initial = SlicedLoader(config.init_from, model)
+    engine = RankEngine(plan, rank, groups, device, config.optimizer, seed=config.seed,
+                        slowdown=device_info.slowdown, initial=initial, options=config.runtime, phases=phases,
+                        loss_scaling=config.loss_scaling, overflow_steps=injected_steps(os.environ, rank))
     if rank == 0 and engine.compile_seconds is not None:
         print(f"flashflex: compiled in {engine.compile_seconds:.1f} s (warm-up before step 0, in no step's time)",
               file=sys.stderr, flush=True)
-    source = open_source(args.data, model.vocab_size, train.global_batch, train.seq_len, seed=args.seed)
+    source = open_source(config.data, model.vocab_size, train.global_batch, train.seq_len, seed=config.seed)
     shards = ckpt.shards_for(engine.state_for_checkpoint(), engine.shard_specs(), rank)
     manifest = {"model": model.model_dump(mode="json"), "train": train.model_dump(mode="json"),
                 "plan_sha256": hashlib.sha256(plan.to_json().encode()).hexdigest(),
-                "data": args.data, "seed": args.seed, "steps": args.schedule_steps or args.steps,
-                "lr": args.lr, **({"init_from": os.path.abspath(args.init_from)} if args.init_from else {})}
+                "data": config.data, "seed": config.seed, "steps": config.optimizer.total_steps,
+                "lr": config.optimizer.lr,
+                **({"init_from": os.path.abspath(config.init_from)} if config.init_from else {})}
 
     start = 0
-    if args.resume and args.checkpoint_dir:
-        found = ckpt.latest_checkpoint(args.checkpoint_dir)
+    if config.resume and config.checkpoint_dir:
+        found = ckpt.latest_checkpoint(config.checkpoint_dir)
         if found is not None:
             # each rank reads only the saved pieces overlapping its own shards, whatever plan saved them
             engine.load_local(lambda targets: ckpt.load_into(found, targets))
@@ -274,11 +249,11 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
     log = None
     if rank == 0:
         peak = sum(cluster.device(info.device).flops(train.dtype) for info in ranks)
-        log = MetricsLog(args.out, args.steps, model_flops_per_token(model, train.seq_len), peak,
+        log = MetricsLog(config.out, config.steps, model_flops_per_token(model, train.seq_len), peak,
                          start_step=start)
         # what `flashflex show --run` and `flashflex calibrate` read back next to metrics.jsonl
-        atomic_write_text(os.path.join(args.out, "plan.json"), plan.to_json())
-        atomic_write_text(os.path.join(args.out, "cluster.json"), cluster.to_json())
+        atomic_write_text(os.path.join(config.out, "plan.json"), plan.to_json())
+        atomic_write_text(os.path.join(config.out, "cluster.json"), cluster.to_json())
         # which runtime paths ran (the launch switches, resolved for the device): the cost model charges the
         # run by them (semantics/runtime_paths.py)
         record = engine.options.to_record(train.dtype)
@@ -286,12 +261,12 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
             record["loss_scaling"] = engine.scaler.config.to_record()
         if engine.compile_seconds is not None:
             record["compile_warmup_s"] = round(engine.compile_seconds, 3)
-        atomic_write_text(os.path.join(args.out, "runtime.json"), json.dumps(record, indent=2, sort_keys=True) + "\n")
+        atomic_write_text(os.path.join(config.out, "runtime.json"), json.dumps(record, indent=2, sort_keys=True) + "\n")
     timeline: list[dict] = []
     flag = torch.zeros(1, device=device)  # NCCL reduces only device tensors
     step = start
     held_before = held_memory_bytes(device.type)
-    for step in range(start, args.steps):
+    for step in range(start, config.steps):
         _fault(rank, step)
         phases.begin_step(step)
         t0 = time.perf_counter()
@@ -315,11 +290,11 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
             timeline = stage_ops(ranks, [g[2] for g in gathered], step)
         done = step + 1
         stopping = flag.item() > 0
-        due = done == args.steps or (args.checkpoint_every > 0 and done % args.checkpoint_every == 0)
-        if args.checkpoint_dir and (due or stopping):
+        due = done == config.steps or (config.checkpoint_every > 0 and done % config.checkpoint_every == 0)
+        if config.checkpoint_dir and (due or stopping):
             phases.enter("checkpoint")
-            with ckpt.one_line_save_errors(args.checkpoint_dir):
-                path = ckpt.save(args.checkpoint_dir, done, engine.state_for_checkpoint(), shards, manifest)
+            with ckpt.one_line_save_errors(config.checkpoint_dir):
+                path = ckpt.save(config.checkpoint_dir, done, engine.state_for_checkpoint(), shards, manifest)
             if rank == 0:
                 print(f"flashflex: checkpoint {path}", file=sys.stderr, flush=True)
         if stopping:
@@ -328,7 +303,7 @@ def run(args: argparse.Namespace, phases: oom.PhaseTracker | None = None) -> int
             break
     if log is not None:
         if timeline:
-            write_timeline(args.out, timeline)
+            write_timeline(config.out, timeline)
         log.summary(predicted_step_seconds(plan.predicted), compile_s=engine.compile_seconds)
         log.close()
     dist.barrier()
@@ -344,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     phases = oom.PhaseTracker()
     try:
-        return run(args, phases)
+        from ..run_config import load_run_config
+
+        return run(load_run_config(args.config), args.node, phases)
     except Exception as exc:  # report one line with the rank, then exit non-zero
         from ..errors import FlashflexError
 

@@ -1,9 +1,10 @@
 """Which code paths the runtime takes, as one torch-free record both the runtime and the cost model read.
 
-The runtime runs with a `RuntimeOptions` (its switches, `flashflex launch --no-...`), resolves it for its device
-(`resolved`), and writes the resolved record to `RUN/runtime.json`. The cost model charges a run by the same
-record (`from_record`), so a run recorded before a path existed is charged by the behaviour it really had: a key
-absent from an older record means the path that existed then (`LEGACY`).
+The runtime runs with a `RuntimeOptions` (its switches, `flashflex launch --no-...`, saved in the run configuration
+RUN/config.json: run_config.py), resolves it for its device (`resolved`), and writes the resolved record to
+`RUN/runtime.json`. The cost model charges a run by the same record (`from_record`), so a run recorded before a
+path existed is charged by the behaviour it really had: a key absent from an older record means the path that
+existed then (`LEGACY`).
 
 Paths:
 - lean_p2p, overlap_dp, hierarchical_dp: the communication paths (runtime/pipeline.py, runtime/grad_sync.py).
@@ -15,7 +16,7 @@ Paths:
 - compute_dtype: the dtype matmuls run in: the plan's bf16/fp16 under autocast on every device, fp32 for fp32
   plans (tf32: fp32 tensors; on CUDA with TF32 matmuls).
 - loss_scaling (fp16 runs only, written beside these by the worker): the dynamic loss scaling's settings
-  (runtime/loss_scale.py: init_scale, growth_factor, backoff_factor, growth_interval); absent: no loss scaling
+  (run_config.LossScaling, applied by runtime/loss_scale.py: init_scale, growth_factor, backoff_factor, growth_interval); absent: no loss scaling
   (bf16 and fp32 runs, and fp16 runs recorded before it existed). It changes no time or memory the cost model
   charges, so `from_record` does not read it.
 """

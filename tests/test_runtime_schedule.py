@@ -15,8 +15,8 @@ from flashflex_cli.plan.schema import load_plan
 from flashflex_cli.runtime.engine import plan_shard_specs
 from flashflex_cli.runtime.groups import neighbours, slice_holders
 from flashflex_cli.runtime.optimizer import OptimConfig, lr_at, make_optimizer, set_lr
-from flashflex_cli.runtime.pipeline import one_f_one_b
 from flashflex_cli.runtime.slowdown import Slowdown
+from flashflex_cli.semantics.schedule import one_f_one_b
 from tests.test_parity import make_plan
 
 

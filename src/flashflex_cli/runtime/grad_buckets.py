@@ -5,9 +5,8 @@ backward-order key, packed into one flat buffer for one collective. Two bucketin
 
 - `holder_set_buckets`: one bucket per holder set, sorted by the holder tuple (the blocking reduction after the
   whole backward);
-- `overlap_buckets`: one bucket per (layer, holder set), in the order the backward pass finishes them: the head
-  and final norm first, then the transformer layers from the last to the first, the embedding last (its lookup
-  end is the last gradient of the first stage; with tied embeddings the last stage's copy waits for it anyway).
+- `overlap_buckets`: one bucket per (layer, holder set), in the order the backward pass finishes them
+  (semantics/buckets.py `backward_key`: head, final norm, layers from the last to the first, embedding).
 
 Every rank reduces the subsequence of the GLOBAL bucket list that it holds, so any two ranks post the buckets
 they share in the same order, and the collectives cannot deadlock.
@@ -17,20 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..semantics.buckets import KEY_UNORDERED, backward_key, overlap_order
 from .groups import SliceHolders
-
-HEAD_KEY = 1 << 30  # above every layer index
-
-
-def backward_key(name: str) -> int:
-    """The backward-order key of global parameter `name`: larger keys finish their backward earlier."""
-    if name == "head":
-        return HEAD_KEY + 1
-    if name == "norm":
-        return HEAD_KEY
-    if name.startswith("layers."):
-        return int(name.split(".")[1])
-    return -1  # "embed"
 
 
 @dataclass(frozen=True)
@@ -54,7 +41,7 @@ def holder_set_buckets(slices: list[SliceHolders]) -> list[Bucket]:
     for sl in slices:
         if sl.needs_reduce:
             by_set.setdefault(sl.ranks, []).append(sl)
-    return [Bucket(0, members, tuple(by_set[members])) for members in sorted(by_set)]
+    return [Bucket(KEY_UNORDERED, members, tuple(by_set[members])) for members in sorted(by_set)]
 
 
 def overlap_buckets(slices: list[SliceHolders]) -> list[Bucket]:
@@ -63,7 +50,7 @@ def overlap_buckets(slices: list[SliceHolders]) -> list[Bucket]:
     for sl in slices:
         if sl.needs_reduce:
             by_key.setdefault((backward_key(sl.name), sl.ranks), []).append(sl)
-    order = sorted(by_key, key=lambda k: (-k[0], k[1]))
+    order = sorted(by_key, key=lambda k: overlap_order(*k))
     return [Bucket(key, members, tuple(by_key[(key, members)])) for key, members in order]
 
 

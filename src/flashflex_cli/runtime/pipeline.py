@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..semantics.boundary import ChunkPlan
+from ..semantics.schedule import one_f_one_b
 from .groups import PlanGroups
 from .oom import PhaseTracker
 from .op_timer import OpTimer
@@ -43,24 +44,6 @@ FWD_TAG, BWD_TAG = 1, 2
 # all-gather into one output tensor (stacked inputs): torch >= 2.13 names it all_gather_single, earlier
 # versions all_gather_into_tensor (same arguments); one copy less than a list of outputs on gloo
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def one_f_one_b(num_stages: int, stage: int, num_micro: int) -> list[tuple[str, int]]:
-    """The op sequence of `stage`: ("F", i) forward of micro-batch i, ("B", i) its backward.
-
-    Warm-up of min(num_stages - stage - 1, num_micro) forwards, then alternating forward/backward, then the
-    remaining backwards.
-    """
-    warmup = min(num_stages - stage - 1, num_micro)
-    ops: list[tuple[str, int]] = [("F", i) for i in range(warmup)]
-    fwd, bwd = warmup, 0
-    while fwd < num_micro:
-        ops.append(("F", fwd))
-        fwd += 1
-        ops.append(("B", bwd))
-        bwd += 1
-    ops.extend(("B", i) for i in range(bwd, num_micro))
-    return ops
 
 
 @dataclass

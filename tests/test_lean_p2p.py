@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flashflex_cli.cost.comm import transfer_element_bytes
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime import op_timer
@@ -271,6 +272,8 @@ def test_lean_equals_full_and_one_device(name: str, tmp_path: Path, pool: Worker
     boundaries = len(plan.pipelines[0].stages) - 1
     per_step = 2 * boundaries * plan.pipelines[0].num_micro_batches * numel * 4
     assert sum(out["sent"][0] for out in lean) == per_step  # these plans need no padding
+    assert per_step == 2 * boundaries * plan.pipelines[0].num_micro_batches * numel * transfer_element_bytes(
+        plan.inputs.train)  # what the cost model charges the lean transfers
     assert sum(out["sent"][0] for out in full) > per_step
     # timings come from the step's marks: every rank computed and spent time on transfers; ops were recorded
     for out in lean:

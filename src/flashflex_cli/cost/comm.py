@@ -18,6 +18,7 @@ from ..model.flops import dtype_bytes
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
 from ..semantics.boundary import chunk_route
+from ..semantics.runtime_paths import compute_dtype
 from .params import CostParams
 from .view import view
 
@@ -91,14 +92,10 @@ def ring_allgather_seconds(participants: int, nbytes: float, bandwidth: float, l
     return steps * latency_s + steps / participants * nbytes / bandwidth
 
 
-def transfer_element_bytes(cluster: Cluster, devices: Sequence[str], train: TrainConfig) -> int:
-    """Bytes per element of a lean stage-boundary transfer among `devices`: the compute dtype (2 for bf16 and
-    fp16, which GPUs compute in under autocast), 4 for fp32 / tf32 and wherever a device is an emulated CPU
-    (the runtime computes and sends fp32 there)."""
-    cv = view(cluster)
-    if any(cv.info(d).is_cpu for d in devices):
-        return 4
-    return dtype_bytes(train.dtype)
+def transfer_element_bytes(train: TrainConfig) -> int:
+    """Bytes per element of a lean stage-boundary transfer: the compute dtype's (2 for bf16 and fp16, which the
+    runtime computes in under autocast on every device, 4 for fp32 and tf32; semantics/runtime_paths.py)."""
+    return dtype_bytes(compute_dtype(train.dtype))
 
 
 def lean_transfer_time(cluster: Cluster, src: Sequence[str], dst: Sequence[str], nbytes: float,
@@ -148,6 +145,6 @@ def p2p_time(cluster: Cluster, src: Sequence[str], dst: Sequence[str], model: Mo
     mbs = micro_batch_size or train.micro_batch_size
     numel = mbs * train.seq_len * model.hidden_size
     if lean:
-        nbytes = numel * transfer_element_bytes(cluster, [*src, *dst], train)
+        nbytes = numel * transfer_element_bytes(train)
         return lean_transfer_time(cluster, src, dst, nbytes, params.p2p_efficiency, params.tp_comm_efficiency)
     return transfer_time(cluster, src, dst, numel * params.activation_transfer_bytes, params.p2p_efficiency)

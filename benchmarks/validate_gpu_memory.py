@@ -26,6 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from flashflex_cli.errors import FlashflexError  # noqa: E402
+
 RECORDS = REPO / "data" / "gpu-runs"
 
 
@@ -50,10 +54,11 @@ class Replay:
         return None if self.measured_step_s is None else self.predicted_step_s / self.measured_step_s - 1
 
 
-def run_folders(extra: list[Path]) -> list[Path]:
-    """Every recorded run folder (holding metrics.jsonl or FAILED.txt beside plan.json), then `extra`."""
+def run_folders(extra: list[Path], records: bool = True) -> list[Path]:
+    """Every recorded run folder (holding metrics.jsonl or FAILED.txt beside plan.json) unless not `records`,
+    then `extra`."""
     found = sorted(p.parent for p in RECORDS.glob("*/*/plan.json")
-                   if (p.parent / "metrics.jsonl").is_file() or (p.parent / "FAILED.txt").is_file())
+                   if (p.parent / "metrics.jsonl").is_file() or (p.parent / "FAILED.txt").is_file()) if records else []
     return found + [p for p in extra if p not in found]
 
 
@@ -72,7 +77,8 @@ def replay(folder: Path, layers: list[Path]) -> Replay:
     est = estimate(plan, cluster, params)
     peak = max(st.memory.allocated if st.on_cuda else st.memory.total for st in est.stages)
     name = f"{folder.parent.name}/{folder.name}"
-    if (folder / "FAILED.txt").is_file() and not (folder / "metrics.jsonl").stat().st_size:
+    metrics = folder / "metrics.jsonl"
+    if (folder / "FAILED.txt").is_file() and (not metrics.is_file() or not metrics.stat().st_size):
         return Replay(name, peak, None, est.iteration_time_s, None, est.fits, died=True)
     comparison = compare_run(plan, est, load_run(folder, plan=plan, cluster=cluster))
     memory = [t.measured for c in comparison.stages for t in c.terms if t.name == "memory" and t.measured]
@@ -85,14 +91,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("runs", nargs="*", type=Path, help="more run folders of `flashflex launch --out`")
     parser.add_argument("--layers", action="append", type=Path, default=[],
                         help="also predict with this layer profile (flashflex.layers/1); repeatable")
+    parser.add_argument("--no-records", action="store_true", help="only the run folders given, not data/gpu-runs")
     args = parser.parse_args(argv)
+    try:
+        return _replay_all(args)
+    except FlashflexError as exc:  # a run folder without its plan or cluster, a bad layer profile: one line
+        print(f"validate_gpu_memory: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+def _replay_all(args: argparse.Namespace) -> int:
+    """Print the replays of every run folder and the summary lines (module docstring)."""
     wall, cpu, load = time.perf_counter(), time.process_time(), os.getloadavg()[0]
-    folders = run_folders(args.runs)
+    folders = run_folders(args.runs, records=not args.no_records)
     variants = [("analytic", [])] + ([("profile", args.layers)] if args.layers else [])
+    results = [(label, [replay(f, layers) for f in folders]) for label, layers in variants]  # all read first
     summary = None
-    for label, layers in variants:
+    for label, replays in results:
         print(f"{label} model:")
-        replays = [replay(f, layers) for f in folders]
         for r in replays:
             if r.died:
                 verdict = "predicted NOT to fit: safe" if not r.fits else "predicted to fit: UNSAFE"

@@ -5,6 +5,9 @@ ignored with a warning, and with that profile the peaks still within 5%."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +71,20 @@ def test_the_measured_profile_predicts_the_same_peaks(run: str, capsys: pytest.C
     predicted, measured, _, _ = _replay(run, [PROFILE])
     assert "fixed_bytes grow with the micro-batch size" in capsys.readouterr().err
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def _benchmark(*args: str) -> subprocess.CompletedProcess[str]:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_gpu_memory.py"
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
+
+
+def test_the_benchmark_prints_its_line_last_and_refuses_a_folder_without_a_plan(tmp_path: Path) -> None:
+    done = _benchmark()
+    assert done.returncode == 0, done.stderr
+    assert re.fullmatch(r"validate_gpu_memory: 4 runs, memory median \d+\.\d%, worst \d+\.\d%, time median "
+                        r"\d+\.\d%, oom-safe yes", done.stdout.splitlines()[-1])
+    empty = tmp_path / "run"
+    empty.mkdir()
+    refused = _benchmark(str(empty))
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.strip().splitlines() == [f"validate_gpu_memory: {empty / 'plan.json'}: no such file"]

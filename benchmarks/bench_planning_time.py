@@ -21,8 +21,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from flashflex_cli.hardware.synthetic import build_cluster  # noqa: E402
 from flashflex_cli.model.spec import PRESETS  # noqa: E402
 from flashflex_cli.plan.schema import TrainConfig  # noqa: E402
-from flashflex_cli.planner.pool import usable_cores  # noqa: E402
 from flashflex_cli.planner.search import SearchStats, plan_layout  # noqa: E402
+from flashflex_cli.planner.search.pool import usable_cores  # noqa: E402
 
 TYPES = ("A100-80G-SXM:nic=ib:link=nvlink", "RTX-4090:nic=eth", "RTX-3090:nic=eth", "A100-40G-SXM:nic=roce")
 TARGETS = {128: 5.0, 1024: 60.0}

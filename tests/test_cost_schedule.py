@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from flashflex_cli.cost.schedule import simulate_1f1b, stage_order
+from flashflex_cli.cost.schedule import (
+    closed_form_s,
+    drain_offsets_s,
+    fill_s,
+    simulate_1f1b,
+    stage_order,
+    steady_period_s,
+)
 
 
 @pytest.mark.parametrize("stages, micro", [(1, 1), (1, 5), (2, 2), (4, 4), (4, 16), (8, 9), (4, 2), (8, 3)])
@@ -68,3 +77,38 @@ def test_bad_lengths_raise() -> None:
         simulate_1f1b([1.0, 1.0], [1.0, 1.0], [], 2)
     with pytest.raises(ValueError):
         simulate_1f1b([1.0], [1.0], [], 0)
+
+
+def test_the_closed_form_equals_the_simulation_for_uniform_stages_and_free_transfers() -> None:
+    """fill + (m - 1) x period is the simulated total of equal stages without transfer time, whatever S and m."""
+    rng = random.Random(2)
+    for _ in range(200):
+        stages, f = rng.randint(1, 9), rng.uniform(0.01, 1.0)
+        b, m = rng.choice([2 * f, rng.uniform(0.01, 2.0)]), rng.randint(1, 40)
+        times, links = [f + b] * stages, [0.0] * (stages - 1)
+        simulated = simulate_1f1b([f] * stages, [b] * stages, links, m).total_s
+        assert closed_form_s(steady_period_s(times, links), fill_s(times, links), m) == pytest.approx(simulated,
+                                                                                                      rel=1e-12)
+
+
+def test_the_period_is_the_slowest_window_and_the_slowest_stage_without_transfers() -> None:
+    # the window of stages 1..2, (1 + 1 + 2 x 0.5) / 2 = 1.5, beats the slowest stage (1.2) and the whole (4.4 / 3)
+    assert steady_period_s([1.2, 1.0, 1.0], [0.1, 0.5]) == pytest.approx(1.5)
+    assert steady_period_s([1.2, 1.0, 1.0], [0.0, 0.0]) == 1.2
+    assert steady_period_s([0.7], []) == 0.7
+    assert fill_s([1.2, 1.0, 1.0], [0.1, 0.5]) == pytest.approx(4.4)
+
+
+def test_the_closed_form_cool_down_equals_the_simulations_where_backwards_do_not_shrink() -> None:
+    """Each stage's last backward ends where the simulation ends it when no stage's backward is longer than the
+    next one's (equal stages among them), whatever the transfers."""
+    rng = random.Random(4)
+    for _ in range(200):
+        stages = rng.randint(2, 8)
+        bwd = sorted(rng.uniform(0.01, 1.0) for _ in range(stages))
+        if rng.random() < 0.3:
+            bwd = [bwd[0]] * stages
+        back = [rng.choice([0.0, rng.uniform(0.0, 0.2)]) for _ in range(stages - 1)]
+        result = simulate_1f1b([t / 2 for t in bwd], bwd, back, rng.randint(stages, 4 * stages))
+        simulated = [end - result.last_backward_end_s[0] for end in result.last_backward_end_s]
+        assert drain_offsets_s(bwd, back) == pytest.approx(simulated, abs=1e-12)

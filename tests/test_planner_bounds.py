@@ -11,12 +11,12 @@ from flashflex_cli.cost.params import CostParams
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import TrainConfig
-from flashflex_cli.planner import stages as st
-from flashflex_cli.planner.bounds import SAFETY, stages_lower_bound
-from flashflex_cli.planner.fastcost import CostCache
-from flashflex_cli.planner.graph import DeviceGraph
-from flashflex_cli.planner.sweeps import Totals, UnitBounds
-from flashflex_cli.planner.trials import Trials
+from flashflex_cli.planner.scoring.cost_cache import CostCache
+from flashflex_cli.planner.space.graph import DeviceGraph
+from flashflex_cli.planner.structure import stage_search as st
+from flashflex_cli.planner.structure.bounds import SAFETY, stages_lower_bound
+from flashflex_cli.planner.structure.sweeps import Totals, UnitBounds
+from flashflex_cli.planner.structure.trials import Trials
 
 TYPES = ("A100-80G-SXM", "A100-40G-SXM", "RTX-4090", "RTX-3090", "L40S", "V100-32G")
 NICS = ("ib", "roce", "eth")
@@ -223,7 +223,7 @@ def test_the_bounded_search_picks_what_the_unbounded_descent_picks(model: str, d
 def test_a_trials_stage_terms_from_its_pieces_equal_the_pipelines() -> None:
     """`Trials._terms` (per stage: one layer's seconds, embedding / head seconds, the layers that fit, read from
     the pieces and their shared memory-cap rows) gives exactly `pipeline._terms` of the assembled stages."""
-    from flashflex_cli.planner.pipeline import _terms
+    from flashflex_cli.planner.scoring.pipeline_score import _terms
 
     rng = random.Random(5)
     compared = 0

@@ -8,11 +8,12 @@ import random
 
 import pytest
 
+from flashflex_cli.cost.schedule import closed_form_s as pipeline_time
 from flashflex_cli.cost.schedule import simulate_1f1b
+from flashflex_cli.cost.schedule import steady_period_s as window_pace
 from flashflex_cli.errors import InfeasibleError
-from flashflex_cli.planner.batch import micro_batches, pipeline_time, split_batch
-from flashflex_cli.planner.layers import split_layers, split_layers_dp, stage_times
-from flashflex_cli.planner.pipeline import window_pace
+from flashflex_cli.planner.space.batch_split import micro_batches, split_batch
+from flashflex_cli.planner.space.layer_split import split_layers, split_layers_dp, stage_times
 
 
 def test_layer_split_matches_the_reference_dynamic_programme() -> None:

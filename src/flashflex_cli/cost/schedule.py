@@ -7,6 +7,13 @@ for forward i on stage s - 1 plus the transfer between them; backward i on stage
 on stage s + 1 plus the transfer back. A stage runs one operation at a time; transfers do not occupy
 the stages (asynchronous sends). For uniform stages and free transfers the result equals the closed form
 (m + S - 1) (f + b).
+
+The closed form (`closed_form_s`, the planner's fast path) charges a pipeline of m micro-batches
+fill + (m - 1) x period: `fill_s` one micro-batch through every stage and back, `steady_period_s` the 1F1B
+period with transfer latency (the slowest window of stages); `drain_offsets_s` places each stage's last
+backward in the cool-down. The time equals the simulation for uniform stages and free transfers, the
+cool-down wherever no stage's backward is longer than the next one's, and the period follows the simulation's
+within 2% (tests/test_cost_schedule.py).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain, repeat
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -122,3 +131,69 @@ def _simulate(fwd: tuple[float, ...], bwd: tuple[float, ...], p2p: tuple[float, 
     bubble = 1.0 - sum(busy) / (stages * total) if total > 0 else 0.0
     last_b = tuple(float(b_end[s][m - 1]) for s in range(stages))  # type: ignore[arg-type]
     return ScheduleResult(total, bubble, busy, last_b)
+
+
+def stage_pass_s(num_layers: int, layer_s: float, embed_s: float, head_s: float, first: bool, last: bool) -> float:
+    """Seconds of one pass (forward or backward) of one micro-batch through a stage of `num_layers` layers of
+    `layer_s` each, with the embedding's `embed_s` on the first stage and the head's `head_s` on the last."""
+    return num_layers * layer_s + (embed_s if first else 0.0) + (head_s if last else 0.0)
+
+
+def fill_s(times_s: Sequence[float], links_s: Sequence[float]) -> float:
+    """Seconds for one micro-batch through every stage and back: times_s[s] its forward + backward on stage s,
+    a forward and a backward transfer of links_s[s] per hop."""
+    return sum(times_s) + 2 * sum(links_s)
+
+
+@lru_cache(maxsize=256)
+def _windows(count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every window s <= t of `count` stages: s, t, t + 1 and its width t - s + 1 (float)."""
+    s_idx, t_idx = np.triu_indices(count)
+    return s_idx, t_idx, t_idx + 1, (t_idx - s_idx + 1).astype(np.float64)
+
+
+def steady_period_s(times_s: Sequence[float], links_s: Sequence[float]) -> float:
+    """Steady-state 1F1B period (seconds per micro-batch) with transfer latency, in closed form.
+
+    Stage s runs F(i + w_s), B(i), F(i + w_s + 1), ... with w_s = S - s - 1. For any window of stages s..t, a
+    micro-batch's forward entering s and its backward leaving s close a cycle through every stage and link of
+    the window that spans t - s + 1 periods, so the period is at least
+    (sum_{j=s..t} u_j + 2 sum_{j=s..t-1} p2p_j) / (t - s + 1), u_j = times_s[j] (forward + backward). The
+    maximum over all windows is the period; with free transfers (or one stage), the slowest stage.
+    """
+    count = len(times_s)
+    if count == 1 or not 2 * sum(links_s) > 0:
+        return max(times_s)
+    big_u = np.zeros(count + 1)
+    big_c = np.zeros(count + 1)
+    np.add.accumulate(times_s, out=big_u[1:])  # np.cumsum's sequential sums
+    np.add.accumulate(links_s, out=big_c[1:count])
+    # cost of window s..t = U[t+1] - U[s] + 2 (C[t] - C[s]) where C counts links s..t-1
+    s_idx, t_idx, t_next, width = _windows(count)
+    cost = big_u[t_next] - big_u[s_idx] + 2.0 * (big_c[t_idx] - big_c[s_idx])
+    return float((cost / width).max())
+
+
+def pair_window_s(first_s: float, second_s: float, link_s: float) -> float:
+    """The window of two adjacent stages of forward + backward `first_s` and `second_s` joined by a link of
+    `link_s` (see `steady_period_s`): a lower bound on the period (seconds per micro-batch)."""
+    return (first_s + second_s + 2.0 * link_s) / 2.0
+
+
+def closed_form_s(period_s: float, fill_s: float, num_micro_batches: int) -> float:
+    """Seconds for `num_micro_batches` micro-batches through one pipeline of that period and fill."""
+    return fill_s + (num_micro_batches - 1) * period_s
+
+
+def drain_offsets_s(bwd_s: Sequence[float], p2p_back_s: Sequence[float]) -> list[float]:
+    """When each stage's last backward ends, in seconds relative to stage 0's (the pipeline's last operation,
+    so every offset is <= 0), in closed form: in the cool-down, stage s - 1 runs its last backward as soon as
+    stage s's gradient arrives, so stage s ends bwd_s[s - 1] + p2p_back_s[s - 1] before stage s - 1. bwd_s[s]:
+    stage s's backward of one micro-batch. Exact where no stage's backward is longer than the next stage's
+    (equal stages among them): the stage before is then idle when the gradient arrives."""
+    out = [0.0]
+    end = 0.0
+    for whole, back in zip(bwd_s[:-1], p2p_back_s, strict=True):
+        end -= whole + back
+        out.append(end)
+    return out

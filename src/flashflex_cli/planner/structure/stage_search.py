@@ -1,24 +1,24 @@
 """Level 2: split one pipeline's devices into ordered stages (TP groups).
 
-Rules: a TP group never straddles a node (the links between nodes are the slow ones, Holmes arXiv
-2312.03549: keep TP on the fastest fabric) nor a slow link inside one (it stays in one fast-link island,
-`islands.device_islands`; a node without measured intra-node pairs is one island); its degree d is any
-value the model supports (`ModelSpec.supports_tp`: d divides query heads, key/value heads and the MLP
-width, powers of two or not). Stages of one island stay contiguous in the pipeline (a "block"; a node
-is one block unless it has several islands), so a pipeline hop crosses a node or island boundary only
-between blocks. The search: first every node class (each island of it) picks one degree (its devices
-cut into groups of that degree in local-index order, a remainder r into the largest supported degrees
-<= r), under every block order for up to 3 blocks, else four (node order, memory descending -- stage 0 keeps the most micro-batches
-in flight and holds the embedding --, speed descending and ascending); then coordinate descent lets
-each block pick its own mix of group sizes (any partition of its devices into supported degrees, e.g.
-TP 1 + TP 2 + TP 1) and re-tries the block orders (every permutation up to 4 blocks), until no change
-helps (at most 3 rounds). Clusters of at most 32 devices get a more thorough search: every order of
-a block's group sizes, and descent from the 3 best starting points (pipelines of up to 4 blocks). A structure is scored by its time per micro-batch at the pipeline's expected share of the
-batch. A pipeline with more stages than layers drops its slowest stages (their devices go unused).
-Each sweep of the descent (one block's options, or the block orders) ends at the first of its cheapest trials
-when that one beats the current structure, so it is searched best-first by an exact lower bound
-(`trials.Trials.ranked`, `bounds`): a trial whose bound reaches the best found is never evaluated, and the
-result is the one the plain sweep finds (tests/test_planner_bounds.py).
+Rules: a TP group never straddles a node (the links between nodes are the slow ones, Holmes arXiv 2312.03549: keep
+TP on the fastest fabric) nor a slow link inside one (it stays in one fast-link island, `islands.device_islands`;
+a node without measured intra-node pairs is one island); its degree d is any value the model supports
+(`space.tp_groups`). Stages of one island stay contiguous in the pipeline (a "block"; a node is one block unless
+it has several islands), so a pipeline hop crosses a node or island boundary only between blocks. The search:
+first every node class (each island of it) picks one degree (its devices cut into groups of that degree in
+local-index order, a remainder r into the largest supported degrees <= r), under every block order for up to 3
+blocks, else four (node order, memory descending -- stage 0 keeps the most micro-batches in flight and holds the
+embedding --, speed descending and ascending); then coordinate descent lets each block pick its own mix of group
+sizes (any partition of its devices into supported degrees, e.g. TP 1 + TP 2 + TP 1) and re-tries the block orders
+(every permutation up to 4 blocks), until no change helps (at most 3 rounds). Clusters of at most 32 devices get a
+more thorough search: every order of a block's group sizes, and descent from the 3 best starting points (pipelines
+of up to 4 blocks). A structure is scored by its time per micro-batch at the pipeline's expected share of the
+batch; the structure found for a group is memoised per cache (`StructureMemo`) for every group of equal shape. A
+pipeline with more stages than layers drops its slowest stages (their devices go unused). Each sweep of the
+descent (one block's options, or the block orders) ends at the first of its cheapest trials when that one beats
+the current structure, so it is searched best-first by an exact lower bound (`trials.Trials.ranked`, `bounds`): a
+trial whose bound reaches the best found is never evaluated, and the result is the one the plain sweep finds
+(tests/test_planner_bounds.py).
 """
 
 from __future__ import annotations
@@ -27,37 +27,23 @@ import heapq
 import itertools
 import math
 from collections.abc import Sequence
-from functools import lru_cache
 
-from ..model.spec import ModelSpec
-from .fastcost import CostCache, Devs
-from .pipeline import PipeEval, evaluate_pipeline
+from ..scoring.cost_cache import CostCache, Devs
+from ..scoring.pipeline_score import PipeEval, evaluate_pipeline
+from ..space.tp_groups import MAX_OPTIONS, chunk_sizes, cut, size_options, tp_degrees
 from .trials import Trials
 
-MAX_OPTIONS = 12
 MAX_OPTIONS_THOROUGH = 16
 MAX_BLOCK_DESCENT = 16
 MAX_ROUNDS = 3
 STARTS = 3
 THOROUGH_DEVICES = 32  # clusters up to this size get the multi-start, all-orders search
+Sizes = dict[int, tuple[int, ...]]
+Structure = tuple[Sizes, tuple[int, ...]]  # group sizes by block position, block order
 
 
-def tp_degrees(model: ModelSpec, largest: int) -> list[int]:
-    """Supported TP degrees from 1 to `largest`, ascending."""
-    return [d for d in range(1, largest + 1) if model.supports_tp(d)]
-
-
-def chunk(devs: Sequence[int], degree: int, degrees: Sequence[int]) -> list[Devs]:
-    """Cut `devs` into groups of `degree`; the remainder into the largest supported degrees that fit."""
-    out: list[Devs] = []
-    whole = len(devs) - len(devs) % degree
-    out.extend(tuple(devs[i:i + degree]) for i in range(0, whole, degree))
-    rest = list(devs[whole:])
-    while rest:
-        size = max(d for d in degrees if d <= len(rest))
-        out.append(tuple(rest[:size]))
-        rest = rest[size:]
-    return out
+class StructureMemo(dict[tuple, "Structure | None"]):
+    """One cache's structures found by `best_pipeline`, by group signature (None: nothing fits)."""
 
 
 def node_blocks(cache: CostCache, group: Sequence[int]) -> list[tuple[int, list[int]]]:
@@ -68,46 +54,6 @@ def node_blocks(cache: CostCache, group: Sequence[int]) -> list[tuple[int, list[
     for i in sorted(group):
         blocks.setdefault(int(g.island[i]), []).append(i)
     return [(int(g.node[devs[0]]), devs) for _, devs in sorted(blocks.items())]
-
-
-def cut(devs: Sequence[int], sizes: Sequence[int]) -> list[Devs]:
-    """Cut `devs` (local-index order) into consecutive groups of the given sizes."""
-    out, start = [], 0
-    for size in sizes:
-        out.append(tuple(devs[start:start + size]))
-        start += size
-    return out
-
-
-def size_options(count: int, degrees: Sequence[int], limit: int = MAX_OPTIONS,
-                 every: bool = True) -> list[tuple[int, ...]]:
-    """Group sizes for a node block of `count` devices: partitions into supported degrees, fewest groups
-    first, each in every distinct order (with `every` and up to 4 groups; else descending and ascending),
-    at most `limit`."""
-    return list(_size_options(count, tuple(degrees), limit, every))
-
-
-@lru_cache(maxsize=1024)
-def _size_options(count: int, degrees: tuple[int, ...], limit: int, every: bool) -> tuple[tuple[int, ...], ...]:
-    parts = _partitions(count, degrees)
-    out: list[tuple[int, ...]] = []
-    for part in sorted(parts, key=lambda p: (len(p), p)):
-        seqs = sorted(set(itertools.permutations(part)), reverse=True) if every and len(part) <= 4 else \
-            [part, tuple(reversed(part))]
-        for seq in seqs:
-            if seq not in out:
-                out.append(seq)
-    return tuple(out[:limit])
-
-
-def _partitions(n: int, degrees: tuple[int, ...]) -> list[tuple[int, ...]]:
-    if n == 0:
-        return [()]
-    out = []
-    for d in sorted(degrees, reverse=True):
-        if d <= n:
-            out.extend((d, *rest) for rest in _partitions(n - d, tuple(x for x in degrees if x <= d)))
-    return out
 
 
 def assemble(cache: CostCache, blocks: list[tuple[int, list[int]]], sizes: dict[int, tuple[int, ...]],
@@ -164,7 +110,7 @@ def best_pipeline(cache: CostCache, group: Sequence[int], micro_estimate: int,
     local, bw = g.local_list, g.node_bw_rows
     signature = (tuple((g.node_class[node], tuple([local[i] for i in devs])) for node, devs in blocks),
                  tuple([bw[a][b] for a in nodes for b in nodes]), micro_estimate, max_stages)
-    memo = cache.structure_memo
+    memo = cache.memo(StructureMemo)
     if signature in memo:  # an equal group elsewhere in the cluster: reuse its structure
         found = memo[signature]
         if found is None:
@@ -182,9 +128,6 @@ def bucket(micro: int) -> int:
     if micro <= 8:
         return max(1, micro)
     return int(round(2 ** (round(math.log2(micro) * 4) / 4)))
-
-
-Sizes = dict[int, tuple[int, ...]]
 
 
 def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], micro_estimate: int, max_stages: int
@@ -239,13 +182,3 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
             best = current
     assert best is not None
     return trials.cost(best[1], best[2])[1], (best[1], best[2])
-
-
-def chunk_sizes(count: int, degree: int, degrees: Sequence[int]) -> list[int]:
-    """Group sizes of `chunk`: groups of `degree`, the remainder in the largest supported degrees."""
-    return list(_chunk_sizes(count, degree, tuple(degrees)))
-
-
-@lru_cache(maxsize=1024)
-def _chunk_sizes(count: int, degree: int, degrees: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(len(group) for group in chunk(list(range(count)), degree, degrees))

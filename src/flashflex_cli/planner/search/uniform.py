@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..cost.estimate import estimate
-from ..errors import InfeasibleError
-from ..plan.schema import PipelinePlan, Plan, PlanInputs, StagePlan, UnusedDevice
-from .batch import pipeline_time
-from .fastcost import CostCache, Devs
-from .stages import tp_degrees
+from ...cost.comm import ring_allreduce_seconds
+from ...cost.estimate import estimate
+from ...cost.schedule import closed_form_s, fill_s, stage_pass_s
+from ...errors import InfeasibleError
+from ...plan.schema import PipelinePlan, Plan, PlanInputs, StagePlan, UnusedDevice
+from ..scoring.cost_cache import CostCache, Devs
+from ..space.tp_groups import tp_degrees
 
 KEEP = 6
 
@@ -57,16 +58,17 @@ def _fast_score(cache: CostCache, pipes: tuple[tuple[Devs, ...], ...], micro: in
             if cache.max_layers(len(devs), first, last, count - s, cache.capacity(devs)) < layers[s]:
                 return None
             cost = cache.stage(devs)
-            times.append(layers[s] * cost.layer_s + (cost.embed_s if first else 0.0) + (cost.head_s if last else 0.0))
+            times.append(stage_pass_s(layers[s], cost.layer_s, cost.embed_s, cost.head_s, first, last))
             shard = max(shard, layers[s] * cache.layer_grad_bytes / len(devs))
-        hops = sum(2 * cache.p2p(stages[s], stages[s + 1]) for s in range(count - 1))
-        slowest = max(slowest, pipeline_time(max(times), sum(times) + hops, micro))
+        links = [cache.p2p(stages[s], stages[s + 1]) for s in range(count - 1)]
+        # the slowest stage as the period: a cheap prefilter, `estimate` ranks the layouts kept
+        slowest = max(slowest, closed_form_s(max(times), fill_s(times, links), micro))
     dp = len(pipes)
     if dp > 1:
         g = cache.graph
         bw = min(float(g.node_bw[int(g.node[a[0][0]]), int(g.node[b[0][0]])]) for a in pipes for b in pipes
                  if a is not b) if dp <= 16 else float(g.node_bw.min())
-        slowest += 2 * (dp - 1) / dp * shard / bw
+        slowest += ring_allreduce_seconds(dp, shard, bw, 0.0)
     return slowest
 
 

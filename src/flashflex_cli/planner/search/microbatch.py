@@ -3,7 +3,7 @@
 A pipeline that runs micro-batches of b sequences pays, per micro-batch, the cost model's per-micro-batch
 times at b (compute a + b * slope per layer, transfers of [b, s, h] activations), and keeps b sequences'
 activations per micro-batch in flight (memory grows with b, so the exact layer split under memory is
-redone at b: `pipeline.evaluate_pipeline` on a `CostCache` whose training configuration has
+redone at b: `pipeline_score.evaluate_pipeline` on a `CostCache` whose training configuration has
 micro_batch_size b). Larger b amortises the fixed part of every layer, transfer latencies and the TP
 all-reduces' latency; smaller b gives more micro-batches, so a smaller fill/drain bubble.
 
@@ -13,7 +13,7 @@ sequences left to hand out are always a multiple of the smallest chosen b, so th
 on the exact global batch.
 
 For a fixed choice of b per pipeline, `split_sequences` hands out micro-batches (b_p sequences each) to
-the pipeline that would finish its next one soonest, as `batch.split_batch` does, starting from the
+the pipeline that would finish its next one soonest, as `batch_split.split_batch` does, starting from the
 continuous optimum. The b of each pipeline is chosen by coordinate descent over groups of pipelines of
 equal shape (they cost the same, so they take the same b): every group tries every option, a change is
 kept when the candidate's fast score (pipelines and data-parallel reduction, `dp_score.dp_finish`)
@@ -26,10 +26,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from .candidates import Candidate
-from .dp_score import dp_finish
-from .fastcost import CostCache
-from .pipeline import PipeEval, evaluate_pipeline
+from ...cost.schedule import closed_form_s
+from ..scoring.candidate import Candidate
+from ..scoring.cost_cache import CostCache
+from ..scoring.dp_score import dp_finish
+from ..scoring.pipeline_score import PipeEval, evaluate_pipeline
 
 ROUNDS = 3
 
@@ -84,7 +85,7 @@ def _score(cache: CostCache, pipes: tuple[PipeEval, ...], sizes: tuple[int, ...]
                             [p.num_stages for p in pipes])
     if micro is None:
         return None
-    ends = [p.fill_s + (m - 1) * p.pace_s for p, m in zip(pipes, micro, strict=True)]
+    ends = [closed_form_s(p.pace_s, p.fill_s, m) for p, m in zip(pipes, micro, strict=True)]
     if max(ends) >= bound:
         return None
     return dp_finish(cache, pipes, ends, caches), tuple(micro)

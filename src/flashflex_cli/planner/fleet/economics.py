@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..hardware.cluster import Cluster
-from ..plan.schema import Plan
+from ...hardware.cluster import Cluster
+from ...plan.schema import Plan
 from .pricing import DevicePrices, per_million_tokens
 
 

@@ -20,28 +20,15 @@ import itertools
 import json
 import math
 import time
-from functools import cache
 
-from ..errors import InputError
-from .candidates import Candidate, score
-from .fastcost import CostCache, Devs
-from .pipeline import PipeEval, evaluate_pipeline
-from .stages import tp_degrees
+from ...errors import InputError
+from ..scoring.candidate import Candidate, score
+from ..scoring.cost_cache import CostCache, Devs
+from ..scoring.pipeline_score import PipeEval, evaluate_pipeline
+from ..space.tp_groups import partitions, tp_degrees
 
 MAX_DEVICES = 12
 PRODUCT_CAP = 4096
-
-
-@cache
-def _partitions(n: int, degrees: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """Partitions of n into parts from `degrees` (descending parts)."""
-    if n == 0:
-        return ((),)
-    out = []
-    for d in sorted(degrees, reverse=True):
-        if d <= n:
-            out.extend((d, *rest) for rest in _partitions(n - d, tuple(x for x in degrees if x <= d)))
-    return tuple(out)
 
 
 def _orders(parts: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -66,7 +53,7 @@ def _structures(cache: CostCache, blocks: list[list[int]]) -> list[tuple[Devs, .
     per_block: list[list[list[Devs]]] = []
     for devs in blocks:
         options = []
-        for parts in _partitions(len(devs), degrees):
+        for parts in partitions(len(devs), degrees):
             for order in _orders(parts):
                 groups, start = [], 0
                 for size in order:
@@ -127,7 +114,7 @@ def exhaustive_candidates(cache: CostCache, total_micro: int, deadline: float = 
             options = pipelines_for(layout)
             if options is not None:
                 keep = len(options[0])
-                while keep > 1 and _product([min(keep, len(o)) for o in options]) > PRODUCT_CAP:
+                while keep > 1 and math.prod([min(keep, len(o)) for o in options]) > PRODUCT_CAP:
                     keep -= 1
                 for combo in itertools.product(*(o[:keep] for o in options)):
                     cand = score(cache, list(combo), total_micro)
@@ -139,11 +126,4 @@ def exhaustive_candidates(cache: CostCache, total_micro: int, deadline: float = 
                 recurse(v, tuple(a - n for a, n in zip(left, vec, strict=True)), layout + [vec])
 
     recurse(0, avail, [])
-    return out
-
-
-def _product(values: list[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
     return out

@@ -1,14 +1,14 @@
 """Exact lower bounds on a pipeline's amortised time, to skip structures that cannot win.
 
-The structure search (`stages`) only takes a trial structure whose seconds per micro-batch
-(`stages._amortised`: (fill + (m - 1) pace) / m, m = max(micro, S)) are strictly below the best so far.
+The structure search (`stage_search`) only takes a trial structure whose seconds per micro-batch
+(`trials.amortised`: the closed form (fill + (m - 1) pace) / m, m = max(micro, S)) are strictly below the best so far.
 The bounds here are values the exact figure is never below, from per-layer stage times and transfer times
 alone (no memory caps, no layer split, no window search), so a trial whose bound already reaches the best so
 far is skipped without changing the search's result. Every stage holds at least one layer (n_s >= 1), and
 u_s = t_s + e_s (t_s: one layer's seconds, e_s: embedding / head seconds on the first / last stage), hence:
 
 - pace >= u_s for every stage, and every window of stages is at least its value with one layer per stage
-  (see `pipeline.window_pace`): adjacent pairs (u_s + u_{s+1} + 2 p_s) / 2, and the whole pipeline
+  (`cost.schedule.steady_period_s`): adjacent pairs (u_s + u_{s+1} + 2 p_s) / 2, and the whole pipeline
   fill / S;
 - pace >= the continuous relaxation of the min-max split: T with sum_s (T - e_s) / t_s = L;
 - fill >= sum_s u_s + (L - S) t_min + 2 sum_s p_s: the L - S layers beyond one per stage cost at least
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ...cost.schedule import closed_form_s, pair_window_s
 
 INFEASIBLE = float("inf")
 SAFETY = 1e-9  # relative margin over floating-point rounding: prune only when clearly not better
@@ -45,7 +47,7 @@ class Summary:
     @classmethod
     def of(cls, per_layer: Sequence[float], links: Sequence[float]) -> Summary:
         """The summary of stages with per-layer seconds `per_layer` and links[s] from stage s to s + 1."""
-        pair = max(((per_layer[s] + per_layer[s + 1] + 2.0 * p) / 2.0 for s, p in enumerate(links)),
+        pair = max((pair_window_s(per_layer[s], per_layer[s + 1], p) for s, p in enumerate(links)),
                    default=0.0)
         return cls(len(per_layer), per_layer[0], per_layer[-1], sum(1.0 / t for t in per_layer),
                    sum(per_layer), min(per_layer), max(per_layer), pair, sum(links))
@@ -73,7 +75,7 @@ def runs_lower_bound(runs: Sequence[Summary], joins: Sequence[float], embed_s: f
     first, last = runs[0], runs[-1]
     for i, p in enumerate(joins):
         hops += p
-        pair = (runs[i].last_t + runs[i + 1].first_t + 2.0 * p) / 2.0
+        pair = pair_window_s(runs[i].last_t, runs[i + 1].first_t, p)
         if pair > pace:
             pace = pair
     return combine(count, first.first_t, last.last_t, inverse, total, fastest, pace, hops, embed_s, head_s,
@@ -90,7 +92,7 @@ def stages_lower_bound(per_layer: Sequence[float], links: Sequence[float], embed
     hops = 0.0
     for s, p in enumerate(links):
         hops += p
-        pair = (per_layer[s] + per_layer[s + 1] + 2.0 * p) / 2.0
+        pair = pair_window_s(per_layer[s], per_layer[s + 1], p)
         if pair > pace:
             pace = pair
     return combine(count, per_layer[0], per_layer[-1], sum([1.0 / t for t in per_layer]), sum(per_layer),
@@ -108,7 +110,7 @@ def combine(count: int, first_t: float, last_t: float, inverse: float, total: fl
     fill = total + embed_s + head_s + (num_layers - count) * fastest + 2.0 * hops
     pace = max(pace, fill / count)
     m = max(micro, count)
-    return (fill + (m - 1) * pace) / m
+    return closed_form_s(pace, fill, m) / m
 
 
 def cannot_beat(bound: float, bar: float) -> bool:

@@ -25,7 +25,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..hardware.cluster import Cluster
+from ...hardware.cluster import Cluster
 from .islands import device_islands
 
 

@@ -9,7 +9,7 @@ inside one island only, so a TP group never straddles a slow link (ARCHITECTURE.
 
 from __future__ import annotations
 
-from ..hardware.cluster import Cluster
+from ...hardware.cluster import Cluster
 
 ISLAND_FRACTION = 0.5
 

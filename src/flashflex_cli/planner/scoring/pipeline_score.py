@@ -3,23 +3,23 @@
 For stages s = 0..S-1 with TP groups `stages[s]` (device indices of the DeviceGraph):
 per-layer time t_s and embedding / head time from the cost model, memory cap c_s for in_flight = S - s
 micro-batches (1F1B: stage s keeps S - s micro-batches' activations alive, since every pipeline gets at
-least S micro-batches), then the exact min-max layer split (`layers.split_layers`). The result gives
-the pipeline's pace (seconds per micro-batch in steady state: the slowest stage, or, with transfer
-latency, the slowest window of stages, see `window_pace`), its fill (sum of stage times plus a forward
-and a backward transfer per hop) and its largest per-device gradient shard and largest per-stage
-gradient (bytes), which the data-parallel term of the candidate score needs.
+least S micro-batches), then the exact min-max layer split (`layer_split.split_layers`). The result gives
+the pipeline's pace and fill in the cost model's closed form of 1F1B (`cost.schedule.steady_period_s`: seconds
+per micro-batch in steady state, the slowest stage or, with transfer latency, the slowest window of stages;
+`cost.schedule.fill_s`: stage times plus a forward and a backward transfer per hop) and its largest per-device
+gradient shard and largest per-stage gradient (bytes), which the data-parallel term of the candidate score
+needs. The answers are memoised per cache (`PipelineMemo`) by devices and by pipeline shape.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 
-import numpy as np
-
-from .fastcost import CostCache, Devs
-from .layers import split_layers, stage_times
+from ...cost.schedule import fill_s, pair_window_s, steady_period_s
+from ..space.layer_split import split_layers, stage_times
+from .cost_cache import CostCache, Devs
 
 
 @dataclass(frozen=True)
@@ -53,32 +53,22 @@ class PipeEval:
 _INFEASIBLE = float("inf")
 
 
-@lru_cache(maxsize=256)
-def _windows(count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Every window s <= t of `count` stages: s, t, t + 1 and its width t - s + 1 (float)."""
-    s_idx, t_idx = np.triu_indices(count)
-    return s_idx, t_idx, t_idx + 1, (t_idx - s_idx + 1).astype(np.float64)
+class PipelineMemo:
+    """One cache's pipeline evaluations: by devices (`by_devices`), by shape (equal node classes and local
+    indices, equal links between stages: `by_shape`), and each stage's terms (`stage_terms`: one layer's seconds,
+    embedding / head seconds and the layers that fit, by (devices, first, last, in-flight micro-batches))."""
+
+    __slots__ = ("by_devices", "by_shape", "stage_terms")
+
+    def __init__(self) -> None:
+        self.by_devices: dict[tuple[Devs, ...], PipeEval] = {}
+        self.by_shape: dict[tuple, PipeEval] = {}
+        self.stage_terms: dict[tuple, tuple[float, float, int]] = {}
 
 
-def window_pace(times: list[float], links: list[float]) -> float:
-    """Steady-state 1F1B period (seconds per micro-batch) with transfer latency, in closed form.
-
-    In 1F1B, stage s runs F(i + w_s), B(i), F(i + w_s + 1), ... with w_s = S - s - 1. For any window of
-    stages s..t, a micro-batch's forward entering s and its backward leaving s close a cycle through
-    every stage and link of the window that spans t - s + 1 periods, so the period is at least
-    (sum_{j=s..t} u_j + 2 sum_{j=s..t-1} p2p_j) / (t - s + 1), u_j = f_j + b_j. The maximum over all
-    windows (one-stage windows give the slowest stage) is the period; we checked it against the cost
-    model's event simulation (tests/test_planner_pipeline.py).
-    """
-    count = len(times)
-    big_u = np.zeros(count + 1)
-    big_c = np.zeros(count + 1)
-    np.add.accumulate(times, out=big_u[1:])  # np.cumsum's sequential sums
-    np.add.accumulate(links, out=big_c[1:count])
-    # cost of window s..t = U[t+1] - U[s] + 2 (C[t] - C[s]) where C counts links s..t-1
-    s_idx, t_idx, t_next, width = _windows(count)
-    cost = big_u[t_next] - big_u[s_idx] + 2.0 * (big_c[t_idx] - big_c[s_idx])
-    return float((cost / width).max())
+def evaluated(cache: CostCache) -> Iterator[PipeEval]:
+    """Every pipeline evaluated on `cache` so far (for diagnostics: what fit, at how many stages)."""
+    return iter(cache.memo(PipelineMemo).by_devices.values())
 
 
 def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...],
@@ -98,19 +88,20 @@ def evaluate_unless(cache: CostCache, stages: tuple[Devs, ...], links: Callable[
                     terms: tuple[list[float], list[float], list[int]] | None = None) -> PipeEval | None:
     """`evaluate_pipeline`, or None (nothing memoised) when `skip(pace_low, fill, stages)` says so once the layer
     split is known: `fill` is the exact fill (seconds) and `pace_low` a lower bound on the pace (its slowest
-    stage and adjacent pairs of stages, the windows of at most two stages of `window_pace`), so a caller that
+    stage and adjacent pairs of stages, the windows of at most two stages of `steady_period_s`), so a caller that
     only wants pipelines below some cost learns early that this one is not (the window search is skipped).
     `terms`: `_terms(cache, stages)` where the caller has them."""
-    hit = cache.pipe_memo.get(tuple(stages))
+    hit = cache.memo(PipelineMemo).by_devices.get(tuple(stages))
     if hit is not None:
-        return hit  # type: ignore[return-value]
+        return hit
     # the shape memo is consulted only for a pipeline not skipped (the figures are the same either way)
     return _finish(cache, stages, None, *(terms or _terms(cache, stages)), links, skip)
 
 
 def _memoised(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval | tuple:
     """The memoised evaluation of `stages` (by devices, else by shape), or the shape key to store it under."""
-    memo = cache.pipe_memo
+    memos = cache.memo(PipelineMemo)
+    memo = memos.by_devices
     key = tuple(stages)
     hit = memo.get(key)
     if hit is not None:
@@ -123,7 +114,7 @@ def _memoised(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval | tuple:
     stage_key = cache.stage_key
     shape = (tuple([stage_key(st) for st in stages]),
              tuple([bw[a][b] if a != b else -1.0 for a, b in zip(nodes, nodes[1:], strict=False)]))
-    same = cache.shape_memo.get(shape)
+    same = memos.by_shape.get(shape)
     if same is not None:
         hit = PipeEval(tuple(stages), same.counts, same.pace_s, same.fill_s, same.shard_bytes, same.ok,
                        same.stage_grad_bytes)
@@ -136,7 +127,7 @@ def _terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float], lis
     """Per stage: one layer's seconds, the embedding / head seconds, and the layers that fit in memory."""
     count, end = len(stages), len(stages) - 1
     rows = []
-    terms = cache.stage_terms  # (layer_s, extra_s, cap) by (devs, first, last, in_flight), see below
+    terms = cache.memo(PipelineMemo).stage_terms
     get = terms.get
     for s, devs in enumerate(stages):
         found = get((devs, s == 0, s == end, count - s))
@@ -162,12 +153,11 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per
         times = stage_times(per_layer, extra, split)
         links = known_links() if known_links is not None else \
             [cache.p2p(stages[s], stages[s + 1]) for s in range(count - 1)]
-        hops = 2 * sum(links)
-        pace, fill = max(times), sum(times) + hops
+        fill = fill_s(times, links)
         if skip is not None:
-            low = pace
+            low = max(times)
             for s in range(count - 1):
-                pair = (times[s] + times[s + 1] + 2.0 * links[s]) / 2.0
+                pair = pair_window_s(times[s], times[s + 1], links[s])
                 if pair > low:
                     low = pair
             if skip(low, fill, count):
@@ -180,8 +170,7 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per
     if split is None:
         hit = PipeEval(tuple(stages), (), _INFEASIBLE, _INFEASIBLE, _INFEASIBLE, False)
     else:
-        if count > 1 and hops > 0:
-            pace = window_pace(times, links)
+        pace = steady_period_s(times, links)
         grad = cache.layer_grad_bytes
         sizes = [n * grad for n in split]
         sizes[0] += cache.embed_grad_bytes
@@ -189,6 +178,7 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per
         shard = max(0.0, max([size / len(devs) for size, devs in zip(sizes, stages, strict=True)]))
         whole = max(0.0, max(sizes))
         hit = PipeEval(tuple(stages), tuple(split), pace, fill, shard, True, whole)
-    cache.pipe_memo[tuple(stages)] = hit
-    cache.shape_memo[shape] = hit
+    memos = cache.memo(PipelineMemo)
+    memos.by_devices[tuple(stages)] = hit
+    memos.by_shape[shape] = hit
     return hit

@@ -1,24 +1,33 @@
-"""The cost model's building blocks, memoised for the planner's inner loops.
+"""The cost model's answers about device groups, memoised for the planner's inner loops.
 
 Every figure comes from `flashflex_cli.cost` (the single source of truth); this module only caches it
 under keys that make equal questions share one answer: a stage is keyed by the node class and local
 indices of its devices (devices of equal nodes cost the same), a pipeline hop by both ends' keys and the
 link between their nodes. Memory caps assume the cost model's per-device memory is affine in the number
 of layers (weights, optimizer state and activations all grow per layer) and check the answer exactly.
+
+The modules that derive further answers from these (pipeline scores, the data-parallel term, the structure
+search's pieces) own their memo tables; `CostCache.memo` keeps one of each per cache, so that they live as
+long as the answers they were derived from (one planning question: one cluster, model, training
+configuration and cost parameters).
 """
 
 from __future__ import annotations
 
-from ..cost.comm import p2p_time
-from ..cost.compute import LayerTimes, layer_times
-from ..cost.memory import device_capacity, device_reserve, is_cuda_group, stage_memory
-from ..cost.params import CostParams
-from ..model.flops import embedding_params, head_params, layer_params
-from ..model.spec import ModelSpec
-from ..plan.schema import TrainConfig
-from .graph import DeviceGraph
+from typing import TypeVar
+
+from ...cost.comm import p2p_time
+from ...cost.compute import LayerTimes, layer_times
+from ...cost.dp import gradient_bytes
+from ...cost.memory import MemoryBreakdown, device_capacity, device_reserve, is_cuda_group, stage_memory
+from ...cost.params import CostParams
+from ...model.flops import embedding_params, head_params, layer_params
+from ...model.spec import ModelSpec
+from ...plan.schema import TrainConfig
+from ..space.graph import DeviceGraph
 
 Devs = tuple[int, ...]
+M = TypeVar("M")
 
 
 class CostCache:
@@ -36,20 +45,21 @@ class CostCache:
         self._fit: dict[tuple, int] = {}
         self._keys: dict[Devs, tuple] = {}
         self._group_cap: dict[Devs, float] = {}
-        self.pipe_memo: dict[tuple, object] = {}  # pipeline.evaluate_pipeline's results
-        self.shape_memo: dict[tuple, object] = {}  # the same, by pipeline shape (see evaluate_pipeline)
-        self.structure_memo: dict[tuple, object] = {}  # stages.best_pipeline's structures by group signature
-        self.piece_memo: dict[tuple, tuple] = {}  # trials.Trials.piece's figures by (block key, group sizes)
-        self.pieces: dict[tuple, object] = {}  # trials.Piece objects by (block devices, group sizes)
-        self.piece_joins: dict[tuple[int, int], float] = {}  # trials.Trials.join by the pieces' serial numbers
-        self.stage_terms: dict[tuple, tuple[float, float, int]] = {}  # pipeline.evaluate_pipeline's per-stage memo
-        self.dp_rows: dict[object, tuple] = {}  # dp_score: per-pipeline layer terms and bucket columns
+        self._memos: dict[type, object] = {}
         self._cap: list[float] | None = None
         self._cap_rows: dict[tuple[int, float], list[int | None]] = {}
-        grad = params.grad_reduce_bytes  # what the DP all-reduce moves per element, as cost/dp.py
-        self.layer_grad_bytes = float(layer_params(model) * grad)
-        self.embed_grad_bytes = float(embedding_params(model) * grad)
-        self.head_grad_bytes = float(head_params(model) * grad)
+        # what the DP all-reduce moves for each part's gradients (bytes)
+        self.layer_grad_bytes = float(gradient_bytes(layer_params(model), params))
+        self.embed_grad_bytes = float(gradient_bytes(embedding_params(model), params))
+        self.head_grad_bytes = float(gradient_bytes(head_params(model), params))
+
+    def memo(self, kind: type[M]) -> M:
+        """The memo table of class `kind` (built empty by `kind()` on first use) that lives as long as this cache:
+        a module's own table of answers derived from this cache's."""
+        found = self._memos.get(kind)
+        if found is None:
+            found = self._memos[kind] = kind()
+        return found  # type: ignore[return-value]
 
     # ---- keys -------------------------------------------------------------------------------------
     def stage_key(self, devs: Devs) -> tuple:
@@ -156,7 +166,7 @@ class CostCache:
             found = row[in_flight] = self.max_layers(tp, False, False, in_flight, capacity)
         return found
 
-    def stage_bytes_breakdown(self, tp: int, layers: int, first: bool, last: bool, in_flight: int):  # noqa: ANN201
+    def stage_bytes_breakdown(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> MemoryBreakdown:
         """The cost model's MemoryBreakdown of a stage (bytes per device)."""
         return stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params,
                             on_cuda=self.on_cuda)

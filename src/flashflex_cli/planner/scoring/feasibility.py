@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..errors import InfeasibleError
-from ..units import byte_size
-from .fastcost import CostCache
-from .stages import tp_degrees
+from ...errors import InfeasibleError
+from ...units import byte_size
+from ..space.tp_groups import tp_degrees
+from .cost_cache import CostCache
 
 
 def model_state_bytes(cache: CostCache) -> float:

@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from .candidates import Candidate, score
+from ..scoring.candidate import Candidate, score
+from ..scoring.cost_cache import CostCache, Devs
+from ..scoring.pipeline_score import evaluate_pipeline
 from .device_moves import place, shed_moves, swap_moves
-from .fastcost import CostCache, Devs
-from .pipeline import evaluate_pipeline
 
 
 def refine(cache: CostCache, cand: Candidate, total_micro: int, seed: int, deadline: float,

@@ -13,9 +13,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..errors import FlashflexError
-from ..hardware.cluster import Cluster
-from ..plan.schema import Plan
+from ...errors import FlashflexError
+from ...hardware.cluster import Cluster
+from ...plan.schema import Plan
 
 AUTO = "auto"
 AUTO_DTYPES = ("bf16", "fp16")  # in order of preference on a tie

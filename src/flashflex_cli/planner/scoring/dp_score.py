@@ -1,24 +1,19 @@
-"""The fast score's data-parallel term: what cost/dp.py charges, cheap enough for thousands of candidates.
+"""The fast score's data-parallel term: what cost/dp.py charges, memoised for thousands of candidates.
 
 Every layer is held by one stage per pipeline; its gradient is all-reduced among those holders through their
-first devices (pipeline order), flat or hierarchically (`CostParams.dp_hierarchical`, as `cost.dp.bucket_cost`):
-- flat: one ring over the holders' nodes at its slowest hop, volume n / min TP on one node, else the whole n
-  (the TP slices' rings share every NIC they cross);
-- hierarchical, where the holders span several nodes and some node has two or more: a ring inside every such
-  node (volume n / min TP, the slowest node sets the time), then a ring of the whole n among one leader per
-  node at the leaders' slowest hop.
-Bucket seconds come from `cost.comm`'s ring formulas (bandwidth and latency of the ring's slowest hop), as in
-`cost.dp`. Layers whose holders are the same stages form one segment and cost the same: durations are
-computed per segment, memoised on the `CostCache` by the holders' nodes.
+first devices (pipeline order), flat or hierarchically, for the seconds `cost.dp.ring_bucket_time` gives.
+Layers whose holders are the same stages form one segment and cost the same: durations are memoised per cache
+(`DpMemo`) by the holders' nodes.
 
 With `CostParams.dp_overlap` (the runtime's default) a layer's bucket starts when every holder has finished its
-last backward through that layer (pipeline p ends its last backward at `ends[p]`; stage s of it ends
-sum_{j<s} (B_j + p2p_j) earlier, B_j its whole last backward, and passes its layers top-down, head first on the
-last stage, embedding last on the first), in the runtime's order (head, layers top-down, embedding), each after
-the previous bucket where they share a holder (a stage's buckets run one after another); every node's NIC must
-also carry the cross-node parts of all buckets it is in. The term is when the last bucket ends (at least the
-slowest pipeline's end). Without overlap every reduction starts after the slowest pipeline, a stage's buckets
-one after another, and a node's NIC queues every ring that crosses it.
+last backward through that layer: pipeline p ends its last backward at `ends[p]`, its stages end theirs at the
+cost model's closed-form cool-down (`cost.schedule.drain_offsets_s`) and pass their layers as
+`cost.dp.layers_ready_s` has it (head first on the last stage, embedding last on the first). Buckets run in the
+runtime's order (head, layers top-down, embedding), each after the previous bucket where they share a holder (a
+stage's buckets run one after another), their cross-node parts queued on the nodes' NICs (`cost.dp.NicQueue`).
+The term is when the last bucket ends (at least the slowest pipeline's end). Without overlap every reduction
+starts after the slowest pipeline, and the term is the longest sum of one stage's buckets or of one node's NIC
+load (a bound of the cost model's sequential timeline: it leaves out waits between stages).
 """
 
 from __future__ import annotations
@@ -28,11 +23,23 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..cost.comm import ring_allreduce_seconds, ring_link
-from .fastcost import CostCache
-from .pipeline import PipeEval
+from ...cost.dp import BucketTime, NicQueue, layer_ready_s, layers_ready_s, ring_bucket_time
+from ...cost.schedule import drain_offsets_s, stage_pass_s
+from .cost_cache import CostCache
+from .pipeline_score import PipeEval
 
-Column = tuple[float, float, tuple[int, ...]]  # (inside_s, across_s, nodes whose NIC the across part uses)
+Column = BucketTime  # (inside_s, across_s, nodes: node indices whose NIC the across part uses)
+
+
+class DpMemo:
+    """One cache's data-parallel answers: each pipeline's `PipeTerms` (by (stages, counts), and by the evaluation
+    object itself) and bucket columns (by the holders' first devices, and by their nodes)."""
+
+    __slots__ = ("terms", "columns")
+
+    def __init__(self) -> None:
+        self.terms: dict[object, object] = {}
+        self.columns: dict[tuple, Column] = {}
 
 
 class PipeTerms(NamedTuple):
@@ -48,7 +55,7 @@ class PipeTerms(NamedTuple):
 def pipe_terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
     """`PipeTerms` of `pipe` with the times of `cache` (the one of its micro-batch size), memoised on the cache by
     (stages, counts), and by the object itself for the repeated questions about one evaluation."""
-    memo = cache.dp_rows
+    memo = cache.memo(DpMemo).terms
     mine = memo.get(id(pipe))
     if mine is not None and mine[0] is pipe:  # the entry holds `pipe`, so its id is not reused meanwhile
         return mine[1]  # type: ignore[no-any-return]
@@ -63,64 +70,48 @@ def pipe_terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
 def _terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
     count = len(pipe.stages)
     times = [cache.stage(st) for st in pipe.stages]
+    wholes = [stage_pass_s(n, lt.bwd_s, lt.embed_bwd_s, lt.head_bwd_s, s == 0, s == count - 1)
+              for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True))]
+    backs = [cache.p2p(pipe.stages[s], pipe.stages[s - 1]) for s in range(1, count)]
     firsts: list[int] = []
     tps: list[int] = []
     owner: list[int] = []
     ready: list[float] = []
-    end, head = 0.0, 0.0  # end: this stage's last backward end
-    previous = 0.0  # the stage before's whole last backward
-    for s, (lt, n, devs) in enumerate(zip(times, pipe.counts, pipe.stages, strict=True)):
-        whole = n * lt.bwd_s + (lt.embed_bwd_s if s == 0 else 0.0) + (lt.head_bwd_s if s == count - 1 else 0.0)
-        if s:
-            end -= previous + cache.p2p(devs, pipe.stages[s - 1])
-        start = end - whole + (lt.head_bwd_s if s == count - 1 else 0.0)  # the layers' backward begins
-        ready.extend([start + lt.bwd_s * j for j in range(n, 0, -1)])
+    head = 0.0
+    for s, (lt, n, devs, end, whole) in enumerate(zip(times, pipe.counts, pipe.stages, drain_offsets_s(wholes, backs),
+                                                      wholes, strict=True)):
+        head_s = lt.head_bwd_s if s == count - 1 else 0.0
+        ready.extend(layers_ready_s(end - whole, head_s, lt.bwd_s, n))
         firsts.extend([devs[0]] * n)
         tps.extend([len(devs)] * n)
         owner.extend([s] * n)
         if s == count - 1:
-            head = start
-        previous = whole
+            head = layer_ready_s(end - whole, head_s, lt.bwd_s, 0)
     return PipeTerms(np.array([firsts, tps, owner], dtype=np.int64), np.array(ready), head)
 
 
 def _column(cache: CostCache, devices: Sequence[int], min_tp: int, nbytes: float) -> Column:
-    """Seconds of one all-reduce of `nbytes` among holders whose first devices are `devices` (pipeline order),
-    by `cost.comm`'s ring formulas on those devices' links; memoised by the devices' nodes (holders on equal
-    nodes cost the same)."""
-    memo = cache.dp_rows
+    """`cost.dp.ring_bucket_time` of one all-reduce of `nbytes` among holders whose first devices are `devices`
+    (pipeline order; nodes keyed by index), memoised by the devices and by their nodes (holders on equal nodes
+    cost the same)."""
+    memo = cache.memo(DpMemo).columns
     exact = ("dev", tuple(devices), min_tp, nbytes)
     hit = memo.get(exact)
     if hit is not None:
-        return hit  # type: ignore[return-value]
+        return hit
     node = cache.graph.node_list
     nodes = tuple([node[i] for i in devices])
     key = ("col", nodes, min_tp, nbytes)
     hit = memo.get(key)
-    if hit is not None:
-        memo[exact] = hit
-        return hit  # type: ignore[return-value]
-    cluster, ids, eff = cache.graph.cluster, cache.graph.ids, cache.params.dp_comm_efficiency
-    by_node: dict[int, list[str]] = {}
-    for i in devices:
-        by_node.setdefault(node[i], []).append(ids[i])
-
-    def ring(members: list[str], size: float) -> float:
-        bandwidth, latency = ring_link(cluster, members)
-        return ring_allreduce_seconds(len(members), size, bandwidth * eff, latency)
-
-    if len(by_node) == 1:
-        hit = (ring([ids[i] for i in devices], nbytes / min_tp), 0.0, ())
-    elif cache.params.dp_hierarchical and max(len(m) for m in by_node.values()) > 1:
-        inside = max(ring(m, nbytes / min_tp) for m in by_node.values() if len(m) > 1)
-        hit = (inside, ring([m[0] for m in by_node.values()], nbytes), tuple(sorted(by_node)))
-    else:
-        hit = (0.0, ring([ids[i] for i in devices], nbytes), tuple(sorted(by_node)))
-    memo[key] = memo[exact] = hit
+    if hit is None:
+        ids = cache.graph.ids
+        hit = memo[key] = ring_bucket_time(cache.graph.cluster, [ids[i] for i in devices], nodes, min_tp, nbytes,
+                                           cache.params)
+    memo[exact] = hit
     return hit
 
 
-NOTHING: Column = (0.0, 0.0, ())
+NOTHING: Column = BucketTime(0.0, 0.0, frozenset())
 
 
 def _layer_columns(cache: CostCache, terms: Sequence[PipeTerms], merged: bool = False
@@ -166,7 +157,8 @@ def dp_finish_floor(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[
     slowest = max(ends)
     if len(pipes) < 2 or not cache.params.dp_overlap:
         return slowest
-    return _Nics().bucket(_embed_column(cache, pipes), slowest)
+    embed = _embed_column(cache, pipes)
+    return NicQueue().run(slowest, *embed)
 
 
 def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float],
@@ -185,10 +177,10 @@ def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]
     at = np.asarray(ends, dtype=np.float64)
     layer_ready = (np.stack([t.ready for t in terms]) + at[:, None]).max(axis=0).tolist()
     head_ready = max(e + t.head_s for e, t in zip(ends, terms, strict=True))
-    nics = _Nics()
+    run = NicQueue().run
     # head, then layers top-down, then the embedding, each after the one before where they share a holder;
     # the cross-node part also waits for its NICs
-    end = nics.bucket(head, head_ready)
+    end = run(head_ready, *head)
     latest = end
     top = len(columns) - 1
     for layer in range(top, -1, -1):
@@ -196,43 +188,10 @@ def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]
         begin = layer_ready[layer]
         if layer == top or shares[layer]:
             begin = max(begin, end)
-        end = nics.bucket(col, begin)
+        end = run(begin, *col)
         latest = max(latest, end)
-    end = nics.bucket(embed, max(slowest, end))
+    end = run(max(slowest, end), *embed)
     return max(latest, end, slowest)
-
-
-class _Nics:
-    """When each node's NIC is next free (seconds), for buckets run one after another. The NICs of the last
-    cross-node bucket are written back only when a bucket with other nodes comes: layers of one segment share a
-    column, whose NICs the bucket before has just freed, all at once."""
-
-    def __init__(self) -> None:
-        self.free: dict[int, float] = {}
-        self.last: Column | None = None  # the last bucket with a cross-node part, its NICs not yet written
-        self.done = 0.0  # when it freed them
-
-    def bucket(self, col: Column, begin: float) -> float:
-        """End (s) of one bucket that may begin at `begin`: the intra-node half, the cross-node part once its NICs
-        are free (which it then holds), the other intra-node half."""
-        across = begin + col[0] / 2
-        if col[2]:
-            if col is self.last:
-                if self.done > across:
-                    across = self.done
-            else:
-                free = self.free
-                if self.last is not None:
-                    for n in self.last[2]:
-                        free[n] = self.done
-                for n in col[2]:
-                    wait = free.get(n, 0.0)
-                    if wait > across:
-                        across = wait
-                self.last = col
-            self.done = across + col[1]
-            return self.done + col[0] / 2
-        return across + col[1] + col[0] / 2
 
 
 def _load(nic: dict[int, float], col: Column) -> None:

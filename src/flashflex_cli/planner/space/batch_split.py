@@ -1,8 +1,8 @@
 """Split the global batch's micro-batches over pipelines in proportion to their throughput.
 
-Pipeline p with m micro-batches takes about fill_p + (m - 1) * pace_p seconds under 1F1B (pace: its
-slowest stage per micro-batch; fill: one micro-batch through every stage and back, transfers included;
-for equal stages this is the textbook (m + S - 1) * (f + b)). We minimise the slowest pipeline subject to
+Pipeline p with m micro-batches takes about fill_p + (m - 1) * pace_p seconds under 1F1B (the cost model's
+closed form, `cost.schedule.closed_form_s`: pace, its steady period per micro-batch; fill, one micro-batch
+through every stage and back, transfers included; for equal stages the textbook (m + S - 1) * (f + b)). We minimise the slowest pipeline subject to
 sum m_p = M and m_p >= S_p (1F1B needs a micro-batch per stage): start every pipeline at S_p and give
 each further micro-batch to the pipeline that finishes it soonest. Each pipeline's time is increasing in
 m, so this greedy is exact for the min-max (an exchange argument). The prototype split batches uniformly.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from ..errors import InfeasibleError
+from ...errors import InfeasibleError
 
 
 def micro_batches(global_batch: int, micro_batch_size: int) -> int:
@@ -55,8 +55,3 @@ def split_batch(total: int, pace_s: Sequence[float], fill_s: Sequence[float],
         counts[p] += 1
         heapq.heappush(heap, (fill_s[p] + (counts[p] + 1) * pace_s[p], p))
     return counts
-
-
-def pipeline_time(pace_s: float, fill_s: float, count: int) -> float:
-    """Seconds for `count` micro-batches through one pipeline (closed form, see module docstring)."""
-    return fill_s + (count - 1) * pace_s

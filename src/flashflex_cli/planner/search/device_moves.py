@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from .fastcost import CostCache, Devs
-from .stages import chunk, tp_degrees
+from ..scoring.cost_cache import CostCache, Devs
+from ..space.tp_groups import chunk, tp_degrees
 
 Changes = dict[int, tuple[Devs, ...]]
 

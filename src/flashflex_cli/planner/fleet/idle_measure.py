@@ -1,13 +1,12 @@
-"""Why a plan leaves devices idle, measured: one line per idle node group.
+"""Why a plan leaves devices idle, measured: one line per idle node group (`idle_groups.group_idle`).
 
-Idle devices are grouped by node and device type; groups of identical nodes (same devices, fabric and
-NIC) that are idle whole are merged into one line. For each group the cost model (`cost.estimate`) is
+For each group the cost model (`cost.estimate`) is
 asked about two modified plans:
 
-- the group as a pipeline of its own: its stage structure from level 2 (`stages.best_pipeline`), the
-  global batch re-split over all pipelines (`batch.split_batch` on each pipeline's pace and fill);
+- the group as a pipeline of its own: its stage structure from level 2 (`stage_search.best_pipeline`), the
+  global batch re-split over all pipelines (`batch_split.split_batch` on each pipeline's pace and fill);
 - the group as extra stages of an existing pipeline (at its end or its front; the two pipelines with the
-  fastest link to the group are tried), layers re-split exactly (`pipeline.evaluate_pipeline`), batch
+  fastest link to the group are tried), layers re-split exactly (`pipeline_score.evaluate_pipeline`), batch
   re-split likewise.
 
 The best of these is reported with its tokens/s change against the plan and the dominating reason, from
@@ -22,37 +21,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cost.estimate import Estimate, StageEstimate, estimate
-from ..cost.params import CostParams
-from ..errors import FlashflexError
-from ..hardware.cluster import Cluster
-from ..hardware.links import Link
-from ..plan.schema import PipelinePlan, Plan, StagePlan, UnusedDevice
-from ..units import byte_size
-from .batch import split_batch
-from .fastcost import CostCache
-from .feasibility import model_state_bytes
-from .graph import DeviceGraph
-from .pipeline import PipeEval, evaluate_pipeline, window_pace
-from .precision import lacking_types
+from ...cost.estimate import Estimate, StageEstimate, estimate
+from ...cost.params import CostParams
+from ...cost.schedule import fill_s, steady_period_s
+from ...errors import FlashflexError
+from ...hardware.cluster import Cluster
+from ...hardware.links import Link
+from ...plan.schema import PipelinePlan, Plan, StagePlan
+from ...units import byte_size
+from ..scoring.cost_cache import CostCache
+from ..scoring.feasibility import model_state_bytes
+from ..scoring.pipeline_score import PipeEval, evaluate_pipeline
+from ..space.batch_split import split_batch
+from ..space.graph import DeviceGraph
+from ..space.tp_groups import chunk, tp_degrees
+from ..structure.stage_search import best_pipeline
+from .idle_groups import IdleGroup, dtype_note, group_idle, group_label, link_text
 from .pricing import DevicePrices
-from .stages import best_pipeline, chunk, tp_degrees
 
 EXTEND_PIPELINES = 2  # existing pipelines tried for "extra stages" (fastest links to the group first)
-# reasons that already say exactly why: the planner's "too small", the symmetric baseline's layout (its own
-# rule leaves them idle), the fleet options' chosen or measured ones
-KEEP_REASON_PREFIXES = ("too small: ", "uniform layout ", "excluded with --exclude", "left out by ")
-
-
-@dataclass(frozen=True)
-class IdleGroup:
-    """Idle devices of one node group (cluster order), the node names, a label for humans
-    ("node11 (8 x RTX-4090)") and the measured reason line."""
-
-    devices: tuple[str, ...]
-    nodes: tuple[str, ...]
-    label: str
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -62,62 +49,11 @@ class _Option:
     why: str
 
 
-def node_content_key(cluster: Cluster, name: str) -> str:
-    """Nodes with equal keys are identical hardware (devices, fabric, NIC; name and hostname aside)."""
-    node = next(n for n in cluster.nodes if n.name == name)
-    return node.model_dump_json(exclude={"name", "hostname"})
-
-
-def devices_label(types: Sequence[str]) -> str:
-    """"8 x RTX-4090", or "4 x A100-80G-SXM + 2 x T4" for mixed types (in order of appearance)."""
-    counts: dict[str, int] = {}
-    for t in types:
-        counts[t] = counts.get(t, 0) + 1
-    return " + ".join(f"{n} x {t}" for t, n in counts.items())
-
-
-def link_text(link: Link) -> str:
-    """A link for humans: "10 Gbit/s eth" (bandwidth in bit/s; `link.bandwidth` is bytes/s)."""
-    return f"{link.bandwidth * 8 / 1e9:.3g} Gbit/s {link.kind}"
-
-
-def group_idle(plan: Plan, cluster: Cluster) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
-    """(devices, nodes) of every idle group: by node and type, whole idle nodes of equal hardware that
-    follow each other in the cluster merged. Devices whose reason is already exact (KEEP_REASON_PREFIXES)
-    are left out."""
-    keep = {u.device for u in plan.unused_devices if not u.reason.startswith(KEEP_REASON_PREFIXES)}
-    groups: list[tuple[list[str], list[str], bool, str]] = []  # devices, nodes, whole node, content key
-    for node in cluster.nodes:
-        by_type: dict[str, list[str]] = {}
-        for index, device in enumerate(node.devices):
-            if f"{node.name}/{index}" in keep:
-                by_type.setdefault(device.type, []).append(f"{node.name}/{index}")
-        whole = sum(len(v) for v in by_type.values()) == len(node.devices) and len(by_type) == 1
-        key = node_content_key(cluster, node.name)
-        for devices in by_type.values():
-            last = groups[-1] if groups else None
-            if whole and last is not None and last[2] and last[3] == key:
-                last[0].extend(devices)
-                last[1].append(node.name)
-            else:
-                groups.append((list(devices), [node.name], whole, key))
-    return [(tuple(d), tuple(n)) for d, n, _, _ in groups]
-
-
-def _label(cluster: Cluster, devices: Sequence[str], nodes: Sequence[str]) -> str:
-    first = [d for d in devices if cluster.node_of(d) == nodes[0]]
-    kind = devices_label([cluster.device(d).type for d in first])
-    if len(nodes) == 1:
-        return f"{nodes[0]} ({kind})"
-    return f"{nodes[0]}..{nodes[-1]} ({len(nodes)} nodes of {kind}; measured on {nodes[0]})"
-
-
 def _pace_fill(stages: Sequence[StageEstimate]) -> tuple[float, float]:
     """A pipeline's 1F1B pace (s per micro-batch) and fill (s) from its stages' estimates."""
     times = [st.fwd_s + st.bwd_s for st in stages]
     links = [st.p2p_s for st in stages[:-1]]
-    pace = window_pace(times, links) if len(times) > 1 else times[0]
-    return pace, sum(times) + 2 * sum(links)
+    return steady_period_s(times, links), fill_s(times, links)
 
 
 def split_sequences(global_batch: int, mbs: Sequence[int], pace_s: Sequence[float], fill_s: Sequence[float],
@@ -337,31 +273,10 @@ def measure_idle(plan: Plan, cluster: Cluster, params: CostParams | None = None,
         parts = [f"{own.what}: {_pct(own, base)} ({own.why})"]
         if extra is not None:
             parts.append(f"{extra.what}: {_pct(extra, base)} ({extra.why})")
-        text = f"using {_label(cluster, devices, nodes)} " + "; ".join(parts) + dtype_note(cluster, probe,
+        text = f"using {group_label(cluster, devices, nodes)} " + "; ".join(parts) + dtype_note(cluster, probe,
                                                                                           plan.inputs.train.dtype)
         if prices is not None:
             each = " each" if len(nodes) > 1 else ""
             text += f"; it costs {prices.currency} {prices.hourly(probe):,.2f}/h{each}"
-        out.append(IdleGroup(devices, nodes, _label(cluster, devices, nodes), text))
+        out.append(IdleGroup(devices, nodes, group_label(cluster, devices, nodes), text))
     return out
-
-
-def dtype_note(cluster: Cluster, devices: Sequence[str], dtype: str) -> str:
-    """"; T4 lacks bf16 (...)" when some of `devices` lack `dtype` (Device.compute_dtype), else ""."""
-    lacking = lacking_types(cluster, devices, dtype)
-    if not lacking:
-        return ""
-    fp16 = dtype == "bf16" and not lacking_types(cluster, devices, "fp16")
-    return (f"; {', '.join(lacking)} lack{'s' if len(lacking) == 1 else ''} {dtype}: costed at no more than the "
-            "fp32 rate" + (" (fp16 is native there: --dtype auto weighs it)" if fp16 else ""))
-
-
-def with_measured_reasons(plan: Plan, groups: Sequence[IdleGroup]) -> Plan:
-    """`plan` with every device of `groups` given its group's measured line as the reason it is idle."""
-    reason = {d: group.reason for group in groups for d in group.devices}
-    unused = [UnusedDevice(device=u.device, reason=reason.get(u.device, u.reason)) for u in plan.unused_devices]
-    return plan.model_copy(update={"unused_devices": unused})
-
-
-__all__ = ["IdleGroup", "devices_label", "dtype_note", "group_idle", "link_text", "measure_idle", "node_content_key",
-           "split_sequences", "with_measured_reasons"]

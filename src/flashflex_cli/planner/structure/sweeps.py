@@ -14,20 +14,18 @@ micro-batch.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import TYPE_CHECKING
 
+from ...cost.schedule import pair_window_s
+from ..scoring.cost_cache import CostCache, Devs
 from .bounds import INFEASIBLE, Summary, combine
-from .fastcost import CostCache, Devs
-
-if TYPE_CHECKING:
-    from .trials import Piece, Trials
+from .pieces import Piece, PieceMemo, Sizes, TrialSpace
 
 
 class Kept:
     """The stages of `pieces` (in order) kept when the slowest are dropped: those faster than `cut` (seconds
     per layer) and the first `room` at `cut`; their count, sums of 1 / t, of t and of the links between
     consecutive kept stages, largest one-stage and pair window, fastest t, first and last kept stage (devices,
-    t, and the piece when the stage starts / ends it, for `Trials.join`'s memo), and the room left."""
+    t, and the piece when the stage starts / ends it, for the memo of joins), and the room left."""
 
     def __init__(self, cache: CostCache, pieces: list[Piece], cut: float, room: int) -> None:
         p2p = cache.p2p
@@ -66,7 +64,7 @@ class Kept:
                         before = kept[j - 1]
                         p = piece.links[before] if before == i - 1 else p2p(piece.stages[before], piece.stages[i])
                         hops += p
-                        pace = max(pace, (piece.speeds[before] + t + 2.0 * p) / 2.0)
+                        pace = max(pace, pair_window_s(piece.speeds[before], t, p))
                 start, end = kept[0], kept[-1]
                 head = (piece.stages[start], piece.speeds[start], piece if start == 0 else None)
                 tail = (piece.stages[end], piece.speeds[end], piece if end == run.count - 1 else None)
@@ -75,13 +73,13 @@ class Kept:
             else:
                 p = link(cache, last, head)
                 hops += p
-                pace = max(pace, (last[1] + head[1] + 2.0 * p) / 2.0)
+                pace = max(pace, pair_window_s(last[1], head[1], p))
             last = tail
         self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
             count, inverse, total, hops, pace, fastest
         self.first, self.last, self.room = first, last, room
 
-    def bound(self, owner: Trials, *more: Kept) -> float:
+    def bound(self, owner: TrialSpace, *more: Kept) -> float:
         """`Trials._dropped_bound` of these kept stages followed by those of `more` (in order)."""
         count, inverse, total, hops, pace, fastest = \
             self.count, self.inverse, self.total, self.hops, self.pace, self.fastest
@@ -93,7 +91,7 @@ class Kept:
             if last is not None:
                 p = link(cache, last, part.first)
                 hops += p
-                pace = max(pace, (last[1] + part.first[1] + 2.0 * p) / 2.0)
+                pace = max(pace, pair_window_s(last[1], part.first[1], p))
             else:
                 first = part.first
             last = part.last
@@ -112,13 +110,27 @@ class Kept:
 def link(cache: CostCache, before: tuple[Devs, float, Piece | None], after: tuple[Devs, float, Piece | None]
           ) -> float:
     """`CostCache.p2p` from stage `before` to stage `after` (memoised by the pieces when they end / start one,
-    as `Trials.join`)."""
+    as `TrialSpace.join`)."""
     if before[2] is None or after[2] is None:
         return cache.p2p(before[0], after[0])
     key = (before[2].serial, after[2].serial)
-    found = cache.piece_joins.get(key)
+    joins = cache.memo(PieceMemo).joins
+    found = joins.get(key)
     if found is None:
-        found = cache.piece_joins[key] = cache.p2p(before[0], after[0])
+        found = joins[key] = cache.p2p(before[0], after[0])
+    return found
+
+
+class KeptMemo(dict[int, "Kept"]):
+    """One cache's `Kept` of single pieces kept whole, by piece serial (`whole`)."""
+
+
+def whole(cache: CostCache, piece: Piece) -> Kept:
+    """`Kept` of `piece` alone when every stage of it is kept (the same whatever the cut speed; memoised)."""
+    memo = cache.memo(KeptMemo)
+    found = memo.get(piece.serial)
+    if found is None:
+        found = memo[piece.serial] = Kept(cache, [piece], float("inf"), 0)
     return found
 
 
@@ -145,14 +157,14 @@ class Totals:
     and of the pieces' inner links, their largest one-stage and pair windows and fastest stage; `bound` adds
     a block order's joins (as `bounds.runs_lower_bound`, in another order of summation)."""
 
-    def __init__(self, trials: Trials, sizes: dict[int, tuple[int, ...]]) -> None:
+    def __init__(self, trials: TrialSpace, sizes: Sizes) -> None:
         self.trials = trials
         self.pieces = pieces = [trials.piece(b, sizes[b]) for b in range(len(trials.blocks))]
         self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = _summed(pieces)
         self._cut_room: tuple[float, int] | None = None
 
     def cut_room(self) -> tuple[float, int]:
-        """`Trials.cut_room` of these pieces (order-free), computed once."""
+        """`TrialSpace.cut_room` of these pieces (order-free), computed once."""
         if self._cut_room is None:
             self._cut_room = self.trials.cut_room(self.pieces)
         return self._cut_room
@@ -163,16 +175,16 @@ class Totals:
         if self.count > owner.max_stages:
             return INFEASIBLE
         pace, hops = self.pace, self.hops
-        joins, p2p = owner.cache.piece_joins, owner.cache.p2p
+        joins, p2p = owner.memo.joins, owner.cache.p2p
         before = pieces[order[0]]
         for b in order[1:]:
             after = pieces[b]
-            key = (before.serial, after.serial)  # `Trials.join`, inlined
+            key = (before.serial, after.serial)  # `TrialSpace.join`, inlined
             p = joins.get(key)
             if p is None:
                 p = joins[key] = p2p(before.stages[-1], after.stages[0])
             hops += p
-            pair = (before.summary.last_t + after.summary.first_t + 2.0 * p) / 2.0
+            pair = pair_window_s(before.summary.last_t, after.summary.first_t, p)
             if pair > pace:
                 pace = pair
             before = after
@@ -186,7 +198,7 @@ class UnitBounds:
     other pieces' totals and the joins between them are summed once, each trial adds its piece and its two
     joins (O(1) a trial instead of O(blocks))."""
 
-    def __init__(self, trials: Trials, sizes: dict[int, tuple[int, ...]], order: tuple[int, ...], block: int) -> None:
+    def __init__(self, trials: TrialSpace, sizes: Sizes, order: tuple[int, ...], block: int) -> None:
         self.trials, self.order = trials, order
         pieces = trials._pieces_of(sizes, order)
         self.at = at = order.index(block)
@@ -196,7 +208,7 @@ class UnitBounds:
             if k != at - 1 and k != at:
                 p = trials.join(pieces[k], pieces[k + 1])
                 hops += p
-                pace = max(pace, (pieces[k].summary.last_t + pieces[k + 1].summary.first_t + 2.0 * p) / 2.0)
+                pace = max(pace, pair_window_s(pieces[k].summary.last_t, pieces[k + 1].summary.first_t, p))
         self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
             count, inverse, total, hops, pace, fastest
         self.speeds: list[float] | None = None  # the other pieces' per-layer seconds, sorted, for dropped stages
@@ -227,7 +239,7 @@ class UnitBounds:
         run = piece.summary
         if run.fastest > cut:  # none of its stages kept
             return before.bound(owner, self._side(1, cut, before.room))
-        middle = owner.whole(piece) if run.slowest < cut else Kept(owner.cache, [piece], cut, before.room)
+        middle = whole(owner.cache, piece) if run.slowest < cut else Kept(owner.cache, [piece], cut, before.room)
         return before.bound(owner, middle, self._side(1, cut, before.room if run.slowest < cut else middle.room))
 
     def _side(self, side: int, cut: float, room: int) -> Kept:
@@ -252,12 +264,12 @@ class UnitBounds:
             before = pieces[at - 1]
             p = owner.join(before, piece)
             hops += p
-            pace = max(pace, (before.summary.last_t + run.first_t + 2.0 * p) / 2.0)
+            pace = max(pace, pair_window_s(before.summary.last_t, run.first_t, p))
         if at < last:
             after = pieces[at + 1]
             p = owner.join(piece, after)
             hops += p
-            pace = max(pace, (run.last_t + after.summary.first_t + 2.0 * p) / 2.0)
+            pace = max(pace, pair_window_s(run.last_t, after.summary.first_t, p))
         head = piece if at == 0 else pieces[0]
         tail = piece if at == last else pieces[last]
         return combine(count, head.summary.first_t, tail.summary.last_t, self.inverse + run.inverse,

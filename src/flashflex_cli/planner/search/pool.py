@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
 
-from .fastcost import CostCache
+from ..scoring.cost_cache import CostCache
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -1,7 +1,8 @@
 """A candidate layout: pipelines with their layer splits, a batch split, and the fast score.
 
 The fast score approximates the iteration time (seconds): every pipeline's time under its micro-batch
-share (`batch.split_batch`) and the data-parallel reduction after (or, overlapped, during) its backward, per
+share (`batch_split.split_batch`, each pipeline's time in the cost model's closed form of 1F1B,
+`cost.schedule.closed_form_s`) and the data-parallel reduction after (or, overlapped, during) its backward, per
 layer the way cost/dp.py does (`dp_score.dp_finish`). Candidates are ranked by this score; the finalists are then
 built as `Plan`s and ranked by `cost.estimate.estimate` alone (the single source of truth).
 """
@@ -11,12 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..cost.estimate import estimate
-from ..plan.schema import PipelinePlan, Plan, PlanInputs, StagePlan, UnusedDevice
-from .batch import pipeline_time, split_batch
+from ...cost.estimate import estimate
+from ...cost.schedule import closed_form_s
+from ...plan.schema import PipelinePlan, Plan, PlanInputs, StagePlan, UnusedDevice
+from ..space.batch_split import split_batch
+from .cost_cache import CostCache
 from .dp_score import dp_finish, dp_finish_floor
-from .fastcost import CostCache
-from .pipeline import PipeEval
+from .pipeline_score import PipeEval
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ def score(cache: CostCache, pipes: list[PipeEval] | tuple[PipeEval, ...], total_
                         [p.num_stages for p in ordered])
     if micro is None:
         return None
-    ends = [pipeline_time(p.pace_s, p.fill_s, m) for p, m in zip(ordered, micro, strict=True)]
+    ends = [closed_form_s(p.pace_s, p.fill_s, m) for p, m in zip(ordered, micro, strict=True)]
     if max(ends) >= bound or (bound < float("inf") and dp_finish_floor(cache, ordered, ends) >= bound):
         return None
     return Candidate(ordered, tuple(micro), dp_finish(cache, ordered, ends))

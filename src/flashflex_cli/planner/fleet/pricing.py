@@ -21,11 +21,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InputError
-from ..fileio import load_model
-from ..hardware.catalog import canonical_name
-from ..hardware.cluster import Cluster
-from ..physical_limits import PER_DEVICE_HOUR, limited
+from ...errors import InputError
+from ...fileio import load_model
+from ...hardware.catalog import canonical_name
+from ...hardware.cluster import Cluster
+from ...physical_limits import PER_DEVICE_HOUR, limited
 
 PRICES_SCHEMA = "flashflex.prices/1"
 PerDeviceHour = limited(PER_DEVICE_HOUR)  # physical_limits.py: 1e-6 to 1e6 per device-hour, and why

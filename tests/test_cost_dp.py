@@ -18,6 +18,8 @@ from flashflex_cli.cost.dp import (
     bucket_cost,
     dp_buckets,
     dp_timeline,
+    layer_ready_s,
+    layers_ready_s,
     ring_bucket_time,
 )
 from flashflex_cli.cost.estimate import estimate
@@ -158,3 +160,15 @@ def test_the_nic_queue_frees_a_segments_nics_as_a_plain_queue_does() -> None:
             for n in nodes:
                 free[n] = start + across
             assert queue.run(begin, inside, across, nodes) == start + across + inside / 2
+
+
+def test_layers_ready_a_stage_at_a_time_are_the_layer_by_layer_sums() -> None:
+    """`layers_ready_s` gives, to the last bit, what `layer_ready_s` (`StageBackward.ready_s`'s sums) gives for
+    each layer of each stage, bottom layer first."""
+    rng = random.Random(9)
+    for _ in range(200):
+        stages = [(rng.uniform(-5.0, 0.0), rng.choice([0.0, rng.uniform(0.0, 0.5)]), rng.uniform(0.0, 0.3),
+                   rng.randint(1, 12)) for _ in range(rng.randint(1, 6))]
+        want = [layer_ready_s(start, head, layer, above) for start, head, layer, count in stages
+                for above in range(count, 0, -1)]
+        assert layers_ready_s(*zip(*stages, strict=True)) == want

@@ -112,3 +112,43 @@ def test_the_closed_form_cool_down_equals_the_simulations_where_backwards_do_not
         result = simulate_1f1b([t / 2 for t in bwd], bwd, back, rng.randint(stages, 4 * stages))
         simulated = [end - result.last_backward_end_s[0] for end in result.last_backward_end_s]
         assert drain_offsets_s(bwd, back) == pytest.approx(simulated, abs=1e-12)
+
+
+def _reference_1f1b(fwd: list[float], bwd: list[float], p2p: list[float], back: list[float], m: int
+                    ) -> tuple[float, list[float]]:
+    """The schedule run straight from `stage_order`: every stage in turn runs its next operation once what it
+    waits for has ended; (last end, each stage's last backward end)."""
+    stages = len(fwd)
+    orders = [stage_order(s, stages, m) for s in range(stages)]
+    ends: dict[tuple[bool, int, int], float] = {}
+    clock, pos = [0.0] * stages, [0] * stages
+    while any(p < 2 * m for p in pos):
+        for s in range(stages):
+            while pos[s] < 2 * m:
+                forward, i = orders[s][pos[s]]
+                if forward:
+                    wait = ends.get((True, s - 1, i)) if s else 0.0
+                    step = p2p[s - 1] if s else 0.0
+                else:
+                    wait = ends.get((False, s + 1, i)) if s < stages - 1 else ends[(True, s, i)]
+                    step = back[s] if s < stages - 1 else 0.0
+                if wait is None:
+                    break
+                clock[s] = max(clock[s], wait + step) + (fwd[s] if forward else bwd[s])
+                ends[(forward, s, i)] = clock[s]
+                pos[s] += 1
+    return max(clock), [ends[(False, s, m - 1)] for s in range(stages)]
+
+
+def test_the_simulation_runs_stage_order_exactly() -> None:
+    """The simulation (which visits operations by their position in `stage_order`) ends every stage where the
+    schedule run straight from `stage_order` does, to the last bit, also with fewer micro-batches than stages."""
+    rng = random.Random(8)
+    for _ in range(300):
+        stages, m = rng.randint(1, 9), rng.randint(1, 20)
+        fwd = [rng.uniform(0.0, 1.0) for _ in range(stages)]
+        bwd = [rng.choice([2 * f, rng.uniform(0.0, 2.0)]) for f in fwd]
+        p2p = [rng.choice([0.0, rng.uniform(0.0, 0.3)]) for _ in range(stages - 1)]
+        back = [rng.choice([0.0, rng.uniform(0.0, 0.3)]) for _ in range(stages - 1)]
+        result = simulate_1f1b(fwd, bwd, p2p, m, p2p_back_s=back)
+        assert (result.total_s, list(result.last_backward_end_s)) == _reference_1f1b(fwd, bwd, p2p, back, m)

@@ -240,3 +240,30 @@ def test_a_trials_stage_terms_from_its_pieces_equal_the_pipelines() -> None:
             assert trials._terms(pieces, len(stages)) == _terms(cache, stages)
             compared += 1
     assert compared > 60
+
+
+def test_a_trial_fits_exactly_when_its_layer_split_does() -> None:
+    """`TrialSpace.fits` (the pieces' memory rooms summed) says what `split_layers` finds from the trial's stage
+    terms: whether the layers fit, on clusters where memory binds (a 70B model, seq 4096) and where it does not;
+    the shape read from the pieces is the assembled stages' (`pipeline_score.shape_key`)."""
+    from flashflex_cli.planner.scoring.pipeline_score import shape_key
+    from flashflex_cli.planner.space.layer_split import split_layers
+
+    rng = random.Random(12)
+    seen = {True: 0, False: 0}
+    for _ in range(10):
+        model = rng.choice(["llama2-70b", "llama2-7b"])
+        cache = _cache(_cluster(rng, rng.randint(1, 6), 8), model, seq=4096)
+        blocks = st.node_blocks(cache, range(cache.graph.size))
+        trials = Trials(cache, blocks, 8, 64)
+        for _ in range(40):
+            sizes, order = _random_trial(rng, cache, blocks)
+            pieces = trials._pieces_of(sizes, order)
+            stages, keep = trials._assemble(pieces)
+            if keep is not None:
+                continue
+            split = split_layers(*trials._terms(pieces, len(stages)), cache.model.num_layers)
+            assert trials.fits(pieces) == (split is not None)
+            assert trials._shape(pieces) == shape_key(cache, stages)
+            seen[split is not None] += 1
+    assert seen[True] > 20 and seen[False] > 20

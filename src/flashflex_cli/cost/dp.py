@@ -191,26 +191,34 @@ class StageBackward:
 
 def layer_ready_s(start_s: float, head_s: float, layer_s: float, above: int) -> float:
     """When a stage's last backward, begun at `start_s`, has finished the layer `above` layers from the top of the
-    stage's range (the top layer: 1): the head's `head_s` first, then `layer_s` per layer, top layer first (s)."""
+    stage's range (the top layer: 1; 0: the head): the head's `head_s` first, then `layer_s` per layer, top layer
+    first (s)."""
     return start_s + head_s + above * layer_s
 
 
-def layers_ready_s(start_s: float, head_s: float, layer_s: float, count: int) -> list[float]:
-    """`layer_ready_s` of each of a stage's `count` layers, bottom layer first (s)."""
-    return [layer_ready_s(start_s, head_s, layer_s, above) for above in range(count, 0, -1)]
+def layers_ready_s(start_s: Sequence[float], head_s: Sequence[float], layer_s: Sequence[float],
+                   counts: Sequence[int]) -> list[float]:
+    """`layer_ready_s` of every layer of consecutive stages (stage j: its last backward begun at start_s[j], the
+    head's head_s[j] first, layer_s[j] per layer, counts[j] layers), each stage's bottom layer first (s): the same
+    sums, a stage at a time."""
+    out: list[float] = []
+    for start, head, layer, count in zip(start_s, head_s, layer_s, counts, strict=True):
+        begin = start + head
+        out += [begin + above * layer for above in range(count, 0, -1)]
+    return out
 
 
 class NicQueue:
     """When each node's NIC is next free (s), for buckets run one after another in their global order: a bucket's
     cross-node part waits for every NIC it crosses, then holds them. The NICs of the last cross-node bucket are
-    written back only when a bucket on other nodes comes (the buckets of one segment share their `nodes` object,
-    whose NICs the bucket before has just freed, all at once)."""
+    all free at the same moment, so they are written back only when they leave the next bucket's set (buckets of
+    a segment share their `nodes`; consecutive buckets mostly share their nodes)."""
 
     __slots__ = ("free", "_nodes", "_done")
 
     def __init__(self) -> None:
-        self.free: dict[Hashable, float] = {}
-        self._nodes: frozenset | None = None  # the last bucket's nodes with a cross-node part, not yet written
+        self.free: dict[Hashable, float] = {}  # by node, except the last bucket's
+        self._nodes: frozenset | None = None  # the last cross-node bucket's nodes
         self._done = 0.0  # when it freed them
 
     def run(self, begin: float, inside_s: float, across_s: float, nodes: frozenset) -> float:
@@ -218,15 +226,21 @@ class NicQueue:
         are free, the other intra-node half."""
         across = begin + inside_s / 2
         if nodes:
-            if nodes is self._nodes:
+            held = self._nodes
+            if nodes is held:
                 if self._done > across:
                     across = self._done
             else:
                 free = self.free
-                if self._nodes is not None:
-                    for n in self._nodes:
+                if held is None:
+                    fresh = nodes
+                else:
+                    if self._done > across and not nodes.isdisjoint(held):
+                        across = self._done
+                    for n in held - nodes:
                         free[n] = self._done
-                for n in nodes:
+                    fresh = nodes - held
+                for n in fresh:
                     wait = free.get(n, 0.0)
                     if wait > across:
                         across = wait

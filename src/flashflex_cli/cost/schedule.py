@@ -69,67 +69,65 @@ def simulate_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequenc
                      tuple(map(float, back)), int(num_micro_batches))
 
 
-@lru_cache(maxsize=256)
-def _orders(stages: int, m: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
-    """`stage_order` of every stage of a pipeline of `stages` stages and `m` micro-batches (shared, read-only)."""
-    return tuple(tuple(stage_order(s, stages, m)) for s in range(stages))
-
-
 @lru_cache(maxsize=8192)
 def _simulate(fwd: tuple[float, ...], bwd: tuple[float, ...], p2p: tuple[float, ...], back: tuple[float, ...],
               m: int) -> ScheduleResult:
+    """The event simulation, operation by operation in an order that has every operation after the ones it waits
+    for: by position k in the stage's `stage_order`. Stage s (warm-up w = min(S - s - 1, m)) runs at k the forward
+    k while k < w (after the stage before's forward k, also of its warm-up: ascending stages), then alternately
+    forward (k + w) / 2 and backward (k - w - 1) / 2 (after the neighbours' operations k - 1), then from k = 2m - w
+    the backward k - m (after the stage after's, at k or k - 1: descending stages)."""
     stages = len(fwd)
-    orders = _orders(stages, m)
-    f_end: list[list[float | None]] = [[None] * m for _ in range(stages)]
-    b_end: list[list[float | None]] = [[None] * m for _ in range(stages)]
+    f_end = [[0.0] * m for _ in range(stages)]
+    b_end = [[0.0] * m for _ in range(stages)]
+    # what each operation waits for besides its stage's previous one: a forward for the stage before's forward plus
+    # the transfer (stage 0: a row of zeros), a backward for the stage after's backward plus the transfer back (the
+    # last stage: its own forward, plus nothing)
+    upstream = [[0.0] * m, *f_end[:-1]]
+    step_in = (0.0, *p2p)
+    downstream = [*b_end[1:], f_end[-1]]
+    step_back = (*back, 0.0)
     clock = [0.0] * stages
-    pos = [0] * stages
-    remaining = stages * 2 * m
-    last = stages - 1
-    while remaining:
-        progressed = False
-        for s in range(stages):
-            # run stage s's operations in order until one waits for a neighbour (locals: the hot loop)
-            order, f_row, b_row = orders[s], f_end[s], b_end[s]
-            upstream_row = f_end[s - 1] if s else f_row
-            downstream_row = b_end[s + 1] if s < last else b_row
-            step_in, step_back = (p2p[s - 1] if s else 0.0), (back[s] if s < last else 0.0)
-            f_s, b_s = fwd[s], bwd[s]
-            at, count, now = pos[s], len(order), clock[s]
-            start = at
-            while at < count:
-                forward, i = order[at]
-                if forward:
-                    if s == 0:
-                        ready = 0.0
-                    else:
-                        upstream = upstream_row[i]
-                        if upstream is None:
-                            break
-                        ready = upstream + step_in
-                    now = max(now, ready) + f_s
-                    f_row[i] = now
-                else:
-                    if s == last:
-                        ready = f_row[i]  # type: ignore[assignment]
-                    else:
-                        downstream = downstream_row[i]
-                        if downstream is None:
-                            break
-                        ready = downstream + step_back
-                    now = max(now, ready) + b_s
-                    b_row[i] = now
-                at += 1
-            if at != start:
-                pos[s], clock[s] = at, now
-                remaining -= at - start
-                progressed = True
-        if not progressed:  # cannot happen for a valid 1F1B order; guard against an endless loop
-            raise RuntimeError("1F1B simulation made no progress")
+    top = stages - 1
+    for k in range(2 * m):
+        warm = top - k if k < m else 0  # stages 0..warm-1 run a warm-up forward (micro-batch k)
+        cool = stages - 2 * m + k if k >= m else 0  # stages 0..cool-1 run a cool-down backward (micro-batch k - m)
+        low = max(0, warm, cool)  # stages low..top alternate: forward where k - w is even, w = top - s
+        for s in range(warm):
+            ready = upstream[s][k] + step_in[s]
+            now = clock[s]
+            if ready > now:
+                now = ready
+            now += fwd[s]
+            f_end[s][k] = clock[s] = now
+        for s in range(low + ((k + top - low) & 1), stages, 2):
+            i = (k + top - s) >> 1
+            ready = upstream[s][i] + step_in[s]
+            now = clock[s]
+            if ready > now:
+                now = ready
+            now += fwd[s]
+            f_end[s][i] = clock[s] = now
+        for s in range(top - ((k + 1) & 1), low - 1, -2):
+            i = (k - top + s - 1) >> 1
+            ready = downstream[s][i] + step_back[s]
+            now = clock[s]
+            if ready > now:
+                now = ready
+            now += bwd[s]
+            b_end[s][i] = clock[s] = now
+        for s in range(cool - 1, -1, -1):
+            i = k - m
+            ready = downstream[s][i] + step_back[s]
+            now = clock[s]
+            if ready > now:
+                now = ready
+            now += bwd[s]
+            b_end[s][i] = clock[s] = now
     total = max(clock)
     busy = tuple(m * (fwd[s] + bwd[s]) for s in range(stages))
     bubble = 1.0 - sum(busy) / (stages * total) if total > 0 else 0.0
-    last_b = tuple(float(b_end[s][m - 1]) for s in range(stages))  # type: ignore[arg-type]
+    last_b = tuple(b_end[s][m - 1] for s in range(stages))
     return ScheduleResult(total, bubble, busy, last_b)
 
 
@@ -178,6 +176,17 @@ def pair_window_s(first_s: float, second_s: float, link_s: float) -> float:
     """The window of two adjacent stages of forward + backward `first_s` and `second_s` joined by a link of
     `link_s` (see `steady_period_s`): a lower bound on the period (seconds per micro-batch)."""
     return (first_s + second_s + 2.0 * link_s) / 2.0
+
+
+def short_windows_s(times_s: Sequence[float], links_s: Sequence[float]) -> float:
+    """The largest window of at most two adjacent stages (`pair_window_s`, and each stage alone): a lower bound on
+    `steady_period_s` (seconds per micro-batch)."""
+    low = max(times_s)
+    for s, link in enumerate(links_s):
+        pair = pair_window_s(times_s[s], times_s[s + 1], link)
+        if pair > low:
+            low = pair
+    return low
 
 
 def closed_form_s(period_s: float, fill_s: float, num_micro_batches: int) -> float:

@@ -37,13 +37,14 @@ class CostCache:
         self.graph, self.model, self.train, self.params = graph, model, train, params
         # the runtime's memory paths differ on emulated CPU devices (a cluster is one or the other in practice)
         self.on_cuda = is_cuda_group(graph.cluster, graph.ids)
-        self._stage: dict[tuple, LayerTimes] = {}
+        self._stage: dict[int, LayerTimes] = {}
         self._stage_by_devs: dict[Devs, LayerTimes] = {}  # the same answers, keyed by the devices themselves
         self._p2p: dict[tuple, float] = {}
         self._p2p_by_devs: dict[tuple[Devs, Devs], float] = {}
         self._mem: dict[tuple, tuple[float, float]] = {}
         self._fit: dict[tuple, int] = {}
-        self._keys: dict[Devs, tuple] = {}
+        self._keys: dict[Devs, int] = {}
+        self._key_ids: dict[tuple, int] = {}
         self._group_cap: dict[Devs, float] = {}
         self._memos: dict[type, object] = {}
         self._cap: list[float] | None = None
@@ -62,17 +63,18 @@ class CostCache:
         return found  # type: ignore[return-value]
 
     # ---- keys -------------------------------------------------------------------------------------
-    def stage_key(self, devs: Devs) -> tuple:
-        """Devices of equal nodes at equal local indices give equal answers."""
+    def stage_key(self, devs: Devs) -> int:
+        """Devices of equal nodes at equal local indices give equal answers: one number for each such class of
+        device groups (assigned in order of first sight)."""
         key = self._keys.get(devs)
         if key is None:
             g = self.graph
             nodes = {int(g.node[i]) for i in devs}
             if len(nodes) == 1:
-                key = (g.node_class[nodes.pop()], tuple(int(g.local[i]) for i in devs))
+                shape: tuple = (g.node_class[nodes.pop()], tuple(int(g.local[i]) for i in devs))
             else:
-                key = ("multi", devs)
-            self._keys[devs] = key
+                shape = ("multi", devs)
+            key = self._keys[devs] = self._key_ids.setdefault(shape, len(self._key_ids))
         return key
 
     # ---- compute ----------------------------------------------------------------------------------

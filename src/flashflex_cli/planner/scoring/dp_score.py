@@ -68,26 +68,26 @@ def pipe_terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
 
 
 def _terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
-    count = len(pipe.stages)
-    times = [cache.stage(st) for st in pipe.stages]
-    wholes = [stage_pass_s(n, lt.bwd_s, lt.embed_bwd_s, lt.head_bwd_s, s == 0, s == count - 1)
-              for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True))]
-    backs = [cache.p2p(pipe.stages[s], pipe.stages[s - 1]) for s in range(1, count)]
+    stages, last = pipe.stages, len(pipe.stages) - 1
+    times, wholes, backs = [], [], []
     firsts: list[int] = []
     tps: list[int] = []
     owner: list[int] = []
-    ready: list[float] = []
-    head = 0.0
-    for s, (lt, n, devs, end, whole) in enumerate(zip(times, pipe.counts, pipe.stages, drain_offsets_s(wholes, backs),
-                                                      wholes, strict=True)):
-        head_s = lt.head_bwd_s if s == count - 1 else 0.0
-        ready.extend(layers_ready_s(end - whole, head_s, lt.bwd_s, n))
-        firsts.extend([devs[0]] * n)
-        tps.extend([len(devs)] * n)
-        owner.extend([s] * n)
-        if s == count - 1:
-            head = layer_ready_s(end - whole, head_s, lt.bwd_s, 0)
-    return PipeTerms(np.array([firsts, tps, owner], dtype=np.int64), np.array(ready), head)
+    for s, (devs, n) in enumerate(zip(stages, pipe.counts, strict=True)):
+        lt = cache.stage(devs)
+        times.append(lt)
+        wholes.append(stage_pass_s(n, lt.bwd_s, lt.embed_bwd_s, lt.head_bwd_s, s == 0, s == last))
+        if s:
+            backs.append(cache.p2p(devs, stages[s - 1]))
+        firsts += [devs[0]] * n
+        tps += [len(devs)] * n
+        owner += [s] * n
+    starts = [end - whole for end, whole in zip(drain_offsets_s(wholes, backs), wholes, strict=True)]
+    heads = [0.0] * last + [times[last].head_bwd_s]
+    layers = [lt.bwd_s for lt in times]
+    return PipeTerms(np.array([firsts, tps, owner], dtype=np.int64),
+                     np.array(layers_ready_s(starts, heads, layers, pipe.counts)),
+                     layer_ready_s(starts[last], heads[last], layers[last], 0))
 
 
 def _column(cache: CostCache, devices: Sequence[int], min_tp: int, nbytes: float) -> Column:

@@ -13,11 +13,11 @@ needs. The answers are memoised per cache (`PipelineMemo`) by devices and by pip
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from ...cost.schedule import fill_s, pair_window_s, steady_period_s
+from ...cost.schedule import fill_s, short_windows_s, steady_period_s
 from ..space.layer_split import split_layers, stage_times
 from .cost_cache import CostCache, Devs
 
@@ -85,42 +85,53 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...],
 
 def evaluate_unless(cache: CostCache, stages: tuple[Devs, ...], links: Callable[[], list[float]],
                     skip: Callable[[float, float, int], bool],
-                    terms: tuple[list[float], list[float], list[int]] | None = None) -> PipeEval | None:
+                    terms: tuple[list[float], list[float], list[int]] | None = None,
+                    shape: tuple | None = None) -> PipeEval | None:
     """`evaluate_pipeline`, or None (nothing memoised) when `skip(pace_low, fill, stages)` says so once the layer
     split is known: `fill` is the exact fill (seconds) and `pace_low` a lower bound on the pace (its slowest
     stage and adjacent pairs of stages, the windows of at most two stages of `steady_period_s`), so a caller that
-    only wants pipelines below some cost learns early that this one is not (the window search is skipped).
-    `terms`: `_terms(cache, stages)` where the caller has them."""
-    hit = cache.memo(PipelineMemo).by_devices.get(tuple(stages))
-    if hit is not None:
-        return hit
-    # the shape memo is consulted only for a pipeline not skipped (the figures are the same either way)
-    return _finish(cache, stages, None, *(terms or _terms(cache, stages)), links, skip)
+    only wants pipelines below some cost learns early that this one is not (the window search is skipped). A
+    pipeline whose layers do not fit is returned (`ok` False) but not memoised. `terms`: `_terms(cache, stages)`,
+    `shape`: `shape_key(cache, stages)`, where the caller has them (a caller with the shape knows the stages are
+    new: the memo by devices is not consulted). The memo by shape is consulted only for a pipeline not skipped
+    (the figures are the same either way)."""
+    if shape is None:
+        hit = cache.memo(PipelineMemo).by_devices.get(tuple(stages))
+        if hit is not None:
+            return hit
+    return _finish(cache, stages, shape, *(terms or _terms(cache, stages)), links, skip, looked_up=False)
 
 
 def _memoised(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval | tuple:
     """The memoised evaluation of `stages` (by devices, else by shape), or the shape key to store it under."""
-    memos = cache.memo(PipelineMemo)
-    memo = memos.by_devices
-    key = tuple(stages)
-    hit = memo.get(key)
+    hit = cache.memo(PipelineMemo).by_devices.get(tuple(stages))
     if hit is not None:
         return hit
-    # Pipelines of equal shape (equal node classes and local indices, equal links between stages) elsewhere
-    # in the cluster cost the same: reuse the figures, with this pipeline's devices.
+    shape = shape_key(cache, stages)
+    return _same_shape(cache, stages, shape) or shape
+
+
+def shape_key(cache: CostCache, stages: Sequence[Devs]) -> tuple:
+    """Pipelines of equal shape (equal node classes and local indices, equal links between stages) elsewhere in the
+    cluster cost the same: the stages' `CostCache.stage_key`s, and the bandwidth between the nodes of consecutive
+    stages (-1 inside a node)."""
     g = cache.graph
     node_of, bw = g.node_list, g.node_bw_rows
     nodes = [node_of[st[0]] for st in stages]
     stage_key = cache.stage_key
-    shape = (tuple([stage_key(st) for st in stages]),
-             tuple([bw[a][b] if a != b else -1.0 for a, b in zip(nodes, nodes[1:], strict=False)]))
+    return (tuple([stage_key(st) for st in stages]),
+            tuple([bw[a][b] if a != b else -1.0 for a, b in zip(nodes, nodes[1:], strict=False)]))
+
+
+def _same_shape(cache: CostCache, stages: tuple[Devs, ...], shape: tuple) -> PipeEval | None:
+    """The memoised figures of a pipeline of shape `shape`, with the devices of `stages` (memoised by them)."""
+    memos = cache.memo(PipelineMemo)
     same = memos.by_shape.get(shape)
-    if same is not None:
-        hit = PipeEval(tuple(stages), same.counts, same.pace_s, same.fill_s, same.shard_bytes, same.ok,
-                       same.stage_grad_bytes)
-        memo[key] = hit
-        return hit
-    return shape
+    if same is None:
+        return None
+    hit = memos.by_devices[tuple(stages)] = PipeEval(tuple(stages), same.counts, same.pace_s, same.fill_s,
+                                                     same.shard_bytes, same.ok, same.stage_grad_bytes)
+    return hit
 
 
 def _terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float], list[float], list[int]]:
@@ -143,10 +154,10 @@ def _terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float], lis
 
 def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per_layer: list[float],
             extra: list[float], caps: list[int], known_links: Callable[[], list[float]] | None = None,
-            skip: Callable[[float, float, int], bool] | None = None) -> PipeEval | None:
+            skip: Callable[[float, float, int], bool] | None = None, looked_up: bool = True) -> PipeEval | None:
     """The layer split and figures of `stages` from its stage terms; memoised by devices and by `shape` (None:
-    looked up first when not skipped, see `_memoised`); None, memoised nowhere, when `skip` says so (see
-    `evaluate_unless`)."""
+    `shape_key`); the memo by shape is looked up first (unless the caller has, `looked_up`) when not skipped;
+    None, memoised nowhere, when `skip` says so (see `evaluate_unless`)."""
     count = len(stages)
     split = split_layers(per_layer, extra, caps, cache.model.num_layers)
     if split is not None:
@@ -154,19 +165,16 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per
         links = known_links() if known_links is not None else \
             [cache.p2p(stages[s], stages[s + 1]) for s in range(count - 1)]
         fill = fill_s(times, links)
-        if skip is not None:
-            low = max(times)
-            for s in range(count - 1):
-                pair = pair_window_s(times[s], times[s + 1], links[s])
-                if pair > low:
-                    low = pair
-            if skip(low, fill, count):
-                return None
-    if shape is None:
-        found = _memoised(cache, stages)
-        if isinstance(found, PipeEval):
+        if skip is not None and skip(short_windows_s(times, links), fill, count):
+            return None
+    elif skip is not None:  # what does not fit is not worth a memo entry for a caller that skips
+        return PipeEval(tuple(stages), (), _INFEASIBLE, _INFEASIBLE, _INFEASIBLE, False)
+    if not looked_up:
+        if shape is None:
+            shape = shape_key(cache, stages)
+        found = _same_shape(cache, stages, shape)
+        if found is not None:
             return found
-        shape = found
     if split is None:
         hit = PipeEval(tuple(stages), (), _INFEASIBLE, _INFEASIBLE, _INFEASIBLE, False)
     else:

@@ -24,7 +24,10 @@ finish far inside their budgets.
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ...cost.params import CostParams
 from ...errors import InputError
@@ -87,6 +90,29 @@ def plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy
     pipeline's micro-batch size to train.micro_batch_size; a number lets the flashflex strategy choose each
     pipeline's size among train.micro_batch_size x 2^j up to it (`microbatch.MicroBatchSearch`). `jobs`:
     worker processes for the search's independent units (`pool.SearchPool`; the plan does not depend on it)."""
+    with _no_cycle_collection():
+        return _plan_layout(cluster, model, train, strategy, time_budget_s, seed, params, stats, device_moves,
+                            max_micro_batch, jobs)
+
+
+@contextmanager
+def _no_cycle_collection() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while the search runs: the search allocates millions of short-lived
+    objects and keeps large memo tables (the collector's passes over them cost about 7% of the planning time), but
+    makes almost no reference cycles (a few dozen objects a plan), which the next collection frees."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy: str, time_budget_s: float,
+                 seed: int, params: CostParams | None, stats: SearchStats | None, device_moves: bool,
+                 max_micro_batch: int | None, jobs: int) -> Plan:
+    """`plan_layout` itself."""
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if max_micro_batch is not None and max_micro_batch < 1:

@@ -39,7 +39,7 @@ def split_layers(
     stage s; max_layers[s]: memory cap of stage s in layers.
     """
     t, e = per_layer_s, extra_s
-    c = [m if m < num_layers else num_layers for m in map(int, max_layers)]
+    c = [m if m < num_layers else num_layers for m in max_layers]
     stages = len(t)
     if stages == 0 or stages > num_layers or min(c) < 1 or sum(c) < num_layers:
         return None
@@ -49,23 +49,40 @@ def split_layers(
     limit = max(max([x + y for x, y in zip(t, e, strict=True)]),
                 (num_layers + sum([y / x for x, y in zip(t, e, strict=True)])) / inverse)
     floor, scale = math.floor, 1 + _EPS
-    terms = list(zip(t, e, c, strict=True))
-    while True:  # _room inlined (the planner's hottest loop): the room at `limit`, and the next breakpoint
-        room, step, caps = 0, math.inf, []  # caps: each stage's room at `limit`
-        for ts, es, cs in terms:
+    # _room inlined (the planner's hottest loop): every stage's room at `limit`, and the next breakpoint. A stage
+    # whose room reaches its cap keeps it at every larger limit, so it leaves the loop (`active`: the others).
+    caps = list(c)  # each stage's room at `limit`
+    room, full, step, active = 0, 0, math.inf, []  # full: the room of the stages at their cap
+    for s in range(stages):
+        ts, es, cs = t[s], e[s], c[s]
+        n = floor((limit - es) / ts * scale + 1e-9)
+        if n < cs:
+            room += n
+            caps[s] = n
+            active.append((s, ts, es, cs))
+            nxt = (n + 1) * ts + es
+            if nxt < step:
+                step = nxt
+        else:
+            room += cs
+            full += cs
+    while room < num_layers:
+        limit = step
+        room, step, still = full, math.inf, []
+        for s, ts, es, cs in active:
             n = floor((limit - es) / ts * scale + 1e-9)
             if n < cs:
                 room += n
-                caps.append(n)
+                caps[s] = n
+                still.append((s, ts, es, cs))
                 nxt = (n + 1) * ts + es
                 if nxt < step:
                     step = nxt
             else:
                 room += cs
-                caps.append(cs)
-        if room >= num_layers:
-            break
-        limit = step
+                full += cs
+                caps[s] = cs
+        active = still
     counts = [1] * stages
     left = num_layers - stages
     for s in sorted(range(stages), key=t.__getitem__):  # stable: ties in stage order
@@ -75,6 +92,20 @@ def split_layers(
         if left == 0:
             break
     return counts
+
+
+def fits_within(per_layer_s: Sequence[float], extra_s: Sequence[float], max_layers: Sequence[int], num_layers: int,
+                limit: float) -> bool:
+    """Whether the stages can run the layers within `limit` seconds each, memory caps included, counting the
+    layers each stage runs in that time as `split_layers` does (never fewer than fit exactly): when not, every
+    split has a stage slower than `limit`."""
+    floor, scale, room = math.floor, 1 + _EPS, 0
+    for t, e, c in zip(per_layer_s, extra_s, max_layers, strict=True):
+        n = floor((limit - e) / t * scale + 1e-9)  # _room, inlined
+        room += n if n < c else c
+        if room >= num_layers:
+            return True
+    return False
 
 
 def stage_times(per_layer_s: Sequence[float], extra_s: Sequence[float], counts: Sequence[int]) -> list[float]:

@@ -25,6 +25,7 @@ from ..space.tp_groups import cut
 from .bounds import Summary
 
 Block = tuple[int, list[int]]
+NO_ROOM = -(1 << 40)  # a piece with a stage that can hold no layer: no sum of rooms reaches L
 Sizes = dict[int, tuple[int, ...]]
 T = TypeVar("T")
 
@@ -41,6 +42,10 @@ class Piece:
     groups: tuple[tuple[list[int | None], int, float], ...]  # per stage: `CostCache.cap_row`, degree, capacity
     embed_s: float  # the embedding's seconds on its first stage, the head's on its last
     head_s: float
+    rooms: dict[tuple[int, bool, bool], tuple[int, tuple[int, ...]]]  # `TrialSpace._room_caps`'s memo (equal
+    # shapes share it)
+    keys: tuple[int, ...]  # the stages' `CostCache.stage_key`s
+    node: int  # the node of its block
     serial: int  # its number among the cache's pieces (`PieceMemo.by_block`), the key of its joins
 
 
@@ -93,8 +98,9 @@ class TrialSpace:
                 links = tuple(p2p(parts[j], parts[j + 1]) for j in range(len(parts) - 1))
                 groups = tuple((cache.cap_row(len(st), capacity(st)), len(st), capacity(st)) for st in parts)
                 known = memo.figures[shape] = (speeds, links, Summary.of(speeds, links), groups,
-                                               stage(parts[0]).embed_s, stage(parts[-1]).head_s)
-            found = memo.by_block[whole] = Piece(tuple(parts), *known, len(memo.by_block))
+                                               stage(parts[0]).embed_s, stage(parts[-1]).head_s, {},
+                                               tuple(cache.stage_key(st) for st in parts))
+            found = memo.by_block[whole] = Piece(tuple(parts), *known, node, len(memo.by_block))
         return found
 
     def _pieces_of(self, sizes: Sizes, order: tuple[int, ...]) -> list[Piece]:
@@ -149,28 +155,80 @@ class TrialSpace:
 
     def _terms(self, pieces: list[Piece], count: int) -> tuple[list[float], list[float], list[int]]:
         """`pipeline_score._terms` of the stages of `pieces` (all kept, `count` of them) from the pieces' figures."""
-        cache = self.cache
+        return self._terms_and_room(pieces, count)[:3]  # type: ignore[return-value]
+
+    def _terms_and_room(self, pieces: Sequence[Piece], count: int
+                        ) -> tuple[list[float], list[float], list[int], int]:
+        """`_terms` and the pieces' layer rooms summed (`layer_room`): the layers fit exactly when it is at least
+        L."""
         per_layer: list[float] = []
         caps: list[int] = []
-        in_flight = count
-        for piece in pieces:
+        depth, room, last = count, 0, len(pieces) - 1
+        for k, piece in enumerate(pieces):
             per_layer.extend(piece.speeds)
-            for row, tp, capacity in piece.groups:
-                found = row[in_flight]
-                caps.append(cache.middle_cap(row, tp, capacity, in_flight) if found is None else found)
-                in_flight -= 1
+            piece_room, piece_caps = self._room_caps(piece, depth, k == 0, k == last)
+            caps.extend(piece_caps)
+            room += piece_room
+            depth -= piece.summary.count
         extra = [0.0] * count
-        first, last = pieces[0], pieces[-1]
-        _, tp, capacity = first.groups[0]
         if count == 1:
-            extra[0] = first.embed_s + last.head_s
-            caps[0] = cache.max_layers(tp, True, True, 1, capacity)
+            extra[0] = pieces[0].embed_s + pieces[-1].head_s
         else:
-            extra[0], extra[-1] = first.embed_s, last.head_s
-            caps[0] = cache.max_layers(tp, True, False, count, capacity)
-            _, tp, capacity = last.groups[-1]
-            caps[-1] = cache.max_layers(tp, False, True, 1, capacity)
-        return per_layer, extra, caps
+            extra[0], extra[-1] = pieces[0].embed_s, pieces[-1].head_s
+        return per_layer, extra, caps, room
+
+    def _room_caps(self, piece: Piece, depth: int, first: bool, last: bool) -> tuple[int, tuple[int, ...]]:
+        """(`layer_room`, the caps `_terms` gives the piece's stages) of `piece` at `depth` (memoised)."""
+        key = (depth, first, last)
+        found = piece.rooms.get(key)
+        if found is None:
+            cache = self.cache
+            layers, end, room, caps = cache.model.num_layers, len(piece.groups) - 1, 0, []
+            for j, (row, tp, capacity) in enumerate(piece.groups):
+                head, tail = first and j == 0, last and j == end
+                if head:
+                    cap = cache.max_layers(tp, True, tail, 1 if tail else depth, capacity)
+                elif tail:
+                    cap = cache.max_layers(tp, False, True, 1, capacity)
+                else:
+                    cap = row[depth - j]
+                    if cap is None:
+                        cap = cache.middle_cap(row, tp, capacity, depth - j)
+                caps.append(cap)
+                room += cap if cap < layers else layers
+            found = piece.rooms[key] = (room if min(caps) >= 1 else NO_ROOM, tuple(caps))
+        return found
+
+    def layer_room(self, piece: Piece, depth: int, first: bool, last: bool) -> int:
+        """How many layers the stages of `piece` can hold in memory, each at most L, when its first stage is
+        `depth` stages from the pipeline's end (in flight there: `depth` micro-batches) and it starts (`first`) /
+        ends (`last`) the pipeline: the caps `_terms` gives them, summed; `NO_ROOM` when one of them holds none.
+        A trial's layers fit (`split_layers` finds a split) exactly when its pieces' rooms sum to L or more."""
+        return self._room_caps(piece, depth, first, last)[0]
+
+    def fits(self, pieces: Sequence[Piece]) -> bool:
+        """Whether the layers fit in the memory of the stages of `pieces` in this order (all of them kept): the
+        condition `split_layers` checks first (`layer_room`)."""
+        depth = sum(piece.summary.count for piece in pieces)
+        room, last = 0, len(pieces) - 1
+        for k, piece in enumerate(pieces):
+            room += self.layer_room(piece, depth, k == 0, k == last)
+            depth -= piece.summary.count
+        return room >= self.cache.model.num_layers
+
+    def _shape(self, pieces: Sequence[Piece]) -> tuple:
+        """`pipeline_score.shape_key` of the stages of `pieces` (all kept), from the pieces' figures."""
+        bw = self.cache.graph.node_bw_rows
+        keys: tuple[int, ...] = ()
+        links: list[float] = []
+        before = -1
+        for piece in pieces:
+            if before >= 0:
+                links.append(bw[before][piece.node] if before != piece.node else -1.0)
+            keys += piece.keys
+            links += [-1.0] * (len(piece.keys) - 1)  # the stages of a block share its node
+            before = piece.node
+        return keys, tuple(links)
 
     def cut_room(self, pieces: Sequence[Piece]) -> tuple[float, int]:
         """The per-layer seconds of the L-th fastest stage of `pieces` (L layers) and how many stages at exactly

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 from ...cost.schedule import closed_form_s
 from ..scoring.pipeline_score import PipeEval, evaluate_pipeline, evaluate_unless
-from .bounds import INFEASIBLE, cannot_beat, runs_lower_bound
+from ..space.layer_split import fits_within
+from .bounds import INFEASIBLE, SAFETY, cannot_beat, runs_lower_bound
 from .pieces import Piece, Sizes, TrialSpace
 from .sweeps import Kept, Totals, UnitBounds
 
@@ -38,6 +39,9 @@ class Trials(TrialSpace):
         if hit is None:
             pieces = self._pieces_of(sizes, order)
             stages, keep = self._assemble(pieces)
+            if keep is None and not self.fits(pieces):
+                hit = self._seen[key] = (INFEASIBLE, PipeEval(stages, (), INFEASIBLE, INFEASIBLE, INFEASIBLE, False))
+                return hit
             pipe = evaluate_pipeline(self.cache, stages, lambda: self._links(pieces, stages, keep))
             hit = self._seen[key] = (amortised(pipe, self.micro, self.max_stages), pipe)
         return hit
@@ -52,6 +56,18 @@ class Trials(TrialSpace):
         pieces = self._pieces_of(sizes, order)
         stages, keep = self._assemble(pieces)
         micro, most = self.micro, self.max_stages
+        terms, shape = None, None
+        if keep is None:
+            *terms, room = self._terms_and_room(pieces, len(stages))
+            if room < self.cache.model.num_layers:  # the exact figure, inf, without a layer split
+                self._seen[key] = (INFEASIBLE, PipeEval(stages, (), INFEASIBLE, INFEASIBLE, INFEASIBLE, False))
+                return INFEASIBLE
+            if len(stages) <= most and 2 * room < 3 * self.cache.model.num_layers:  # memory binds: worth a probe
+                probed = self._slower_than(terms, len(stages), limit)
+                if probed is not None:
+                    self._bounds[key] = probed
+                    return INFEASIBLE
+            shape = self._shape(pieces)
         low: list[float] = []
 
         def skip(pace: float, fill: float, count: int) -> bool:
@@ -61,13 +77,29 @@ class Trials(TrialSpace):
             low.append(closed_form_s(pace, fill, m) / m)
             return cannot_beat(low[0], limit)
 
-        terms = None if keep is not None else self._terms(pieces, len(stages))
-        pipe = evaluate_unless(self.cache, stages, lambda: self._links(pieces, stages, keep), skip, terms)
+        pipe = evaluate_unless(self.cache, stages, lambda: self._links(pieces, stages, keep), skip,
+                               terms, shape)  # type: ignore[arg-type]
         if pipe is None:
             self._bounds[key] = low[0]
             return float("inf")
         hit = self._seen[key] = (amortised(pipe, micro, most), pipe)
         return hit[0]
+
+    def _slower_than(self, terms: list, count: int, limit: float) -> float | None:
+        """A lower bound on the amortised seconds of the trial of `count` stages with stage terms `terms` that
+        cannot beat `limit`, or None: the pace it would need to beat the limit (with the least fill any split
+        has) is one at which its layers do not fit in time (`layer_split.fits_within`), so every split is slower.
+        One pass over the stages instead of the layer split."""
+        per_layer, extra, caps = terms
+        m, layers = max(self.micro, count), self.cache.model.num_layers
+        if m < 2:
+            return None
+        fill = sum(per_layer) + sum(extra) + (layers - count) * min(per_layer)  # every split's fill, transfers aside
+        pace = (m * (limit / (1.0 - SAFETY)) - fill) / (m - 1)
+        if fits_within(per_layer, extra, caps, layers, pace):
+            return None
+        low = closed_form_s(pace, fill, m) / m
+        return low if cannot_beat(low, limit) else None
 
     def bound(self, sizes: Sizes, order: tuple[int, ...], key: tuple | None = None) -> float:
         """A lower bound on `cost` (the exact figure when already known; `key`: the trial's `key` where the

@@ -73,62 +73,51 @@ def simulate_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequenc
 def _simulate(fwd: tuple[float, ...], bwd: tuple[float, ...], p2p: tuple[float, ...], back: tuple[float, ...],
               m: int) -> ScheduleResult:
     """The event simulation, operation by operation in an order that has every operation after the ones it waits
-    for: by position k in the stage's `stage_order`. Stage s (warm-up w = min(S - s - 1, m)) runs at k the forward
-    k while k < w (after the stage before's forward k, also of its warm-up: ascending stages), then alternately
-    forward (k + w) / 2 and backward (k - w - 1) / 2 (after the neighbours' operations k - 1), then from k = 2m - w
-    the backward k - m (after the stage after's, at k or k - 1: descending stages)."""
+    for: by position k in the stage's `stage_order` (a wave). Stage s (warm-up w = min(S - s - 1, m)) runs at k the
+    forward k while k < w, after the stage before's forward k of the same wave (ascending stages); then alternately
+    forward (k + w) / 2 and backward (k - w - 1) / 2, after the neighbour's operation of the wave before (the
+    stage before's forward, the stage after's backward, the last stage's own forward), or, for a stage's first
+    forward after its warm-up, the stage before's last warm-up forward of the same wave; then from k = 2m - w the
+    backward k - m, after the stage after's backward of the same wave (descending stages). Each stage's last
+    operation is its last backward."""
     stages = len(fwd)
-    f_end = [[0.0] * m for _ in range(stages)]
-    b_end = [[0.0] * m for _ in range(stages)]
-    # what each operation waits for besides its stage's previous one: a forward for the stage before's forward plus
-    # the transfer (stage 0: a row of zeros), a backward for the stage after's backward plus the transfer back (the
-    # last stage: its own forward, plus nothing)
-    upstream = [[0.0] * m, *f_end[:-1]]
-    step_in = (0.0, *p2p)
-    downstream = [*b_end[1:], f_end[-1]]
-    step_back = (*back, 0.0)
-    clock = [0.0] * stages
     top = stages - 1
+    step_in = (0.0, *p2p)  # a forward waits for the stage before's plus the transfer (stage 0: for nothing)
+    step_back = (*back, 0.0)  # a backward for the stage after's plus the transfer back (the last stage: its own)
+    clock = [0.0] * stages  # when each stage's last operation so far ended
     for k in range(2 * m):
-        warm = top - k if k < m else 0  # stages 0..warm-1 run a warm-up forward (micro-batch k)
-        cool = stages - 2 * m + k if k >= m else 0  # stages 0..cool-1 run a cool-down backward (micro-batch k - m)
+        warm = top - k if k < m else 0  # stages 0..warm-1 run a warm-up forward
+        cool = stages - 2 * m + k if k >= m else 0  # stages 0..cool-1 run a cool-down backward
         low = max(0, warm, cool)  # stages low..top alternate: forward where k - w is even, w = top - s
+        before = clock[:]  # each stage's operation of the wave before
         for s in range(warm):
-            ready = upstream[s][k] + step_in[s]
+            ready = (clock[s - 1] if s else 0.0) + step_in[s]
             now = clock[s]
             if ready > now:
                 now = ready
-            now += fwd[s]
-            f_end[s][k] = clock[s] = now
+            clock[s] = now + fwd[s]
         for s in range(low + ((k + top - low) & 1), stages, 2):
-            i = (k + top - s) >> 1
-            ready = upstream[s][i] + step_in[s]
-            now = clock[s]
+            ready = (0.0 if s == 0 else clock[s - 1] if s == warm else before[s - 1]) + step_in[s]
+            now = before[s]
             if ready > now:
                 now = ready
-            now += fwd[s]
-            f_end[s][i] = clock[s] = now
+            clock[s] = now + fwd[s]
         for s in range(top - ((k + 1) & 1), low - 1, -2):
-            i = (k - top + s - 1) >> 1
-            ready = downstream[s][i] + step_back[s]
-            now = clock[s]
+            ready = (before[s + 1] if s < top else before[s]) + step_back[s]
+            now = before[s]
             if ready > now:
                 now = ready
-            now += bwd[s]
-            b_end[s][i] = clock[s] = now
+            clock[s] = now + bwd[s]
         for s in range(cool - 1, -1, -1):
-            i = k - m
-            ready = downstream[s][i] + step_back[s]
+            ready = clock[s + 1] + step_back[s]
             now = clock[s]
             if ready > now:
                 now = ready
-            now += bwd[s]
-            b_end[s][i] = clock[s] = now
+            clock[s] = now + bwd[s]
     total = max(clock)
     busy = tuple(m * (fwd[s] + bwd[s]) for s in range(stages))
     bubble = 1.0 - sum(busy) / (stages * total) if total > 0 else 0.0
-    last_b = tuple(b_end[s][m - 1] for s in range(stages))
-    return ScheduleResult(total, bubble, busy, last_b)
+    return ScheduleResult(total, bubble, busy, tuple(clock))
 
 
 def stage_pass_s(num_layers: int, layer_s: float, embed_s: float, head_s: float, first: bool, last: bool) -> float:

@@ -69,23 +69,17 @@ def pipe_terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
 
 def _terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
     stages, last = pipe.stages, len(pipe.stages) - 1
-    times, wholes, backs = [], [], []
-    firsts: list[int] = []
-    tps: list[int] = []
-    owner: list[int] = []
-    for s, (devs, n) in enumerate(zip(stages, pipe.counts, strict=True)):
-        lt = cache.stage(devs)
-        times.append(lt)
-        wholes.append(stage_pass_s(n, lt.bwd_s, lt.embed_bwd_s, lt.head_bwd_s, s == 0, s == last))
-        if s:
-            backs.append(cache.p2p(devs, stages[s - 1]))
-        firsts += [devs[0]] * n
-        tps += [len(devs)] * n
-        owner += [s] * n
+    stage, p2p = cache.stage, cache.p2p
+    times = [stage(devs) for devs in stages]
+    wholes = [stage_pass_s(n, lt.bwd_s, lt.embed_bwd_s, lt.head_bwd_s, s == 0, s == last)
+              for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True))]
+    backs = [p2p(stages[s], stages[s - 1]) for s in range(1, last + 1)]
     starts = [end - whole for end, whole in zip(drain_offsets_s(wholes, backs), wholes, strict=True)]
     heads = [0.0] * last + [times[last].head_bwd_s]
     layers = [lt.bwd_s for lt in times]
-    return PipeTerms(np.array([firsts, tps, owner], dtype=np.int64),
+    per_stage = np.array([[devs[0] for devs in stages], [len(devs) for devs in stages], range(last + 1)],
+                         dtype=np.int64)
+    return PipeTerms(np.repeat(per_stage, pipe.counts, axis=1),
                      np.array(layers_ready_s(starts, heads, layers, pipe.counts)),
                      layer_ready_s(starts[last], heads[last], layers[last], 0))
 
@@ -184,12 +178,13 @@ def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]
     latest = end
     top = len(columns) - 1
     for layer in range(top, -1, -1):
-        col = columns[layer]
+        inside, across, nodes = columns[layer]
         begin = layer_ready[layer]
-        if layer == top or shares[layer]:
-            begin = max(begin, end)
-        end = run(begin, *col)
-        latest = max(latest, end)
+        if (layer == top or shares[layer]) and end > begin:
+            begin = end
+        end = run(begin, inside, across, nodes)
+        if end > latest:
+            latest = end
     end = run(max(slowest, end), *embed)
     return max(latest, end, slowest)
 

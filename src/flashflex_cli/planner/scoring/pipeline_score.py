@@ -86,20 +86,21 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...],
 def evaluate_unless(cache: CostCache, stages: tuple[Devs, ...], links: Callable[[], list[float]],
                     skip: Callable[[float, float, int], bool],
                     terms: tuple[list[float], list[float], list[int]] | None = None,
-                    shape: tuple | None = None) -> PipeEval | None:
+                    shape: Callable[[], tuple] | None = None) -> PipeEval | None:
     """`evaluate_pipeline`, or None (nothing memoised) when `skip(pace_low, fill, stages)` says so once the layer
     split is known: `fill` is the exact fill (seconds) and `pace_low` a lower bound on the pace (its slowest
     stage and adjacent pairs of stages, the windows of at most two stages of `steady_period_s`), so a caller that
     only wants pipelines below some cost learns early that this one is not (the window search is skipped). A
     pipeline whose layers do not fit is returned (`ok` False) but not memoised. `terms`: `_terms(cache, stages)`,
-    `shape`: `shape_key(cache, stages)`, where the caller has them (a caller with the shape knows the stages are
-    new: the memo by devices is not consulted). The memo by shape is consulted only for a pipeline not skipped
+    `shape`: gives `shape_key(cache, stages)`, where the caller has them (a caller with the shape knows the stages
+    are new: the memo by devices is not consulted). The memo by shape is consulted only for a pipeline not skipped
     (the figures are the same either way)."""
     if shape is None:
         hit = cache.memo(PipelineMemo).by_devices.get(tuple(stages))
         if hit is not None:
             return hit
-    return _finish(cache, stages, shape, *(terms or _terms(cache, stages)), links, skip, looked_up=False)
+    return _finish(cache, stages, None, *(terms or _terms(cache, stages)), links, skip, looked_up=False,
+                   known_shape=shape)
 
 
 def _memoised(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval | tuple:
@@ -154,10 +155,11 @@ def _terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float], lis
 
 def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per_layer: list[float],
             extra: list[float], caps: list[int], known_links: Callable[[], list[float]] | None = None,
-            skip: Callable[[float, float, int], bool] | None = None, looked_up: bool = True) -> PipeEval | None:
+            skip: Callable[[float, float, int], bool] | None = None, looked_up: bool = True,
+            known_shape: Callable[[], tuple] | None = None) -> PipeEval | None:
     """The layer split and figures of `stages` from its stage terms; memoised by devices and by `shape` (None:
-    `shape_key`); the memo by shape is looked up first (unless the caller has, `looked_up`) when not skipped;
-    None, memoised nowhere, when `skip` says so (see `evaluate_unless`)."""
+    `known_shape()`, else `shape_key`); the memo by shape is looked up first (unless the caller has,
+    `looked_up`) when not skipped; None, memoised nowhere, when `skip` says so (see `evaluate_unless`)."""
     count = len(stages)
     split = split_layers(per_layer, extra, caps, cache.model.num_layers)
     if split is not None:
@@ -171,7 +173,7 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per
         return PipeEval(tuple(stages), (), _INFEASIBLE, _INFEASIBLE, _INFEASIBLE, False)
     if not looked_up:
         if shape is None:
-            shape = shape_key(cache, stages)
+            shape = known_shape() if known_shape is not None else shape_key(cache, stages)
         found = _same_shape(cache, stages, shape)
         if found is not None:
             return found

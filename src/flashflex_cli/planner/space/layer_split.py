@@ -95,17 +95,33 @@ def split_layers(
 
 
 def fits_within(per_layer_s: Sequence[float], extra_s: Sequence[float], max_layers: Sequence[int], num_layers: int,
-                limit: float) -> bool:
-    """Whether the stages can run the layers within `limit` seconds each, memory caps included, counting the
-    layers each stage runs in that time as `split_layers` does (never fewer than fit exactly): when not, every
-    split has a stage slower than `limit`."""
-    floor, scale, room = math.floor, 1 + _EPS, 0
+                limit: float, links_s: Sequence[float]) -> bool:
+    """Whether the stages can run the layers with every stage within `limit` seconds and every two adjacent
+    stages within twice `limit` together with a transfer each way between them (links_s[s]: seconds from stage s to
+    s + 1), memory caps included, counting the layers a stage runs within a time as `split_layers` does (never
+    fewer than fit exactly). When not, every split has a stage, or a window of two stages (`pair_window_s`), slower
+    than `limit`. Checked on each stage alone and on the stages paired (0, 1), (2, 3), ... and (1, 2), (3, 4), ...,
+    each pair's layers taken at its faster stage first."""
+    floor, scale = math.floor, 1 + _EPS
+    rooms = []
     for t, e, c in zip(per_layer_s, extra_s, max_layers, strict=True):
         n = floor((limit - e) / t * scale + 1e-9)  # _room, inlined
-        room += n if n < c else c
-        if room >= num_layers:
-            return True
-    return False
+        rooms.append(n if n < c else c)
+    if sum(rooms) < num_layers:
+        return False
+    for start in (0, 1):
+        room = sum(rooms[:start])
+        for s in range(start, len(rooms) - 1, 2):
+            t, u = per_layer_s[s], per_layer_s[s + 1]
+            budget = 2 * limit - 2 * links_s[s] - extra_s[s] - extra_s[s + 1]  # for the two stages' layers
+            fast, slow, first, second = (s, s + 1, t, u) if t <= u else (s + 1, s, u, t)
+            n = min(rooms[fast], floor(budget / first * scale + 1e-9))
+            room += n + min(rooms[slow], floor((budget - n * first) / second * scale + 1e-9))
+        if (len(rooms) - start) % 2:
+            room += rooms[-1]
+        if room < num_layers:
+            return False
+    return True
 
 
 def stage_times(per_layer_s: Sequence[float], extra_s: Sequence[float], counts: Sequence[int]) -> list[float]:

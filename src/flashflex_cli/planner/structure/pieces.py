@@ -165,10 +165,12 @@ class TrialSpace:
         caps: list[int] = []
         depth, room, last = count, 0, len(pieces) - 1
         for k, piece in enumerate(pieces):
-            per_layer.extend(piece.speeds)
-            piece_room, piece_caps = self._room_caps(piece, depth, k == 0, k == last)
-            caps.extend(piece_caps)
-            room += piece_room
+            per_layer += piece.speeds
+            found = piece.rooms.get((depth, k == 0, k == last))  # `_room_caps`, inlined (the hot path)
+            if found is None:
+                found = self._room_caps(piece, depth, k == 0, k == last)
+            caps += found[1]
+            room += found[0]
             depth -= piece.summary.count
         extra = [0.0] * count
         if count == 1:

@@ -213,6 +213,11 @@ class UnitBounds:
             count, inverse, total, hops, pace, fastest
         self.speeds: list[float] | None = None  # the other pieces' per-layer seconds, sorted, for dropped stages
         self.kept: dict[tuple[int, float, int], Kept] = {}  # `_side` by (side, cut speed, room)
+        # the layer rooms (`TrialSpace.layer_room`) of the pieces after the block's place and, by stage count, of
+        # the pieces before it (`_after_room`, `_before_room`)
+        self.after_count = sum(piece.summary.count for piece in pieces[at + 1:])
+        self.after_room: int | None = None
+        self.before_room: dict[int, int] = {}
 
     def bounds(self, options: list[tuple[int, ...]], keys: list[tuple]) -> list[float]:
         """The bound of the trial with each of `options` as the block's group sizes (`keys`: their `Trials.key`s;
@@ -222,6 +227,43 @@ class UnitBounds:
         layers, last, block = cache.model.num_layers, len(self.pieces) - 1, self.block
         return owner.memo_bounds(options, keys, lambda option, _key: self._one(
             owner.piece(block, option), cache, layers, last))
+
+    def may_fit(self, option: tuple[int, ...]) -> bool:
+        """False when the layers of the trial with `option` as the block's group sizes do not fit in memory
+        (`TrialSpace.fits`, from the rooms of the other pieces summed once); True when they do or when stages are
+        dropped (not known here)."""
+        owner = self.trials
+        piece = owner.piece(self.block, option)
+        count = self.count + piece.summary.count
+        layers = owner.cache.model.num_layers
+        if count > layers:
+            return True
+        last = len(self.pieces) - 1
+        return self._after_room() + owner.layer_room(piece, piece.summary.count + self.after_count, self.at == 0,
+                                                     self.at == last) + self._before_room(count) >= layers
+
+    def _after_room(self) -> int:
+        """The layer rooms of the pieces after the block's place (their depths do not depend on its piece)."""
+        if self.after_room is None:
+            owner, pieces, last = self.trials, self.pieces, len(self.pieces) - 1
+            depth, room = 0, 0
+            for k in range(last, self.at, -1):
+                depth += pieces[k].summary.count
+                room += owner.layer_room(pieces[k], depth, False, k == last)
+            self.after_room = room
+        return self.after_room
+
+    def _before_room(self, count: int) -> int:
+        """The layer rooms of the pieces before the block's place in a trial of `count` stages (memoised)."""
+        found = self.before_room.get(count)
+        if found is None:
+            owner, depth, found = self.trials, count, 0
+            for k in range(self.at):
+                piece = self.pieces[k]
+                found += owner.layer_room(piece, depth, k == 0, False)
+                depth -= piece.summary.count
+            self.before_room[count] = found
+        return found
 
     def _dropped(self, piece: Piece, layers: int) -> float:
         """`Trials._dropped_bound` of the trial with `piece` at the block's place: the kept stages before and

@@ -13,7 +13,7 @@ otherwise it is evaluated in full (`pipeline_score.evaluate_pipeline`). All figu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ...cost.schedule import closed_form_s
 from ..scoring.pipeline_score import PipeEval, evaluate_pipeline, evaluate_unless
@@ -23,6 +23,7 @@ from .pieces import Piece, Sizes, TrialSpace
 from .sweeps import Kept, Totals, UnitBounds
 
 Trial = tuple[Sizes, tuple[int, ...]]  # group sizes by block position, block order
+UNFIT = PipeEval((), (), INFEASIBLE, INFEASIBLE, INFEASIBLE, False)  # the evaluation of a trial that does not fit
 
 
 class Trials(TrialSpace):
@@ -40,7 +41,7 @@ class Trials(TrialSpace):
             pieces = self._pieces_of(sizes, order)
             stages, keep = self._assemble(pieces)
             if keep is None and not self.fits(pieces):
-                hit = self._seen[key] = (INFEASIBLE, PipeEval(stages, (), INFEASIBLE, INFEASIBLE, INFEASIBLE, False))
+                hit = self._seen[key] = (INFEASIBLE, UNFIT)
                 return hit
             pipe = evaluate_pipeline(self.cache, stages, lambda: self._links(pieces, stages, keep))
             hit = self._seen[key] = (amortised(pipe, self.micro, self.max_stages), pipe)
@@ -56,18 +57,19 @@ class Trials(TrialSpace):
         pieces = self._pieces_of(sizes, order)
         stages, keep = self._assemble(pieces)
         micro, most = self.micro, self.max_stages
-        terms, shape = None, None
+        terms, links, shape = None, None, None
         if keep is None:
             *terms, room = self._terms_and_room(pieces, len(stages))
             if room < self.cache.model.num_layers:  # the exact figure, inf, without a layer split
-                self._seen[key] = (INFEASIBLE, PipeEval(stages, (), INFEASIBLE, INFEASIBLE, INFEASIBLE, False))
+                self._seen[key] = (INFEASIBLE, UNFIT)
                 return INFEASIBLE
             if len(stages) <= most and 2 * room < 3 * self.cache.model.num_layers:  # memory binds: worth a probe
-                probed = self._slower_than(terms, len(stages), limit)
+                links = self._links(pieces, stages, None)
+                probed = self._slower_than(terms, links, limit)
                 if probed is not None:
                     self._bounds[key] = probed
                     return INFEASIBLE
-            shape = self._shape(pieces)
+            shape = lambda: self._shape(pieces)  # noqa: E731
         low: list[float] = []
 
         def skip(pace: float, fill: float, count: int) -> bool:
@@ -77,26 +79,29 @@ class Trials(TrialSpace):
             low.append(closed_form_s(pace, fill, m) / m)
             return cannot_beat(low[0], limit)
 
-        pipe = evaluate_unless(self.cache, stages, lambda: self._links(pieces, stages, keep), skip,
-                               terms, shape)  # type: ignore[arg-type]
+        pipe = evaluate_unless(self.cache, stages, (lambda: links) if links is not None else
+                               (lambda: self._links(pieces, stages, keep)), skip, terms, shape)  # type: ignore[arg-type]
         if pipe is None:
             self._bounds[key] = low[0]
             return float("inf")
         hit = self._seen[key] = (amortised(pipe, micro, most), pipe)
         return hit[0]
 
-    def _slower_than(self, terms: list, count: int, limit: float) -> float | None:
-        """A lower bound on the amortised seconds of the trial of `count` stages with stage terms `terms` that
-        cannot beat `limit`, or None: the pace it would need to beat the limit (with the least fill any split
-        has) is one at which its layers do not fit in time (`layer_split.fits_within`), so every split is slower.
-        One pass over the stages instead of the layer split."""
+    def _slower_than(self, terms: list, links: list[float], limit: float) -> float | None:
+        """A lower bound on the amortised seconds of the trial with stage terms `terms` and transfer seconds
+        `links` that cannot beat `limit`, or None: the pace it would need to beat the limit (with the least fill
+        any split has) is one at which its layers do not fit in time (each stage and each window of two stages
+        within that pace, `layer_split.fits_within`), so every split is slower. A few passes over the stages
+        instead of the layer split."""
         per_layer, extra, caps = terms
+        count = len(per_layer)
         m, layers = max(self.micro, count), self.cache.model.num_layers
         if m < 2:
             return None
-        fill = sum(per_layer) + sum(extra) + (layers - count) * min(per_layer)  # every split's fill, transfers aside
+        # every split's fill: a layer a stage and the others at the fastest stage's speed, and the transfers
+        fill = sum(per_layer) + sum(extra) + (layers - count) * min(per_layer) + 2.0 * sum(links)
         pace = (m * (limit / (1.0 - SAFETY)) - fill) / (m - 1)
-        if fits_within(per_layer, extra, caps, layers, pace):
+        if fits_within(per_layer, extra, caps, layers, pace, links):
             return None
         low = closed_form_s(pace, fill, m) / m
         return low if cannot_beat(low, limit) else None
@@ -160,18 +165,22 @@ class Trials(TrialSpace):
         at = list(sizes).index(block)
         head, tail = items[:at], items[at + 1:]
         keys = [(head + ((block, option),) + tail, order) for option in options]  # `key`, without a dict each
-        bounds = UnitBounds(self, sizes, order, block).bounds(options, keys)
+        unit = UnitBounds(self, sizes, order, block)
+        bounds = unit.bounds(options, keys)
         trials = _OptionTrials(sizes, order, block, options)
-        return [(value, trials[j][0]) for value, j in self.ranked(trials, 1, bar, bounds, keys)]
+        return [(value, trials[j][0]) for value, j in self.ranked(trials, 1, bar, bounds, keys,
+                                                                  lambda j: unit.may_fit(options[j]))]
 
     def ranked(self, trials: Sequence[Trial], keep: int, bar: float,
-               bounds: list[float] | None = None, keys: list[tuple] | None = None) -> list[tuple[float, int]]:
+               bounds: list[float] | None = None, keys: list[tuple] | None = None,
+               may_fit: Callable[[int], bool] | None = None) -> list[tuple[float, int]]:
         """The `keep` best trials strictly below `bar` as (cost, position), by (cost, position).
 
         Trials are evaluated best-first by lower bound (`bounds`, else `bound`); once a bound shows that a trial
         costs more than the keep-th best found so far (or `bar`), it and every trial after it in that order
         are skipped; a trial whose figures once its layers are split show the same is not evaluated further
-        (`cost_below`). `keys`: the trials' `key`s where the caller has them."""
+        (`cost_below`). `keys`: the trials' `key`s where the caller has them. `may_fit(position)`: False for a
+        trial whose layers do not fit in memory (its exact figure, inf, is recorded without evaluating it)."""
         if keys is None:
             keys = [self.key(sizes, order) for sizes, order in trials]
         if bounds is None:
@@ -183,6 +192,9 @@ class Trials(TrialSpace):
             if limit < inf:  # (with nothing below inf yet, every trial is evaluated: `finalise.nothing_fits` reads them)
                 if cannot_beat(bounds[j], limit):
                     break
+            if may_fit is not None and keys[j] not in self._seen and not may_fit(j):
+                self._seen[keys[j]] = (INFEASIBLE, UNFIT)
+                continue
             value = self.cost(*trials[j], keys[j])[0] if limit == inf else \
                 self.cost_below(*trials[j], keys[j], limit)
             if value < bar:

@@ -1,7 +1,7 @@
 """Benchmark: the planner's fast score against the cost model it stands in for, on DP-heavy clusters.
 
-The search ranks thousands of candidates by a fast score (`planner.candidates.score`: every pipeline's time
-under its batch share and the data-parallel reduction, `planner.dp_score`) and only its finalists by
+The search ranks thousands of candidates by a fast score (`planner.scoring.candidate.score`: every pipeline's time
+under its batch share and the data-parallel reduction, `planner.scoring.dp_score`) and only its finalists by
 `cost.estimate`. A candidate the fast score over-charges never reaches the finalists, so the score has to
 charge what the runtime does: per-layer reduction overlapped with the backward, hierarchical across nodes.
 Per cluster, 40 candidates spread over the search's whole ranking (every n-th) are scored twice and set
@@ -33,8 +33,8 @@ from flashflex_cli.hardware.cluster import Cluster, load_cluster  # noqa: E402
 from flashflex_cli.hardware.synthetic import build_cluster  # noqa: E402
 from flashflex_cli.model.spec import PRESETS  # noqa: E402
 from flashflex_cli.plan.schema import TrainConfig  # noqa: E402
-from flashflex_cli.planner.candidates import build_plan, score  # noqa: E402
-from flashflex_cli.planner.fastcost import CostCache  # noqa: E402
+from flashflex_cli.planner.scoring.candidate import build_plan, score  # noqa: E402
+from flashflex_cli.planner.scoring.cost_cache import CostCache  # noqa: E402
 from flashflex_cli.planner.search import scored_candidates  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -3,6 +3,8 @@ flat reduction across a slow inter-node link, and the switches that mirror the r
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from flashflex_cli.cost.comm import ring_allreduce_seconds
@@ -11,10 +13,14 @@ from flashflex_cli.cost.dp import (
     KEY_HEAD,
     KEY_NORM,
     DPBucket,
+    NicQueue,
     StageBackward,
     bucket_cost,
     dp_buckets,
     dp_timeline,
+    layer_ready_s,
+    layers_ready_s,
+    ring_bucket_time,
 )
 from flashflex_cli.cost.estimate import estimate
 from flashflex_cli.cost.params import CostParams
@@ -124,3 +130,45 @@ def test_show_reports_the_exposed_reduction() -> None:
     # nothing to reduce (one pipeline, untied): no line
     one = plan(c, MODEL, TrainConfig(global_batch=2, seq_len=512), [(2, [stage(["node0/0"], 0, MODEL.num_layers)])])
     assert dp_line(estimate(one, c).to_predicted()) is None
+
+
+@pytest.mark.parametrize("hierarchical", [True, False])
+def test_a_buckets_time_does_not_depend_on_how_its_nodes_are_keyed(hierarchical: bool) -> None:
+    """`ring_bucket_time` keyed by node names (as `bucket_cost`) and by node indices (as the planner's fast
+    score): the same seconds, the same nodes."""
+    c = cluster(*[("A100-80G-SXM", 2, "eth", "nvlink")] * 3)
+    params = CostParams(dp_hierarchical=hierarchical)
+    firsts = [f"node{n}/{d}" for n in range(3) for d in range(2)]
+    named = ring_bucket_time(c, firsts, [d.split("/")[0] for d in firsts], 2, 1e9, params)
+    indexed = ring_bucket_time(c, firsts, [int(d[4]) for d in firsts], 2, 1e9, params)
+    assert named[:2] == indexed[:2] and named.across_s > 0 and (named.inside_s > 0) == hierarchical
+    assert named.nodes == {"node0", "node1", "node2"} and indexed.nodes == {0, 1, 2}
+
+
+def test_the_nic_queue_frees_a_segments_nics_as_a_plain_queue_does() -> None:
+    """`NicQueue` writes a bucket's NICs back only when a bucket on other nodes comes: the same ends as a queue
+    that writes every node's NIC after every bucket, on random buckets (segments share their nodes object)."""
+    rng = random.Random(6)
+    for _ in range(200):
+        segments = [frozenset(rng.sample(range(5), rng.randint(0, 3))) for _ in range(4)]
+        queue, free, begin = NicQueue(), {}, 0.0
+        for _ in range(30):
+            nodes = rng.choice(segments)
+            inside, across = rng.choice([0.0, rng.uniform(0, 1)]), rng.uniform(0, 1) if nodes else 0.0
+            begin = max(0.0, begin + rng.uniform(-1.0, 1.0))
+            start = max([begin + inside / 2] + [free.get(n, 0.0) for n in nodes])
+            for n in nodes:
+                free[n] = start + across
+            assert queue.run(begin, inside, across, nodes) == start + across + inside / 2
+
+
+def test_layers_ready_a_stage_at_a_time_are_the_layer_by_layer_sums() -> None:
+    """`layers_ready_s` gives, to the last bit, what `layer_ready_s` (`StageBackward.ready_s`'s sums) gives for
+    each layer of each stage, bottom layer first."""
+    rng = random.Random(9)
+    for _ in range(200):
+        stages = [(rng.uniform(-5.0, 0.0), rng.choice([0.0, rng.uniform(0.0, 0.5)]), rng.uniform(0.0, 0.3),
+                   rng.randint(1, 12)) for _ in range(rng.randint(1, 6))]
+        want = [layer_ready_s(start, head, layer, above) for start, head, layer, count in stages
+                for above in range(count, 0, -1)]
+        assert layers_ready_s(*zip(*stages, strict=True)) == want

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from flashflex_cli.cost.schedule import simulate_1f1b, stage_order
+from flashflex_cli.cost.schedule import (
+    closed_form_s,
+    drain_offsets_s,
+    fill_s,
+    simulate_1f1b,
+    stage_order,
+    steady_period_s,
+)
 
 
 @pytest.mark.parametrize("stages, micro", [(1, 1), (1, 5), (2, 2), (4, 4), (4, 16), (8, 9), (4, 2), (8, 3)])
@@ -68,3 +77,78 @@ def test_bad_lengths_raise() -> None:
         simulate_1f1b([1.0, 1.0], [1.0, 1.0], [], 2)
     with pytest.raises(ValueError):
         simulate_1f1b([1.0], [1.0], [], 0)
+
+
+def test_the_closed_form_equals_the_simulation_for_uniform_stages_and_free_transfers() -> None:
+    """fill + (m - 1) x period is the simulated total of equal stages without transfer time, whatever S and m."""
+    rng = random.Random(2)
+    for _ in range(200):
+        stages, f = rng.randint(1, 9), rng.uniform(0.01, 1.0)
+        b, m = rng.choice([2 * f, rng.uniform(0.01, 2.0)]), rng.randint(1, 40)
+        times, links = [f + b] * stages, [0.0] * (stages - 1)
+        simulated = simulate_1f1b([f] * stages, [b] * stages, links, m).total_s
+        assert closed_form_s(steady_period_s(times, links), fill_s(times, links), m) == pytest.approx(simulated,
+                                                                                                      rel=1e-12)
+
+
+def test_the_period_is_the_slowest_window_and_the_slowest_stage_without_transfers() -> None:
+    # the window of stages 1..2, (1 + 1 + 2 x 0.5) / 2 = 1.5, beats the slowest stage (1.2) and the whole (4.4 / 3)
+    assert steady_period_s([1.2, 1.0, 1.0], [0.1, 0.5]) == pytest.approx(1.5)
+    assert steady_period_s([1.2, 1.0, 1.0], [0.0, 0.0]) == 1.2
+    assert steady_period_s([0.7], []) == 0.7
+    assert fill_s([1.2, 1.0, 1.0], [0.1, 0.5]) == pytest.approx(4.4)
+
+
+def test_the_closed_form_cool_down_equals_the_simulations_where_backwards_do_not_shrink() -> None:
+    """Each stage's last backward ends where the simulation ends it when no stage's backward is longer than the
+    next one's (equal stages among them), whatever the transfers."""
+    rng = random.Random(4)
+    for _ in range(200):
+        stages = rng.randint(2, 8)
+        bwd = sorted(rng.uniform(0.01, 1.0) for _ in range(stages))
+        if rng.random() < 0.3:
+            bwd = [bwd[0]] * stages
+        back = [rng.choice([0.0, rng.uniform(0.0, 0.2)]) for _ in range(stages - 1)]
+        result = simulate_1f1b([t / 2 for t in bwd], bwd, back, rng.randint(stages, 4 * stages))
+        simulated = [end - result.last_backward_end_s[0] for end in result.last_backward_end_s]
+        assert drain_offsets_s(bwd, back) == pytest.approx(simulated, abs=1e-12)
+
+
+def _reference_1f1b(fwd: list[float], bwd: list[float], p2p: list[float], back: list[float], m: int
+                    ) -> tuple[float, list[float]]:
+    """The schedule run straight from `stage_order`: every stage in turn runs its next operation once what it
+    waits for has ended; (last end, each stage's last backward end)."""
+    stages = len(fwd)
+    orders = [stage_order(s, stages, m) for s in range(stages)]
+    ends: dict[tuple[bool, int, int], float] = {}
+    clock, pos = [0.0] * stages, [0] * stages
+    while any(p < 2 * m for p in pos):
+        for s in range(stages):
+            while pos[s] < 2 * m:
+                forward, i = orders[s][pos[s]]
+                if forward:
+                    wait = ends.get((True, s - 1, i)) if s else 0.0
+                    step = p2p[s - 1] if s else 0.0
+                else:
+                    wait = ends.get((False, s + 1, i)) if s < stages - 1 else ends[(True, s, i)]
+                    step = back[s] if s < stages - 1 else 0.0
+                if wait is None:
+                    break
+                clock[s] = max(clock[s], wait + step) + (fwd[s] if forward else bwd[s])
+                ends[(forward, s, i)] = clock[s]
+                pos[s] += 1
+    return max(clock), [ends[(False, s, m - 1)] for s in range(stages)]
+
+
+def test_the_simulation_runs_stage_order_exactly() -> None:
+    """The simulation (which visits operations by their position in `stage_order`) ends every stage where the
+    schedule run straight from `stage_order` does, to the last bit, also with fewer micro-batches than stages."""
+    rng = random.Random(8)
+    for _ in range(300):
+        stages, m = rng.randint(1, 9), rng.randint(1, 20)
+        fwd = [rng.uniform(0.0, 1.0) for _ in range(stages)]
+        bwd = [rng.choice([2 * f, rng.uniform(0.0, 2.0)]) for f in fwd]
+        p2p = [rng.choice([0.0, rng.uniform(0.0, 0.3)]) for _ in range(stages - 1)]
+        back = [rng.choice([0.0, rng.uniform(0.0, 0.3)]) for _ in range(stages - 1)]
+        result = simulate_1f1b(fwd, bwd, p2p, m, p2p_back_s=back)
+        assert (result.total_s, list(result.last_backward_end_s)) == _reference_1f1b(fwd, bwd, p2p, back, m)

@@ -20,8 +20,8 @@ from flashflex_cli.model import flops as F
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan, TrainConfig
 from flashflex_cli.planner import search
-from flashflex_cli.planner.objective import reduced_cluster
-from flashflex_cli.planner.precision import DtypeTrial, choose_dtype
+from flashflex_cli.planner.fleet.objective import reduced_cluster
+from flashflex_cli.planner.fleet.precision import DtypeTrial, choose_dtype
 
 from .cost_fixtures import cluster, plan, stage
 

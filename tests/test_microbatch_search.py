@@ -19,9 +19,9 @@ from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.layers.schema import LayerProfile, ModelShape
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan, TrainConfig
-from flashflex_cli.planner.batch import split_batch
-from flashflex_cli.planner.microbatch import mbs_options, split_sequences
 from flashflex_cli.planner.search import plan_layout
+from flashflex_cli.planner.search.microbatch import mbs_options, split_sequences
+from flashflex_cli.planner.space.batch_split import split_batch
 from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 
 # Short sequences on fast GPUs: the fixed per-micro-batch part of every layer (a in a + b * mbs) and the

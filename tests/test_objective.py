@@ -13,8 +13,8 @@ from flashflex_cli.hardware.cluster import load_cluster, save_cluster
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan, TrainConfig
-from flashflex_cli.planner import objective
-from flashflex_cli.planner.pricing import load_prices, prices_for
+from flashflex_cli.planner.fleet import objective
+from flashflex_cli.planner.fleet.pricing import load_prices, prices_for
 from flashflex_cli.planner.search import plan_layout
 
 # Two nodes of equal peak FLOP/s: the 80 GB A100s are somewhat faster (memory for a layout with less TP, more

@@ -11,7 +11,7 @@ from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import Plan, TrainConfig
 from flashflex_cli.planner.search import plan_layout
-from flashflex_cli.planner.stages import tp_degrees
+from flashflex_cli.planner.space.tp_groups import tp_degrees
 
 GIB = 1024**3
 HETERO = "1x4xA100-80G-SXM:nic=ib,1x4xRTX-4090:nic=eth,1x4xRTX-3090:nic=eth"
@@ -141,10 +141,10 @@ def test_pipeline_counts_leave_each_pipeline_the_memory_for_the_model_state() ->
     import math
 
     from flashflex_cli.cost.params import CostParams
-    from flashflex_cli.planner.fastcost import CostCache
-    from flashflex_cli.planner.feasibility import model_state_bytes
-    from flashflex_cli.planner.graph import DeviceGraph
-    from flashflex_cli.planner.search import pipeline_counts
+    from flashflex_cli.planner.scoring.cost_cache import CostCache
+    from flashflex_cli.planner.scoring.feasibility import model_state_bytes
+    from flashflex_cli.planner.search.collect import pipeline_counts
+    from flashflex_cli.planner.space.graph import DeviceGraph
 
     train = TrainConfig(global_batch=1024, seq_len=4096)
     cache = CostCache(DeviceGraph(build_cluster("2x8xA100-80G-SXM:nic=ib"), train.dtype), PRESETS["llama2-7b"], train,
@@ -162,10 +162,10 @@ def test_pipeline_counts_past_the_sure_ones_stop_where_they_cannot_pay_and_go_on
     the candidates scored, so they are left out of the comparison). llama-tiny on 64 H100s: more pipelines pay
     (the plan runs more than DENSE_KS), so every k is searched."""
     from flashflex_cli.cost.params import CostParams
-    from flashflex_cli.planner import search
-    from flashflex_cli.planner.fastcost import CostCache
-    from flashflex_cli.planner.graph import DeviceGraph
-    from flashflex_cli.planner.pool import SearchPool
+    from flashflex_cli.planner.scoring.cost_cache import CostCache
+    from flashflex_cli.planner.search import collect as search
+    from flashflex_cli.planner.search.pool import SearchPool
+    from flashflex_cli.planner.space.graph import DeviceGraph
 
     ran: list[int] = []
     unit = search._unit

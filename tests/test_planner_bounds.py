@@ -11,12 +11,12 @@ from flashflex_cli.cost.params import CostParams
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import TrainConfig
-from flashflex_cli.planner import stages as st
-from flashflex_cli.planner.bounds import SAFETY, stages_lower_bound
-from flashflex_cli.planner.fastcost import CostCache
-from flashflex_cli.planner.graph import DeviceGraph
-from flashflex_cli.planner.sweeps import Totals, UnitBounds
-from flashflex_cli.planner.trials import Trials
+from flashflex_cli.planner.scoring.cost_cache import CostCache
+from flashflex_cli.planner.space.graph import DeviceGraph
+from flashflex_cli.planner.structure import stage_search as st
+from flashflex_cli.planner.structure.bounds import SAFETY, stages_lower_bound
+from flashflex_cli.planner.structure.sweeps import Totals, UnitBounds
+from flashflex_cli.planner.structure.trials import Trials
 
 TYPES = ("A100-80G-SXM", "A100-40G-SXM", "RTX-4090", "RTX-3090", "L40S", "V100-32G")
 NICS = ("ib", "roce", "eth")
@@ -223,7 +223,7 @@ def test_the_bounded_search_picks_what_the_unbounded_descent_picks(model: str, d
 def test_a_trials_stage_terms_from_its_pieces_equal_the_pipelines() -> None:
     """`Trials._terms` (per stage: one layer's seconds, embedding / head seconds, the layers that fit, read from
     the pieces and their shared memory-cap rows) gives exactly `pipeline._terms` of the assembled stages."""
-    from flashflex_cli.planner.pipeline import _terms
+    from flashflex_cli.planner.scoring.pipeline_score import _terms
 
     rng = random.Random(5)
     compared = 0
@@ -240,3 +240,30 @@ def test_a_trials_stage_terms_from_its_pieces_equal_the_pipelines() -> None:
             assert trials._terms(pieces, len(stages)) == _terms(cache, stages)
             compared += 1
     assert compared > 60
+
+
+def test_a_trial_fits_exactly_when_its_layer_split_does() -> None:
+    """`TrialSpace.fits` (the pieces' memory rooms summed) says what `split_layers` finds from the trial's stage
+    terms: whether the layers fit, on clusters where memory binds (a 70B model, seq 4096) and where it does not;
+    the shape read from the pieces is the assembled stages' (`pipeline_score.shape_key`)."""
+    from flashflex_cli.planner.scoring.pipeline_score import shape_key
+    from flashflex_cli.planner.space.layer_split import split_layers
+
+    rng = random.Random(12)
+    seen = {True: 0, False: 0}
+    for _ in range(10):
+        model = rng.choice(["llama2-70b", "llama2-7b"])
+        cache = _cache(_cluster(rng, rng.randint(1, 6), 8), model, seq=4096)
+        blocks = st.node_blocks(cache, range(cache.graph.size))
+        trials = Trials(cache, blocks, 8, 64)
+        for _ in range(40):
+            sizes, order = _random_trial(rng, cache, blocks)
+            pieces = trials._pieces_of(sizes, order)
+            stages, keep = trials._assemble(pieces)
+            if keep is not None:
+                continue
+            split = split_layers(*trials._terms(pieces, len(stages)), cache.model.num_layers)
+            assert trials.fits(pieces) == (split is not None)
+            assert trials._shape(pieces) == shape_key(cache, stages)
+            seen[split is not None] += 1
+    assert seen[True] > 20 and seen[False] > 20

@@ -15,12 +15,12 @@ from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model import flops as F
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import TrainConfig
-from flashflex_cli.planner import dp_score
-from flashflex_cli.planner.candidates import build_plan, score
-from flashflex_cli.planner.fastcost import CostCache
-from flashflex_cli.planner.graph import DeviceGraph
-from flashflex_cli.planner.pipeline import evaluate_pipeline
+from flashflex_cli.planner.scoring import dp_score
+from flashflex_cli.planner.scoring.candidate import build_plan, score
+from flashflex_cli.planner.scoring.cost_cache import CostCache
+from flashflex_cli.planner.scoring.pipeline_score import evaluate_pipeline
 from flashflex_cli.planner.search import scored_candidates
+from flashflex_cli.planner.space.graph import DeviceGraph
 
 from .cost_fixtures import cluster, plan, stage
 
@@ -102,7 +102,8 @@ def test_the_cheap_floor_never_exceeds_the_fast_score_and_lets_refinement_skip_i
     search: never above `dp_finish` (compared exactly: it is the same sums in the same order) and, with two or
     more pipelines, above the slowest pipeline's end (else it would prune nothing the plain bound does not);
     `score` with a bound at or below that floor gives None without computing the data-parallel term."""
-    from flashflex_cli.planner.batch import pipeline_time, split_batch
+    from flashflex_cli.cost.schedule import closed_form_s as pipeline_time
+    from flashflex_cli.planner.space.batch_split import split_batch
 
     train = TrainConfig(global_batch=64, seq_len=4096)
     cache, cands = scored_candidates(build_cluster(_eth10(32)), PRESETS["llama2-7b"], train)

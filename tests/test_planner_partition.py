@@ -8,10 +8,10 @@ from flashflex_cli.cost.params import CostParams
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import TrainConfig
-from flashflex_cli.planner.fastcost import CostCache
-from flashflex_cli.planner.graph import DeviceGraph
-from flashflex_cli.planner.partition import device_subsets, generators, metis_groups
-from flashflex_cli.planner.stages import best_pipeline, size_options
+from flashflex_cli.planner.scoring.cost_cache import CostCache
+from flashflex_cli.planner.space.graph import DeviceGraph
+from flashflex_cli.planner.space.partition import device_subsets, generators, metis_groups
+from flashflex_cli.planner.structure.stage_search import best_pipeline, size_options
 
 SPEC = "1x4xA100-80G-SXM:nic=eth,1x4xRTX-4090:nic=eth,1x2xRTX-3090:nic=eth"
 

@@ -13,10 +13,10 @@ from flashflex_cli.cost.params import CostParams
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import TrainConfig
-from flashflex_cli.planner.fastcost import CostCache
-from flashflex_cli.planner.graph import DeviceGraph
-from flashflex_cli.planner.pool import SearchPool, usable_cores
+from flashflex_cli.planner.scoring.cost_cache import CostCache
 from flashflex_cli.planner.search import SearchStats, plan_layout
+from flashflex_cli.planner.search.pool import SearchPool, usable_cores
+from flashflex_cli.planner.space.graph import DeviceGraph
 from tests.conftest import REPO
 
 MIXED = ("1x8xA100-80G-SXM:nic=ib:link=nvlink,1x8xRTX-4090:nic=eth,1x8xRTX-3090:nic=eth,"
@@ -41,7 +41,7 @@ def test_map_keeps_the_order_and_runs_in_workers() -> None:
     # Workers are forked only from a single-threaded process (planner/pool.py); earlier tests of a suite leave
     # threads in this one, so the two-job map runs in a fresh interpreter.
     code = ("import json, os; from tests.test_planner_pool import _cache, _where; "
-            "from flashflex_cli.planner.pool import SearchPool\n"
+            "from flashflex_cli.planner.search.pool import SearchPool\n"
             "with SearchPool(_cache(), jobs=2) as pool: spread = pool.map(_where, range(20))\n"
             "print(json.dumps({'spread': spread, 'pid': os.getpid()}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)

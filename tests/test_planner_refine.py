@@ -12,15 +12,15 @@ from flashflex_cli.hardware.cluster import Cluster
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan, TrainConfig
-from flashflex_cli.planner import islands
-from flashflex_cli.planner.batch import micro_batches
-from flashflex_cli.planner.candidates import Candidate, score
-from flashflex_cli.planner.device_moves import shed_count
-from flashflex_cli.planner.fastcost import CostCache, Devs
-from flashflex_cli.planner.graph import DeviceGraph
-from flashflex_cli.planner.pipeline import evaluate_pipeline
-from flashflex_cli.planner.refine import refine
+from flashflex_cli.planner.scoring.candidate import Candidate, score
+from flashflex_cli.planner.scoring.cost_cache import CostCache, Devs
+from flashflex_cli.planner.scoring.pipeline_score import evaluate_pipeline
 from flashflex_cli.planner.search import plan_layout
+from flashflex_cli.planner.search.device_moves import shed_count
+from flashflex_cli.planner.search.refine import refine
+from flashflex_cli.planner.space import islands
+from flashflex_cli.planner.space.batch_split import micro_batches
+from flashflex_cli.planner.space.graph import DeviceGraph
 
 
 def _two_sockets(spec: str, slowdown: float) -> Cluster:

@@ -8,11 +8,12 @@ import random
 
 import pytest
 
+from flashflex_cli.cost.schedule import closed_form_s as pipeline_time
 from flashflex_cli.cost.schedule import simulate_1f1b
+from flashflex_cli.cost.schedule import steady_period_s as window_pace
 from flashflex_cli.errors import InfeasibleError
-from flashflex_cli.planner.batch import micro_batches, pipeline_time, split_batch
-from flashflex_cli.planner.layers import split_layers, split_layers_dp, stage_times
-from flashflex_cli.planner.pipeline import window_pace
+from flashflex_cli.planner.space.batch_split import micro_batches, split_batch
+from flashflex_cli.planner.space.layer_split import split_layers, split_layers_dp, stage_times
 
 
 def test_layer_split_matches_the_reference_dynamic_programme() -> None:
@@ -94,3 +95,28 @@ def test_window_pace_predicts_the_simulated_1f1b_period() -> None:
         slope = (simulate_1f1b(fwd, bwd, links, 2 * m).total_s - simulate_1f1b(fwd, bwd, links, m).total_s) / m
         pace = window_pace([f + b for f, b in zip(fwd, bwd, strict=True)], links)
         assert pace == pytest.approx(slope, rel=0.02)
+
+
+def test_a_pace_some_split_keeps_is_one_the_layers_fit_within() -> None:
+    """`fits_within` never says the layers cannot run within a pace that a split keeps to: the layer split's own
+    slowest stage and window of two stages, for random stages, memory caps and transfers (it would prune a trial
+    that could win)."""
+    from flashflex_cli.cost.schedule import short_windows_s
+    from flashflex_cli.planner.space.layer_split import fits_within
+
+    rng = random.Random(13)
+    tight = 0
+    for _ in range(3000):
+        stages = rng.randint(1, 9)
+        layers = rng.randint(stages, 40)
+        t = [rng.uniform(0.01, 3.0) for _ in range(stages)]
+        e = [rng.choice([0.0, 0.0, rng.uniform(0, 2)]) for _ in range(stages)]
+        caps = [rng.randint(1, layers) for _ in range(stages)]
+        links = [rng.choice([0.0, rng.uniform(0.0, 2.0)]) for _ in range(stages - 1)]
+        split = split_layers(t, e, caps, layers)
+        if split is None:
+            continue
+        pace = short_windows_s(stage_times(t, e, split), links)
+        assert fits_within(t, e, caps, layers, pace, links)
+        tight += not fits_within(t, e, caps, layers, pace * 0.97, links)
+    assert tight > 300  # (a pace a little below is often one they do not fit within: the check is not vacuous)

@@ -12,7 +12,7 @@ from flashflex_cli.cli import main
 from flashflex_cli.errors import InputError
 from flashflex_cli.hardware.cluster import save_cluster
 from flashflex_cli.hardware.synthetic import build_cluster
-from flashflex_cli.planner.pricing import load_prices, per_million_tokens, prices_for
+from flashflex_cli.planner.fleet.pricing import load_prices, per_million_tokens, prices_for
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "prices" / "example.json"

@@ -17,9 +17,10 @@ from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.diff import diff_plans
 from flashflex_cli.plan.render import unused_lines
 from flashflex_cli.plan.schema import Plan, TrainConfig
-from flashflex_cli.planner.economics import annotated
-from flashflex_cli.planner.idle_groups import group_idle, measure_idle, with_measured_reasons
-from flashflex_cli.planner.objective import on_full_cluster, reduced_cluster
+from flashflex_cli.planner.fleet.economics import annotated
+from flashflex_cli.planner.fleet.idle_groups import group_idle, with_measured_reasons
+from flashflex_cli.planner.fleet.idle_measure import measure_idle
+from flashflex_cli.planner.fleet.objective import on_full_cluster, reduced_cluster
 from flashflex_cli.planner.search import plan_layout
 
 MFU = re.compile(r"MFU ([0-9.]+)% of the (\d+) devices used, ([0-9.]+)% of all (\d+) devices")

@@ -1,6 +1,6 @@
 """`flashflex plan`'s fleet options: --prices, --objective, --budget, --exclude, --explain (and `show`/`diff`
---prices). Thin glue between the command and planner/objective.py, planner/idle_groups.py and
-planner/economics.py; the command passes its planner as a function of the cluster to plan."""
+--prices). Thin glue between the command and planner/fleet/ (objective.py, idle_measure.py,
+economics.py); the command passes its planner as a function of the cluster to plan."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ from ..cost.params import CostParams
 from ..errors import InfeasibleError, InputError
 from ..hardware.cluster import Cluster
 from ..plan.schema import Plan
-from ..planner.economics import annotated
-from ..planner.idle_groups import measure_idle, with_measured_reasons
-from ..planner.objective import (
+from ..planner.fleet.economics import annotated
+from ..planner.fleet.idle_groups import with_measured_reasons
+from ..planner.fleet.idle_measure import measure_idle
+from ..planner.fleet.objective import (
     OBJECTIVES,
     Choice,
     PlanFn,
@@ -30,7 +31,7 @@ from ..planner.objective import (
     parse_exclude,
     reduced_cluster,
 )
-from ..planner.pricing import DevicePrices, load_prices, prices_for
+from ..planner.fleet.pricing import DevicePrices, load_prices, prices_for
 
 PRICES_HELP = "Prices per device-hour by device type (flashflex.prices/1; see prices/example.json)."
 EXCLUDED = "excluded with --exclude"

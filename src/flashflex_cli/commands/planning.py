@@ -20,8 +20,8 @@ from ..model.spec import ModelSpec, resolve_model
 from ..plan.diff import diff_plans
 from ..plan.render import render_baseline, render_diff, render_plan
 from ..plan.schema import Plan, TrainConfig, load_plan
-from ..planner.economics import annotated
-from ..planner.precision import AUTO, AUTO_DTYPES, DTYPE_CHOICES, DtypeTrial, choose_dtype
+from ..planner.fleet.economics import annotated
+from ..planner.fleet.precision import AUTO, AUTO_DTYPES, DTYPE_CHOICES, DtypeTrial, choose_dtype
 from .plan_objective import PRICES_HELP, Fleet, device_prices
 
 
@@ -103,8 +103,8 @@ def plan_command(
                                         "what it adds in tokens/s and costs (with --prices)."),
 ) -> None:
     """Plan an asymmetric DP x PP x TP layout and print its predicted throughput next to the uniform one."""
-    from ..planner.pool import usable_cores
     from ..planner.search import SearchStats, plan_layout
+    from ..planner.search.pool import usable_cores
 
     if out is not None:
         check_writable_output(out)

@@ -28,8 +28,9 @@ its last bucket; its exposed DP time is how far that end lies after its last bac
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..hardware.cluster import Cluster
 from ..model import flops as F
@@ -66,36 +67,54 @@ class DPBucket:
         return self.inside_s + self.across_s
 
 
+class BucketTime(NamedTuple):
+    """Seconds of one bucket's reduction without waits: `inside_s`, the intra-node reduce and broadcast together
+    (half before and half after the inter-node part); `across_s`, the part on the nodes' NICs; `nodes`, the keys of
+    the nodes whose NIC `across_s` uses (empty when it uses none)."""
+
+    inside_s: float
+    across_s: float
+    nodes: frozenset
+
+
+def gradient_bytes(param_count: float, params: CostParams) -> float:
+    """Bytes the DP all-reduce moves for `param_count` parameters' gradients."""
+    return param_count * params.grad_reduce_bytes
+
+
+def ring_bucket_time(cluster: Cluster, firsts: Sequence[str], nodes: Sequence[Hashable], min_tp: int, nbytes: float,
+                     params: CostParams) -> BucketTime:
+    """`BucketTime` of one all-reduce of `nbytes` (the whole gradient) among holder stages whose first devices are
+    `firsts` (pipeline order), `nodes[i]` the key of the node of `firsts[i]` (any hashable: a name, an index),
+    `min_tp` the smallest holder's TP degree (see the module docstring for the flat and hierarchical schedules)."""
+    by_node: dict[Hashable, list[str]] = {}
+    for device, node in zip(firsts, nodes, strict=True):
+        by_node.setdefault(node, []).append(device)
+    eff = params.dp_comm_efficiency
+
+    def ring(members: Sequence[str], size: float) -> float:
+        bandwidth, latency = ring_link(cluster, members)
+        return ring_allreduce_seconds(len(members), size, bandwidth * eff, latency)
+
+    if len(by_node) == 1:  # one node: the TP slices' rings run in parallel on their own devices
+        return BucketTime(ring(firsts, nbytes / min_tp), 0.0, frozenset())
+    if params.dp_hierarchical and any(len(ds) > 1 for ds in by_node.values()):
+        inside = max(ring(ds, nbytes / min_tp) for ds in by_node.values() if len(ds) > 1)
+        return BucketTime(inside, ring([ds[0] for ds in by_node.values()], nbytes), frozenset(by_node))
+    return BucketTime(0.0, ring(firsts, nbytes), frozenset(by_node))
+
+
 def bucket_cost(plan: Plan, cluster: Cluster, holders: Iterable[StageKey], param_count: float,
-                params: CostParams) -> tuple[float, float, frozenset[str]]:
-    """(inside_s, across_s, nodes) of one all-reduce of `param_count` parameters' gradients among the holder
-    stages (see the module docstring for the flat and hierarchical schedules)."""
-    cv = view(cluster)
+                params: CostParams) -> BucketTime:
+    """`BucketTime` of one all-reduce of `param_count` parameters' gradients among the holder stages (node keys:
+    node names)."""
     stages = [plan.pipelines[p].stages[s] for p, s in holders]
     if len(stages) < 2 or param_count <= 0:
-        return 0.0, 0.0, frozenset()
-    min_tp = min(st.tp for st in stages)
+        return BucketTime(0.0, 0.0, frozenset())
+    cv = view(cluster)
     firsts = [st.devices[0] for st in stages]
-    grad_bytes = param_count * params.grad_reduce_bytes  # the whole gradient
-    eff = params.dp_comm_efficiency
-    by_node: dict[str, list[str]] = {}
-    for d in firsts:
-        by_node.setdefault(cv.info(d).node, []).append(d)
-    nodes = frozenset(by_node)
-    if len(by_node) == 1:  # one node: the TP slices' rings run in parallel on their own devices
-        bandwidth, latency = ring_link(cluster, firsts)
-        return ring_allreduce_seconds(len(firsts), grad_bytes / min_tp, bandwidth * eff, latency), 0.0, frozenset()
-    if params.dp_hierarchical and any(len(ds) > 1 for ds in by_node.values()):
-        inside = 0.0
-        for ds in by_node.values():
-            if len(ds) > 1:
-                bandwidth, latency = ring_link(cluster, ds)
-                inside = max(inside, ring_allreduce_seconds(len(ds), grad_bytes / min_tp, bandwidth * eff, latency))
-        leaders = [ds[0] for ds in by_node.values()]
-        bandwidth, latency = ring_link(cluster, leaders)
-        return inside, ring_allreduce_seconds(len(leaders), grad_bytes, bandwidth * eff, latency), nodes
-    bandwidth, latency = ring_link(cluster, firsts)
-    return 0.0, ring_allreduce_seconds(len(firsts), grad_bytes, bandwidth * eff, latency), nodes
+    return ring_bucket_time(cluster, firsts, [cv.info(d).node for d in firsts], min(st.tp for st in stages),
+                            gradient_bytes(param_count, params), params)
 
 
 def _holder_sets(plan: Plan) -> list[tuple[int, list[StageKey], float]]:
@@ -128,7 +147,7 @@ def dp_buckets(plan: Plan, cluster: Cluster, params: CostParams) -> list[DPBucke
         merged[k] = merged.get(k, 0.0) + count
     order = sorted(merged, key=lambda k: (-k[0], k[1]))
     out = []
-    costs: dict[tuple[tuple[StageKey, ...], float], tuple[float, float, frozenset[str]]] = {}
+    costs: dict[tuple[tuple[StageKey, ...], float], BucketTime] = {}
     for key, holders in order:
         count = merged[(key, holders)]
         if (holders, count) not in costs:  # the layers of one segment share holders and size
@@ -167,7 +186,68 @@ class StageBackward:
             return self.start_s + self.head_s
         if key == KEY_EMBED:  # the lookup end is the first stage's last gradient; a tied last stage's copy is early
             return self.end_s if self.first else self.start_s + self.head_s
-        return min(self.end_s, self.start_s + self.head_s + (self.layers[1] - key) * self.layer_s)
+        return min(self.end_s, layer_ready_s(self.start_s, self.head_s, self.layer_s, self.layers[1] - key))
+
+
+def layer_ready_s(start_s: float, head_s: float, layer_s: float, above: int) -> float:
+    """When a stage's last backward, begun at `start_s`, has finished the layer `above` layers from the top of the
+    stage's range (the top layer: 1; 0: the head): the head's `head_s` first, then `layer_s` per layer, top layer
+    first (s)."""
+    return start_s + head_s + above * layer_s
+
+
+def layers_ready_s(start_s: Sequence[float], head_s: Sequence[float], layer_s: Sequence[float],
+                   counts: Sequence[int]) -> list[float]:
+    """`layer_ready_s` of every layer of consecutive stages (stage j: its last backward begun at start_s[j], the
+    head's head_s[j] first, layer_s[j] per layer, counts[j] layers), each stage's bottom layer first (s): the same
+    sums, a stage at a time."""
+    out: list[float] = []
+    for start, head, layer, count in zip(start_s, head_s, layer_s, counts, strict=True):
+        begin = start + head
+        out += [begin + above * layer for above in range(count, 0, -1)]
+    return out
+
+
+class NicQueue:
+    """When each node's NIC is next free (s), for buckets run one after another in their global order: a bucket's
+    cross-node part waits for every NIC it crosses, then holds them. The NICs of the last cross-node bucket are
+    all free at the same moment, so they are written back only when they leave the next bucket's set (buckets of
+    a segment share their `nodes`; consecutive buckets mostly share their nodes)."""
+
+    __slots__ = ("free", "_nodes", "_done")
+
+    def __init__(self) -> None:
+        self.free: dict[Hashable, float] = {}  # by node, except the last bucket's
+        self._nodes: frozenset | None = None  # the last cross-node bucket's nodes
+        self._done = 0.0  # when it freed them
+
+    def run(self, begin: float, inside_s: float, across_s: float, nodes: frozenset) -> float:
+        """End (s) of one bucket that may begin at `begin`: the intra-node half, the cross-node part once its NICs
+        are free, the other intra-node half."""
+        across = begin + inside_s / 2
+        if nodes:
+            held = self._nodes
+            if nodes is held:
+                if self._done > across:
+                    across = self._done
+            else:
+                free = self.free
+                if held is None:
+                    fresh = nodes
+                else:
+                    if self._done > across and not nodes.isdisjoint(held):
+                        across = self._done
+                    for n in held - nodes:
+                        free[n] = self._done
+                    fresh = nodes - held
+                for n in fresh:
+                    wait = free.get(n, 0.0)
+                    if wait > across:
+                        across = wait
+                self._nodes = nodes
+            self._done = across + across_s
+            return self._done + inside_s / 2
+        return across + across_s + inside_s / 2
 
 
 @dataclass(frozen=True)
@@ -187,15 +267,12 @@ def dp_timeline(buckets: list[DPBucket], backward: dict[StageKey, StageBackward]
     """Run the buckets in their global order against each stage's last backward (see the module docstring).
     `partners`: `dp_partners(buckets)` when already computed."""
     free: dict[StageKey, float] = {}
-    nic_free: dict[str, float] = {}
+    nics = NicQueue()
     seconds: dict[StageKey, float] = {}
     for b in buckets:
         start = max(max(backward[h].ready_s(b.key, overlap) for h in b.holders),
                     max(free.get(h, 0.0) for h in b.holders))
-        across_start = max([start + b.inside_s / 2] + [nic_free.get(n, 0.0) for n in b.nodes])
-        for n in b.nodes:
-            nic_free[n] = across_start + b.across_s
-        end = across_start + b.across_s + b.inside_s / 2
+        end = nics.run(start, b.inside_s, b.across_s, b.nodes)
         for h in b.holders:
             free[h] = end
             seconds[h] = seconds.get(h, 0.0) + b.seconds

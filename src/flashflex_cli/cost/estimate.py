@@ -28,7 +28,7 @@ from .memory import (
     stage_params_per_device,
 )
 from .params import CostParams
-from .schedule import simulate_1f1b
+from .schedule import simulate_1f1b, stage_pass_s
 from .traffic import OPTIMIZER_BYTES_PER_PARAM
 from .view import ClusterView, view
 
@@ -197,8 +197,9 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
             lt = layer_times(cluster, stage.devices, model, train, params, micro_batch_size=mbs)
             times.append(lt)
             n = stage.num_layers
-            fwd.append(n * lt.fwd_s + (lt.embed_fwd_s if s == 0 else 0.0) + (lt.head_fwd_s if s == count - 1 else 0.0))
-            bwd.append(n * lt.bwd_s + (lt.embed_bwd_s if s == 0 else 0.0) + (lt.head_bwd_s if s == count - 1 else 0.0))
+            first, last = s == 0, s == count - 1
+            fwd.append(stage_pass_s(n, lt.fwd_s, lt.embed_fwd_s, lt.head_fwd_s, first, last))
+            bwd.append(stage_pass_s(n, lt.bwd_s, lt.embed_bwd_s, lt.head_bwd_s, first, last))
             if s + 1 < count:
                 nxt = pipe.stages[s + 1].devices
                 p2p.append(p2p_time(cluster, stage.devices, nxt, model, train, params, micro_batch_size=mbs))

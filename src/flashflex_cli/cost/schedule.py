@@ -7,6 +7,13 @@ for forward i on stage s - 1 plus the transfer between them; backward i on stage
 on stage s + 1 plus the transfer back. A stage runs one operation at a time; transfers do not occupy
 the stages (asynchronous sends). For uniform stages and free transfers the result equals the closed form
 (m + S - 1) (f + b).
+
+The closed form (`closed_form_s`, the planner's fast path) charges a pipeline of m micro-batches
+fill + (m - 1) x period: `fill_s` one micro-batch through every stage and back, `steady_period_s` the 1F1B
+period with transfer latency (the slowest window of stages); `drain_offsets_s` places each stage's last
+backward in the cool-down. The time equals the simulation for uniform stages and free transfers, the
+cool-down wherever no stage's backward is longer than the next one's, and the period follows the simulation's
+within 2% (tests/test_cost_schedule.py).
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import chain, repeat
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -60,65 +69,129 @@ def simulate_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequenc
                      tuple(map(float, back)), int(num_micro_batches))
 
 
-@lru_cache(maxsize=256)
-def _orders(stages: int, m: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
-    """`stage_order` of every stage of a pipeline of `stages` stages and `m` micro-batches (shared, read-only)."""
-    return tuple(tuple(stage_order(s, stages, m)) for s in range(stages))
-
-
 @lru_cache(maxsize=8192)
 def _simulate(fwd: tuple[float, ...], bwd: tuple[float, ...], p2p: tuple[float, ...], back: tuple[float, ...],
               m: int) -> ScheduleResult:
+    """The event simulation, operation by operation in an order that has every operation after the ones it waits
+    for: by position k in the stage's `stage_order` (a wave). Stage s (warm-up w = min(S - s - 1, m)) runs at k the
+    forward k while k < w, after the stage before's forward k of the same wave (ascending stages); then alternately
+    forward (k + w) / 2 and backward (k - w - 1) / 2, after the neighbour's operation of the wave before (the
+    stage before's forward, the stage after's backward, the last stage's own forward), or, for a stage's first
+    forward after its warm-up, the stage before's last warm-up forward of the same wave; then from k = 2m - w the
+    backward k - m, after the stage after's backward of the same wave (descending stages). Each stage's last
+    operation is its last backward."""
     stages = len(fwd)
-    orders = _orders(stages, m)
-    f_end: list[list[float | None]] = [[None] * m for _ in range(stages)]
-    b_end: list[list[float | None]] = [[None] * m for _ in range(stages)]
-    clock = [0.0] * stages
-    pos = [0] * stages
-    remaining = stages * 2 * m
-    last = stages - 1
-    while remaining:
-        progressed = False
-        for s in range(stages):
-            # run stage s's operations in order until one waits for a neighbour (locals: the hot loop)
-            order, f_row, b_row = orders[s], f_end[s], b_end[s]
-            upstream_row = f_end[s - 1] if s else f_row
-            downstream_row = b_end[s + 1] if s < last else b_row
-            step_in, step_back = (p2p[s - 1] if s else 0.0), (back[s] if s < last else 0.0)
-            f_s, b_s = fwd[s], bwd[s]
-            at, count, now = pos[s], len(order), clock[s]
-            start = at
-            while at < count:
-                forward, i = order[at]
-                if forward:
-                    if s == 0:
-                        ready = 0.0
-                    else:
-                        upstream = upstream_row[i]
-                        if upstream is None:
-                            break
-                        ready = upstream + step_in
-                    now = max(now, ready) + f_s
-                    f_row[i] = now
-                else:
-                    if s == last:
-                        ready = f_row[i]  # type: ignore[assignment]
-                    else:
-                        downstream = downstream_row[i]
-                        if downstream is None:
-                            break
-                        ready = downstream + step_back
-                    now = max(now, ready) + b_s
-                    b_row[i] = now
-                at += 1
-            if at != start:
-                pos[s], clock[s] = at, now
-                remaining -= at - start
-                progressed = True
-        if not progressed:  # cannot happen for a valid 1F1B order; guard against an endless loop
-            raise RuntimeError("1F1B simulation made no progress")
+    top = stages - 1
+    step_in = (0.0, *p2p)  # a forward waits for the stage before's plus the transfer (stage 0: for nothing)
+    step_back = (*back, 0.0)  # a backward for the stage after's plus the transfer back (the last stage: its own)
+    clock = [0.0] * stages  # when each stage's last operation so far ended
+    for k in range(2 * m):
+        warm = top - k if k < m else 0  # stages 0..warm-1 run a warm-up forward
+        cool = stages - 2 * m + k if k >= m else 0  # stages 0..cool-1 run a cool-down backward
+        low = max(0, warm, cool)  # stages low..top alternate: forward where k - w is even, w = top - s
+        before = clock[:]  # each stage's operation of the wave before
+        for s in range(warm):
+            ready = (clock[s - 1] if s else 0.0) + step_in[s]
+            now = clock[s]
+            if ready > now:
+                now = ready
+            clock[s] = now + fwd[s]
+        for s in range(low + ((k + top - low) & 1), stages, 2):
+            ready = (0.0 if s == 0 else clock[s - 1] if s == warm else before[s - 1]) + step_in[s]
+            now = before[s]
+            if ready > now:
+                now = ready
+            clock[s] = now + fwd[s]
+        for s in range(top - ((k + 1) & 1), low - 1, -2):
+            ready = (before[s + 1] if s < top else before[s]) + step_back[s]
+            now = before[s]
+            if ready > now:
+                now = ready
+            clock[s] = now + bwd[s]
+        for s in range(cool - 1, -1, -1):
+            ready = clock[s + 1] + step_back[s]
+            now = clock[s]
+            if ready > now:
+                now = ready
+            clock[s] = now + bwd[s]
     total = max(clock)
     busy = tuple(m * (fwd[s] + bwd[s]) for s in range(stages))
     bubble = 1.0 - sum(busy) / (stages * total) if total > 0 else 0.0
-    last_b = tuple(float(b_end[s][m - 1]) for s in range(stages))  # type: ignore[arg-type]
-    return ScheduleResult(total, bubble, busy, last_b)
+    return ScheduleResult(total, bubble, busy, tuple(clock))
+
+
+def stage_pass_s(num_layers: int, layer_s: float, embed_s: float, head_s: float, first: bool, last: bool) -> float:
+    """Seconds of one pass (forward or backward) of one micro-batch through a stage of `num_layers` layers of
+    `layer_s` each, with the embedding's `embed_s` on the first stage and the head's `head_s` on the last."""
+    return num_layers * layer_s + (embed_s if first else 0.0) + (head_s if last else 0.0)
+
+
+def fill_s(times_s: Sequence[float], links_s: Sequence[float]) -> float:
+    """Seconds for one micro-batch through every stage and back: times_s[s] its forward + backward on stage s,
+    a forward and a backward transfer of links_s[s] per hop."""
+    return sum(times_s) + 2 * sum(links_s)
+
+
+@lru_cache(maxsize=256)
+def _windows(count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every window s <= t of `count` stages: s, t, t + 1 and its width t - s + 1 (float)."""
+    s_idx, t_idx = np.triu_indices(count)
+    return s_idx, t_idx, t_idx + 1, (t_idx - s_idx + 1).astype(np.float64)
+
+
+def steady_period_s(times_s: Sequence[float], links_s: Sequence[float]) -> float:
+    """Steady-state 1F1B period (seconds per micro-batch) with transfer latency, in closed form.
+
+    Stage s runs F(i + w_s), B(i), F(i + w_s + 1), ... with w_s = S - s - 1. For any window of stages s..t, a
+    micro-batch's forward entering s and its backward leaving s close a cycle through every stage and link of
+    the window that spans t - s + 1 periods, so the period is at least
+    (sum_{j=s..t} u_j + 2 sum_{j=s..t-1} p2p_j) / (t - s + 1), u_j = times_s[j] (forward + backward). The
+    maximum over all windows is the period; with free transfers (or one stage), the slowest stage.
+    """
+    count = len(times_s)
+    if count == 1 or not 2 * sum(links_s) > 0:
+        return max(times_s)
+    big_u = np.zeros(count + 1)
+    big_c = np.zeros(count + 1)
+    np.add.accumulate(times_s, out=big_u[1:])  # np.cumsum's sequential sums
+    np.add.accumulate(links_s, out=big_c[1:count])
+    # cost of window s..t = U[t+1] - U[s] + 2 (C[t] - C[s]) where C counts links s..t-1
+    s_idx, t_idx, t_next, width = _windows(count)
+    cost = big_u[t_next] - big_u[s_idx] + 2.0 * (big_c[t_idx] - big_c[s_idx])
+    return float((cost / width).max())
+
+
+def pair_window_s(first_s: float, second_s: float, link_s: float) -> float:
+    """The window of two adjacent stages of forward + backward `first_s` and `second_s` joined by a link of
+    `link_s` (see `steady_period_s`): a lower bound on the period (seconds per micro-batch)."""
+    return (first_s + second_s + 2.0 * link_s) / 2.0
+
+
+def short_windows_s(times_s: Sequence[float], links_s: Sequence[float]) -> float:
+    """The largest window of at most two adjacent stages (`pair_window_s`, and each stage alone): a lower bound on
+    `steady_period_s` (seconds per micro-batch)."""
+    low = max(times_s)
+    for s, link in enumerate(links_s):
+        pair = pair_window_s(times_s[s], times_s[s + 1], link)
+        if pair > low:
+            low = pair
+    return low
+
+
+def closed_form_s(period_s: float, fill_s: float, num_micro_batches: int) -> float:
+    """Seconds for `num_micro_batches` micro-batches through one pipeline of that period and fill."""
+    return fill_s + (num_micro_batches - 1) * period_s
+
+
+def drain_offsets_s(bwd_s: Sequence[float], p2p_back_s: Sequence[float]) -> list[float]:
+    """When each stage's last backward ends, in seconds relative to stage 0's (the pipeline's last operation,
+    so every offset is <= 0), in closed form: in the cool-down, stage s - 1 runs its last backward as soon as
+    stage s's gradient arrives, so stage s ends bwd_s[s - 1] + p2p_back_s[s - 1] before stage s - 1. bwd_s[s]:
+    stage s's backward of one micro-batch. Exact where no stage's backward is longer than the next stage's
+    (equal stages among them): the stage before is then idle when the gradient arrives."""
+    out = [0.0]
+    end = 0.0
+    for whole, back in zip(bwd_s[:-1], p2p_back_s, strict=True):
+        end -= whole + back
+        out.append(end)
+    return out

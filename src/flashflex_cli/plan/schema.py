@@ -122,7 +122,7 @@ class PlanInputs(_Strict):
 _PREDICTED_REQUIRED = ("tokens_per_s", "mfu", "iteration_time_s")
 _PREDICTED_NUMBERS = ("model_flops_per_token", "peak_flops_used", "dp_exposed_s", "optimizer_s",
                       "peak_flops_cluster")
-# optional `predicted.dollars` (planner/economics.py): cost per hour and per million tokens; null = unknown
+# optional `predicted.dollars` (planner/fleet/economics.py): cost per hour and per million tokens; null = unknown
 _DOLLAR_NUMBERS = ("per_hour_used", "per_hour_cluster", "per_million_tokens_used", "per_million_tokens_cluster")
 _STAGE_NUMBERS = ("time_s", "memory_bytes", "memory_capacity_bytes")
 _LARGEST_NUMBER = 1e300  # above it a product or a sum of two predicted figures overflows a float

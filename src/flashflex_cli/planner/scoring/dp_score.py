@@ -1,0 +1,219 @@
+"""The fast score's data-parallel term: what cost/dp.py charges, memoised for thousands of candidates.
+
+Every layer is held by one stage per pipeline; its gradient is all-reduced among those holders through their
+first devices (pipeline order), flat or hierarchically, for the seconds `cost.dp.ring_bucket_time` gives.
+Layers whose holders are the same stages form one segment and cost the same: durations are memoised per cache
+(`DpMemo`) by the holders' nodes.
+
+With `CostParams.dp_overlap` (the runtime's default) a layer's bucket starts when every holder has finished its
+last backward through that layer: pipeline p ends its last backward at `ends[p]`, its stages end theirs at the
+cost model's closed-form cool-down (`cost.schedule.drain_offsets_s`) and pass their layers as
+`cost.dp.layers_ready_s` has it (head first on the last stage, embedding last on the first). Buckets run in the
+runtime's order (head, layers top-down, embedding), each after the previous bucket where they share a holder (a
+stage's buckets run one after another), their cross-node parts queued on the nodes' NICs (`cost.dp.NicQueue`).
+The term is when the last bucket ends (at least the slowest pipeline's end). Without overlap every reduction
+starts after the slowest pipeline, and the term is the longest sum of one stage's buckets or of one node's NIC
+load (a bound of the cost model's sequential timeline: it leaves out waits between stages).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from ...cost.dp import BucketTime, NicQueue, layer_ready_s, layers_ready_s, ring_bucket_time
+from ...cost.schedule import drain_offsets_s, stage_pass_s
+from .cost_cache import CostCache
+from .pipeline_score import PipeEval
+
+Column = BucketTime  # (inside_s, across_s, nodes: node indices whose NIC the across part uses)
+
+
+class DpMemo:
+    """One cache's data-parallel answers: each pipeline's `PipeTerms` (by (stages, counts), and by the evaluation
+    object itself) and bucket columns (by the holders' first devices, and by their nodes)."""
+
+    __slots__ = ("terms", "columns")
+
+    def __init__(self) -> None:
+        self.terms: dict[object, object] = {}
+        self.columns: dict[tuple, Column] = {}
+
+
+class PipeTerms(NamedTuple):
+    """Per layer of one pipeline: `rows` its stage's first device, TP degree and stage index (int64 [3, L]);
+    `ready` when its last backward has finished the layer (float [L], seconds before the end of that backward,
+    <= 0); `head_s`: the same for the head (last stage; the embedding is ready at 0)."""
+
+    rows: np.ndarray
+    ready: np.ndarray
+    head_s: float
+
+
+def pipe_terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
+    """`PipeTerms` of `pipe` with the times of `cache` (the one of its micro-batch size), memoised on the cache by
+    (stages, counts), and by the object itself for the repeated questions about one evaluation."""
+    memo = cache.memo(DpMemo).terms
+    mine = memo.get(id(pipe))
+    if mine is not None and mine[0] is pipe:  # the entry holds `pipe`, so its id is not reused meanwhile
+        return mine[1]  # type: ignore[no-any-return]
+    key = (pipe.stages, pipe.counts)
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = _terms(cache, pipe)
+    memo[id(pipe)] = (pipe, hit)
+    return hit  # type: ignore[return-value]
+
+
+def _terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
+    stages, last = pipe.stages, len(pipe.stages) - 1
+    stage, p2p = cache.stage, cache.p2p
+    times = [stage(devs) for devs in stages]
+    wholes = [stage_pass_s(n, lt.bwd_s, lt.embed_bwd_s, lt.head_bwd_s, s == 0, s == last)
+              for s, (lt, n) in enumerate(zip(times, pipe.counts, strict=True))]
+    backs = [p2p(stages[s], stages[s - 1]) for s in range(1, last + 1)]
+    starts = [end - whole for end, whole in zip(drain_offsets_s(wholes, backs), wholes, strict=True)]
+    heads = [0.0] * last + [times[last].head_bwd_s]
+    layers = [lt.bwd_s for lt in times]
+    per_stage = np.array([[devs[0] for devs in stages], [len(devs) for devs in stages], range(last + 1)],
+                         dtype=np.int64)
+    return PipeTerms(np.repeat(per_stage, pipe.counts, axis=1),
+                     np.array(layers_ready_s(starts, heads, layers, pipe.counts)),
+                     layer_ready_s(starts[last], heads[last], layers[last], 0))
+
+
+def _column(cache: CostCache, devices: Sequence[int], min_tp: int, nbytes: float) -> Column:
+    """`cost.dp.ring_bucket_time` of one all-reduce of `nbytes` among holders whose first devices are `devices`
+    (pipeline order; nodes keyed by index), memoised by the devices and by their nodes (holders on equal nodes
+    cost the same)."""
+    memo = cache.memo(DpMemo).columns
+    exact = ("dev", tuple(devices), min_tp, nbytes)
+    hit = memo.get(exact)
+    if hit is not None:
+        return hit
+    node = cache.graph.node_list
+    nodes = tuple([node[i] for i in devices])
+    key = ("col", nodes, min_tp, nbytes)
+    hit = memo.get(key)
+    if hit is None:
+        ids = cache.graph.ids
+        hit = memo[key] = ring_bucket_time(cache.graph.cluster, [ids[i] for i in devices], nodes, min_tp, nbytes,
+                                           cache.params)
+    memo[exact] = hit
+    return hit
+
+
+NOTHING: Column = BucketTime(0.0, 0.0, frozenset())
+
+
+def _layer_columns(cache: CostCache, terms: Sequence[PipeTerms], merged: bool = False
+                   ) -> tuple[list[Column], list[bool], np.ndarray]:
+    """Per layer: its bucket's column; whether it shares a holder with the layer above (entry l for layers l
+    and l + 1, L - 1 of them); every pipeline's stage index per layer (int64 [k, L]). `merged`: one bucket per segment (layers of the same holders), charged on
+    its first layer, the others get `NOTHING`."""
+    rows = np.stack([t.rows for t in terms])  # [k, 3, L]
+    firsts, tps, owner = rows[:, 0], rows[:, 1], rows[:, 2]
+    same = owner[:, 1:] == owner[:, :-1]
+    columns: list[Column] = []
+    whole = same.all(axis=0).tolist()
+    by_layer = firsts.T.tolist()  # [L][k] the holders' first devices
+    least = tps.min(axis=0).tolist()
+    for layer, devices in enumerate(by_layer):
+        if layer and whole[layer - 1]:
+            columns.append(NOTHING if merged else columns[-1])
+            continue
+        size = 1
+        while merged and layer + size < len(by_layer) and whole[layer + size - 1]:
+            size += 1
+        columns.append(_column(cache, devices, least[layer], size * cache.layer_grad_bytes))
+    return columns, same.any(axis=0).tolist(), owner
+
+
+def _end_columns(cache: CostCache, pipes: Sequence[PipeEval]) -> tuple[Column, Column]:
+    """The embedding's column (first stages) and the head's (last stages)."""
+    lasts = [pipe.stages[-1] for pipe in pipes]
+    head = _column(cache, [st[0] for st in lasts], min(len(st) for st in lasts), cache.head_grad_bytes)
+    return _embed_column(cache, pipes), head
+
+
+def _embed_column(cache: CostCache, pipes: Sequence[PipeEval]) -> Column:
+    """The embedding's column (its holders: the first stages)."""
+    firsts = [pipe.stages[0] for pipe in pipes]
+    return _column(cache, [st[0] for st in firsts], min(len(st) for st in firsts), cache.embed_grad_bytes)
+
+
+def dp_finish_floor(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]) -> float:
+    """A lower bound on `dp_finish` (seconds), cheap: with overlap, the embedding's bucket alone after the
+    slowest pipeline, on free NICs (in `dp_finish` it begins no earlier and waits for no less: the same sums,
+    so never above it in floating point either); else the slowest pipeline."""
+    slowest = max(ends)
+    if len(pipes) < 2 or not cache.params.dp_overlap:
+        return slowest
+    embed = _embed_column(cache, pipes)
+    return NicQueue().run(slowest, *embed)
+
+
+def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float],
+              caches: Sequence[CostCache] | None = None) -> float:
+    """Seconds from the iteration start until every pipeline's backward and every DP reduction has ended
+    (module docstring). `ends[p]`: when pipeline p's last backward ends (s); `caches[p]`: the cache of its
+    micro-batch size (default `cache` for all)."""
+    slowest = max(ends)
+    if len(pipes) < 2:
+        return slowest
+    if not cache.params.dp_overlap:
+        return slowest + _sequential(cache, pipes)
+    terms = [pipe_terms(c, pipe) for c, pipe in zip(caches or [cache] * len(pipes), pipes, strict=True)]
+    columns, shares, _ = _layer_columns(cache, terms)
+    embed, head = _end_columns(cache, pipes)
+    at = np.asarray(ends, dtype=np.float64)
+    layer_ready = (np.stack([t.ready for t in terms]) + at[:, None]).max(axis=0).tolist()
+    head_ready = max(e + t.head_s for e, t in zip(ends, terms, strict=True))
+    run = NicQueue().run
+    # head, then layers top-down, then the embedding, each after the one before where they share a holder;
+    # the cross-node part also waits for its NICs
+    end = run(head_ready, *head)
+    latest = end
+    top = len(columns) - 1
+    for layer in range(top, -1, -1):
+        inside, across, nodes = columns[layer]
+        begin = layer_ready[layer]
+        if (layer == top or shares[layer]) and end > begin:
+            begin = end
+        end = run(begin, inside, across, nodes)
+        if end > latest:
+            latest = end
+    end = run(max(slowest, end), *embed)
+    return max(latest, end, slowest)
+
+
+def _load(nic: dict[int, float], col: Column) -> None:
+    """Add the cross-node part of `col` to the NIC load of every node it uses."""
+    if col[1] > 0:
+        for n in col[2]:
+            nic[n] = nic.get(n, 0.0) + col[1]
+
+
+def _sequential(cache: CostCache, pipes: Sequence[PipeEval]) -> float:
+    """Without overlap: the longest reduction of one stage (one bucket per segment of its layers, the
+    embedding on first stages, the head on last stages, one after another) or of one node's NIC (every
+    cross-node part of every bucket that node is in), seconds."""
+    columns, _, owner = _layer_columns(cache, [pipe_terms(cache, pipe) for pipe in pipes], merged=True)
+    embed, head = _end_columns(cache, pipes)
+    stages = np.array([len(pipe.stages) for pipe in pipes], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(stages)[:-1]])
+    per_layer = np.array([c[0] + c[1] for c in columns])
+    count = len(pipes)
+    sums = np.bincount((owner + offsets[:, None]).ravel(), weights=np.tile(per_layer, count),
+                       minlength=int(stages.sum()))
+    sums[offsets] += embed[0] + embed[1]
+    sums[offsets + stages - 1] += head[0] + head[1]
+    nic: dict[int, float] = {}
+    for col in (*columns, embed, head):
+        _load(nic, col)
+    node = cache.graph.node_list
+    heads = [st[0] for pipe in pipes for st in pipe.stages]
+    busiest = np.array([nic.get(node[i], 0.0) for i in heads])
+    return float(np.maximum(sums, busiest).max())

@@ -1,0 +1,7 @@
+"""The search drivers: `plan_layout` (the planner's entry point, `driver`), its phases (`collect`, `refine`,
+`finalise`), the micro-batch search, the `uniform` and `exhaustive` baselines and the worker pool."""
+
+from .collect import SearchStats
+from .driver import STRATEGIES, plan_layout, scored_candidates
+
+__all__ = ["STRATEGIES", "SearchStats", "plan_layout", "scored_candidates"]

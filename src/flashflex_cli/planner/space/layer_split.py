@@ -1,0 +1,149 @@
+"""Exact min-max split of L transformer layers over the ordered stages of one pipeline.
+
+Stage s holds n_s >= 1 contiguous layers and takes n_s * t_s + e_s seconds per micro-batch (t_s: one
+layer's forward + backward on its TP group; e_s: embedding / head work on the first / last stage), and
+can hold at most c_s layers in memory. We minimise the slowest stage, max_s (n_s * t_s + e_s), which sets
+the pipeline's steady-state pace under 1F1B (FlashFlex, arXiv 2409.01143, sec. 4: layers in proportion
+to speed, not to memory as the prototype did).
+
+Because the stage order is fixed and layers are contiguous, a split is determined by its counts alone,
+so a time T is reachable iff every cap_s(T) = min(c_s, floor((T - e_s) / t_s)) >= 1 and
+sum_s cap_s(T) >= L. The optimum is one of the values n * t_s + e_s; starting from a lower bound (the
+continuous relaxation) we step through those breakpoints in increasing order until T is reachable,
+which finds the smallest reachable one exactly (each step adds at least one layer of room, so at most
+L steps of O(S)). Among the optimal splits we take
+the one with the least total work sum n_s * t_s (layers go to the fastest stages first), which
+shortens the pipeline's fill and drain. `split_layers_dp` is the textbook O(S L^2) dynamic programme,
+kept as a reference for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+_EPS = 1e-12
+
+
+def _room(t: float, e: float, limit: float) -> int:
+    """Most layers a stage of per-layer time t and fixed time e runs within `limit` seconds."""
+    return int(math.floor((limit - e) / t * (1 + _EPS) + 1e-9))
+
+
+def split_layers(
+    per_layer_s: Sequence[float], extra_s: Sequence[float], max_layers: Sequence[int], num_layers: int
+) -> list[int] | None:
+    """Layer counts per stage minimising the slowest stage; None when no split fits.
+
+    per_layer_s[s]: seconds per layer per micro-batch on stage s (> 0); extra_s[s]: fixed seconds on
+    stage s; max_layers[s]: memory cap of stage s in layers.
+    """
+    t, e = per_layer_s, extra_s
+    c = [m if m < num_layers else num_layers for m in max_layers]
+    stages = len(t)
+    if stages == 0 or stages > num_layers or min(c) < 1 or sum(c) < num_layers:
+        return None
+    # Start at a lower bound: every stage holds a layer, and the continuous relaxation
+    # sum_s (T - e_s) / t_s = L; then walk up the breakpoints n * t_s + e_s in increasing order.
+    inverse = sum([1.0 / x for x in t])
+    limit = max(max([x + y for x, y in zip(t, e, strict=True)]),
+                (num_layers + sum([y / x for x, y in zip(t, e, strict=True)])) / inverse)
+    floor, scale = math.floor, 1 + _EPS
+    # _room inlined (the planner's hottest loop): every stage's room at `limit`, and the next breakpoint. A stage
+    # whose room reaches its cap keeps it at every larger limit, so it leaves the loop (`active`: the others).
+    caps = list(c)  # each stage's room at `limit`
+    room, full, step, active = 0, 0, math.inf, []  # full: the room of the stages at their cap
+    for s in range(stages):
+        ts, es, cs = t[s], e[s], c[s]
+        n = floor((limit - es) / ts * scale + 1e-9)
+        if n < cs:
+            room += n
+            caps[s] = n
+            active.append((s, ts, es, cs))
+            nxt = (n + 1) * ts + es
+            if nxt < step:
+                step = nxt
+        else:
+            room += cs
+            full += cs
+    while room < num_layers:
+        limit = step
+        room, step, still = full, math.inf, []
+        for s, ts, es, cs in active:
+            n = floor((limit - es) / ts * scale + 1e-9)
+            if n < cs:
+                room += n
+                caps[s] = n
+                still.append((s, ts, es, cs))
+                nxt = (n + 1) * ts + es
+                if nxt < step:
+                    step = nxt
+            else:
+                room += cs
+                full += cs
+                caps[s] = cs
+        active = still
+    counts = [1] * stages
+    left = num_layers - stages
+    for s in sorted(range(stages), key=t.__getitem__):  # stable: ties in stage order
+        take = min(left, caps[s] - 1)
+        counts[s] += take
+        left -= take
+        if left == 0:
+            break
+    return counts
+
+
+def fits_within(per_layer_s: Sequence[float], extra_s: Sequence[float], max_layers: Sequence[int], num_layers: int,
+                limit: float, links_s: Sequence[float]) -> bool:
+    """Whether the stages can run the layers with every stage within `limit` seconds and every two adjacent
+    stages within twice `limit` together with a transfer each way between them (links_s[s]: seconds from stage s to
+    s + 1), memory caps included, counting the layers a stage runs within a time as `split_layers` does (never
+    fewer than fit exactly). When not, every split has a stage, or a window of two stages (`pair_window_s`), slower
+    than `limit`. Checked on each stage alone and on the stages paired (0, 1), (2, 3), ... and (1, 2), (3, 4), ...,
+    each pair's layers taken at its faster stage first."""
+    floor, scale = math.floor, 1 + _EPS
+    rooms = []
+    for t, e, c in zip(per_layer_s, extra_s, max_layers, strict=True):
+        n = floor((limit - e) / t * scale + 1e-9)  # _room, inlined
+        rooms.append(n if n < c else c)
+    if sum(rooms) < num_layers:
+        return False
+    for start in (0, 1):
+        room = sum(rooms[:start])
+        for s in range(start, len(rooms) - 1, 2):
+            t, u = per_layer_s[s], per_layer_s[s + 1]
+            budget = 2 * limit - 2 * links_s[s] - extra_s[s] - extra_s[s + 1]  # for the two stages' layers
+            fast, slow, first, second = (s, s + 1, t, u) if t <= u else (s + 1, s, u, t)
+            n = min(rooms[fast], floor(budget / first * scale + 1e-9))
+            room += n + min(rooms[slow], floor((budget - n * first) / second * scale + 1e-9))
+        if (len(rooms) - start) % 2:
+            room += rooms[-1]
+        if room < num_layers:
+            return False
+    return True
+
+
+def stage_times(per_layer_s: Sequence[float], extra_s: Sequence[float], counts: Sequence[int]) -> list[float]:
+    """Seconds per micro-batch of every stage for a given split."""
+    return [n * t + e for t, e, n in zip(per_layer_s, extra_s, counts, strict=True)]
+
+
+def split_layers_dp(
+    per_layer_s: Sequence[float], extra_s: Sequence[float], max_layers: Sequence[int], num_layers: int
+) -> float:
+    """Reference O(S L^2) dynamic programme: the optimal slowest-stage time (inf when infeasible)."""
+    stages = len(per_layer_s)
+    best = [math.inf] * (num_layers + 1)  # best[j]: stages so far covering the first j layers
+    best[0] = 0.0
+    for s in range(stages):
+        nxt = [math.inf] * (num_layers + 1)
+        for j in range(num_layers + 1):
+            if best[j] == math.inf:
+                continue
+            for n in range(1, min(max_layers[s], num_layers - j) + 1):
+                cost = max(best[j], n * per_layer_s[s] + extra_s[s])
+                if cost < nxt[j + n]:
+                    nxt[j + n] = cost
+        best = nxt
+    return best[num_layers]

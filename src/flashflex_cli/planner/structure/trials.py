@@ -1,0 +1,227 @@
+"""Trial structures of one pipeline's node blocks, evaluated only when they might win.
+
+A trial (a group-size choice per block and a block order, `pieces.TrialSpace`) is bounded from its pieces and
+the transfers where they join (`bounds.runs_lower_bound`'s figures); the sweeps sum what their trials share once
+(`sweeps`): a unit sweep (one block's sizes vary) the other pieces' totals, an order sweep the order-free totals,
+so a trial costs O(1), resp. O(blocks) joins. A trial with more stages than layers drops its slowest stages (as
+`stage_search.assemble` does) and is bounded over the kept stages piece by piece (`sweeps.Kept`). Only a trial
+whose bound is below the best so far is evaluated: its layers are split exactly, and when its exact fill and
+slowest stage / adjacent pair of stages (a lower bound on the period) already show that it cannot win, the
+window search is skipped and nothing is memoised (`Trials.cost_below`, `pipeline_score.evaluate_unless`);
+otherwise it is evaluated in full (`pipeline_score.evaluate_pipeline`). All figures in seconds per micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ...cost.schedule import closed_form_s
+from ..scoring.pipeline_score import PipeEval, evaluate_pipeline, evaluate_unless
+from ..space.layer_split import fits_within
+from .bounds import INFEASIBLE, SAFETY, cannot_beat, runs_lower_bound
+from .pieces import Piece, Sizes, TrialSpace
+from .sweeps import Kept, Totals, UnitBounds
+
+Trial = tuple[Sizes, tuple[int, ...]]  # group sizes by block position, block order
+UNFIT = PipeEval((), (), INFEASIBLE, INFEASIBLE, INFEASIBLE, False)  # the evaluation of a trial that does not fit
+
+
+class Trials(TrialSpace):
+    """Bounded evaluation of trial structures over `blocks` for a pipeline of `micro` micro-batches and at
+    most `max_stages` stages (see module docstring)."""
+
+    def cost(self, sizes: Sizes, order: tuple[int, ...], key: tuple | None = None
+             ) -> tuple[float, PipeEval]:
+        """The trial's exact amortised seconds per micro-batch (`amortised`) and its evaluation (memoised;
+        `key`: the trial's `key` where the caller has it)."""
+        if key is None:
+            key = self.key(sizes, order)
+        hit = self._seen.get(key)
+        if hit is None:
+            pieces = self._pieces_of(sizes, order)
+            stages, keep = self._assemble(pieces)
+            if keep is None and not self.fits(pieces):
+                hit = self._seen[key] = (INFEASIBLE, UNFIT)
+                return hit
+            pipe = evaluate_pipeline(self.cache, stages, lambda: self._links(pieces, stages, keep))
+            hit = self._seen[key] = (amortised(pipe, self.micro, self.max_stages), pipe)
+        return hit
+
+    def cost_below(self, sizes: Sizes, order: tuple[int, ...], key: tuple, limit: float
+                   ) -> float:
+        """`cost`, or inf when the trial's figures once its layers are split show that it cannot be below
+        `limit` (`pipeline_score.evaluate_unless`; a lower bound then goes to the bounds memo)."""
+        hit = self._seen.get(key)
+        if hit is not None:
+            return hit[0]
+        pieces = self._pieces_of(sizes, order)
+        stages, keep = self._assemble(pieces)
+        micro, most = self.micro, self.max_stages
+        terms, links, shape = None, None, None
+        if keep is None:
+            *terms, room = self._terms_and_room(pieces, len(stages))
+            if room < self.cache.model.num_layers:  # the exact figure, inf, without a layer split
+                self._seen[key] = (INFEASIBLE, UNFIT)
+                return INFEASIBLE
+            if len(stages) <= most and 2 * room < 3 * self.cache.model.num_layers:  # memory binds: worth a probe
+                links = self._links(pieces, stages, None)
+                probed = self._slower_than(terms, links, limit)
+                if probed is not None:
+                    self._bounds[key] = probed
+                    return INFEASIBLE
+            shape = lambda: self._shape(pieces)  # noqa: E731
+        low: list[float] = []
+
+        def skip(pace: float, fill: float, count: int) -> bool:
+            if count > most:
+                return False  # inf: evaluated, as `amortised` has it
+            m = max(micro, count)
+            low.append(closed_form_s(pace, fill, m) / m)
+            return cannot_beat(low[0], limit)
+
+        pipe = evaluate_unless(self.cache, stages, (lambda: links) if links is not None else
+                               (lambda: self._links(pieces, stages, keep)), skip, terms, shape)  # type: ignore[arg-type]
+        if pipe is None:
+            self._bounds[key] = low[0]
+            return float("inf")
+        hit = self._seen[key] = (amortised(pipe, micro, most), pipe)
+        return hit[0]
+
+    def _slower_than(self, terms: list, links: list[float], limit: float) -> float | None:
+        """A lower bound on the amortised seconds of the trial with stage terms `terms` and transfer seconds
+        `links` that cannot beat `limit`, or None: the pace it would need to beat the limit (with the least fill
+        any split has) is one at which its layers do not fit in time (each stage and each window of two stages
+        within that pace, `layer_split.fits_within`), so every split is slower. A few passes over the stages
+        instead of the layer split."""
+        per_layer, extra, caps = terms
+        count = len(per_layer)
+        m, layers = max(self.micro, count), self.cache.model.num_layers
+        if m < 2:
+            return None
+        # every split's fill: a layer a stage and the others at the fastest stage's speed, and the transfers
+        fill = sum(per_layer) + sum(extra) + (layers - count) * min(per_layer) + 2.0 * sum(links)
+        pace = (m * (limit / (1.0 - SAFETY)) - fill) / (m - 1)
+        if fits_within(per_layer, extra, caps, layers, pace, links):
+            return None
+        low = closed_form_s(pace, fill, m) / m
+        return low if cannot_beat(low, limit) else None
+
+    def bound(self, sizes: Sizes, order: tuple[int, ...], key: tuple | None = None) -> float:
+        """A lower bound on `cost` (the exact figure when already known; `key`: the trial's `key` where the
+        caller has it)."""
+        if key is None:
+            key = self.key(sizes, order)
+        hit = self._seen.get(key)
+        if hit is not None:
+            return hit[0]
+        known = self._bounds.get(key)
+        if known is None:
+            known = self._bounds[key] = self._bound(key, sizes, order)
+        return known
+
+    def _bound(self, key: tuple, sizes: Sizes, order: tuple[int, ...]) -> float:
+        pieces = self._pieces_of(sizes, order)
+        layers = self.cache.model.num_layers
+        if sum(piece.summary.count for piece in pieces) <= layers:
+            join = self.join
+            joins = [join(pieces[i], pieces[i + 1]) for i in range(len(pieces) - 1)]
+            return runs_lower_bound([piece.summary for piece in pieces], joins, pieces[0].embed_s, pieces[-1].head_s,
+                                    layers, self.micro, self.max_stages)
+        return self._dropped_bound(pieces)
+
+    def _dropped_bound(self, pieces: list[Piece], cut_room: tuple[float, int] | None = None) -> float:
+        """`bounds.stages_lower_bound` of the stages kept when the slowest are dropped (as `_assemble` keeps
+        them: the L fastest, ties to the earlier), summed piece by piece (`Kept`). `cut_room`: `cut_room(pieces)`
+        where the caller has it (it does not depend on the pieces' order)."""
+        layers = self.cache.model.num_layers
+        if layers > self.max_stages:
+            return INFEASIBLE
+        cut, room = cut_room or self.cut_room(pieces)
+        return Kept(self.cache, pieces, cut, room).bound(self)
+
+    def _bounds_of(self, trials: list[Trial], keys: list[tuple]
+                   ) -> list[float]:
+        """`bound` of each trial; trials that share their group sizes (the same dict) and differ in block order
+        share the order-free totals (`Totals`)."""
+        totals: dict[int, Totals] = {}
+        layers = self.cache.model.num_layers
+
+        def compute(trial: Trial, key: tuple) -> float:
+            sizes, order = trial
+            found = totals.get(id(sizes))
+            if found is None:
+                found = totals[id(sizes)] = Totals(self, sizes)
+            if found.count <= layers:
+                return found.bound(order)
+            return self._dropped_bound([found.pieces[b] for b in order], found.cut_room())
+
+        return self.memo_bounds(trials, keys, compute)
+
+    def unit_ranked(self, sizes: Sizes, order: tuple[int, ...], block: int,
+                    options: list[tuple[int, ...]], bar: float) -> list[tuple[float, Sizes]]:
+        """`ranked` (keep 1) of the trials that give block `block` each of `options` in the trial (`sizes`,
+        `order`), as (cost, sizes); their bounds come from the other blocks' totals, summed once."""
+        items = tuple(sizes.items())
+        at = list(sizes).index(block)
+        head, tail = items[:at], items[at + 1:]
+        keys = [(head + ((block, option),) + tail, order) for option in options]  # `key`, without a dict each
+        unit = UnitBounds(self, sizes, order, block)
+        bounds = unit.bounds(options, keys)
+        trials = _OptionTrials(sizes, order, block, options)
+        return [(value, trials[j][0]) for value, j in self.ranked(trials, 1, bar, bounds, keys,
+                                                                  lambda j: unit.may_fit(options[j]))]
+
+    def ranked(self, trials: Sequence[Trial], keep: int, bar: float,
+               bounds: list[float] | None = None, keys: list[tuple] | None = None,
+               may_fit: Callable[[int], bool] | None = None) -> list[tuple[float, int]]:
+        """The `keep` best trials strictly below `bar` as (cost, position), by (cost, position).
+
+        Trials are evaluated best-first by lower bound (`bounds`, else `bound`); once a bound shows that a trial
+        costs more than the keep-th best found so far (or `bar`), it and every trial after it in that order
+        are skipped; a trial whose figures once its layers are split show the same is not evaluated further
+        (`cost_below`). `keys`: the trials' `key`s where the caller has them. `may_fit(position)`: False for a
+        trial whose layers do not fit in memory (its exact figure, inf, is recorded without evaluating it)."""
+        if keys is None:
+            keys = [self.key(sizes, order) for sizes, order in trials]
+        if bounds is None:
+            bounds = self._bounds_of(trials, keys)
+        found: list[tuple[float, int]] = []
+        inf = float("inf")
+        for j in sorted(range(len(trials)), key=bounds.__getitem__):  # stable: ties in position order
+            limit = found[keep - 1][0] if len(found) >= keep else bar
+            if limit < inf:  # (with nothing below inf yet, every trial is evaluated: `finalise.nothing_fits` reads them)
+                if cannot_beat(bounds[j], limit):
+                    break
+            if may_fit is not None and keys[j] not in self._seen and not may_fit(j):
+                self._seen[keys[j]] = (INFEASIBLE, UNFIT)
+                continue
+            value = self.cost(*trials[j], keys[j])[0] if limit == inf else \
+                self.cost_below(*trials[j], keys[j], limit)
+            if value < bar:
+                found.append((value, j))
+                found.sort()
+        return found[:keep]
+
+
+class _OptionTrials(Sequence[Trial]):
+    """The trials of a unit sweep, (sizes, order) with block `block` at each of `options`, each dict built only
+    when asked for (most are bounded away without one)."""
+
+    def __init__(self, sizes: Sizes, order: tuple[int, ...], block: int,
+                 options: list[tuple[int, ...]]) -> None:
+        self.sizes, self.order, self.block, self.options = sizes, order, block, options
+
+    def __len__(self) -> int:
+        return len(self.options)
+
+    def __getitem__(self, j: int) -> Trial:  # type: ignore[override]
+        return {**self.sizes, self.block: self.options[j]}, self.order
+
+
+def amortised(pipe: PipeEval, micro: int, max_stages: int) -> float:
+    """Seconds per micro-batch when the pipeline runs `micro` micro-batches (inf when it does not fit, or
+    has more stages than the `max_stages` micro-batches the whole batch has: 1F1B needs one per stage)."""
+    if not pipe.ok or pipe.num_stages > max_stages:
+        return float("inf")
+    m = max(micro, pipe.num_stages)
+    return closed_form_s(pipe.pace_s, pipe.fill_s, m) / m

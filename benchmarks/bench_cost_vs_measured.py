@@ -39,8 +39,9 @@ def one_device(type_name: str) -> Cluster:
         "memory_bandwidth": entry.memory_bandwidth}]}]})
 
 
-def measured_points(data: dict) -> Iterator[tuple[Cluster, ModelSpec, TrainConfig, float]]:
-    """Every measured (device, model, micro-batch) point with 2048-8192 tokens: measured fwd+bwd seconds."""
+def measured_points(data: dict) -> Iterator[tuple[Cluster, ModelSpec, TrainConfig, int, float]]:
+    """Every measured (device, model, micro-batch) point with 2048-8192 tokens: the micro-batch size (sequences)
+    and the measured fwd+bwd seconds."""
     for key, preset in SHAPES.items():
         for gpu, by_seq in data.get(key, {}).items():
             cluster = one_device(GPU_NAMES[gpu])
@@ -50,18 +51,17 @@ def measured_points(data: dict) -> Iterator[tuple[Cluster, ModelSpec, TrainConfi
                         continue
                     for i, (f_ms, b_ms) in enumerate(zip(value[2], value[3], strict=False)):
                         if MIN_TOKENS <= (i + 1) * int(seq) <= MAX_TOKENS:
-                            train = TrainConfig(global_batch=i + 1, seq_len=int(seq), micro_batch_size=i + 1,
-                                                dtype=DTYPES[dkey])
-                            yield cluster, PRESETS[preset], train, (f_ms + b_ms) / 1e3
+                            train = TrainConfig(global_batch=i + 1, seq_len=int(seq), dtype=DTYPES[dkey])
+                            yield cluster, PRESETS[preset], train, i + 1, (f_ms + b_ms) / 1e3
 
 
 def main() -> None:
     data = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else SOURCE).read_text())
     ours, peak_only = CostParams(), CostParams(compute_efficiency={}, default_compute_efficiency=1.0)
     ratios: dict[str, list[tuple[float, float]]] = {}
-    for cluster, model, train, measured in measured_points(data):
-        a = layer_times(cluster, ["n/0"], model, train, ours)
-        b = layer_times(cluster, ["n/0"], model, train, peak_only)
+    for cluster, model, train, mbs, measured in measured_points(data):
+        a = layer_times(cluster, ["n/0"], model, train, ours, micro_batch_size=mbs)
+        b = layer_times(cluster, ["n/0"], model, train, peak_only, micro_batch_size=mbs)
         ratios.setdefault(f"{cluster.nodes[0].devices[0].type}:{train.dtype}", []).append(
             ((a.fwd_s + a.bwd_s) / measured, (b.fwd_s + b.bwd_s) / measured))
     print(f"{'device:dtype':20s} {'n':>4s}  {'ours median [min, max]':>26s}   {'peak-only median':>16s}")
@@ -87,8 +87,8 @@ def held_out(data: dict) -> None:
         table, _ = derive({k: v for k, v in data.items() if k != key})
         params = CostParams(compute_efficiency={k: e for k, (e, _n) in table.items()})
         model_errors = []
-        for cluster, model, train, measured in measured_points({key: data[key]}):
-            lt = layer_times(cluster, ["n/0"], model, train, params)
+        for cluster, model, train, mbs, measured in measured_points({key: data[key]}):
+            lt = layer_times(cluster, ["n/0"], model, train, params, micro_batch_size=mbs)
             model_errors.append(abs((lt.fwd_s + lt.bwd_s) / measured - 1))
         errors += model_errors
         print(f"held out {key:20s}: median |predicted/measured - 1| {statistics.median(model_errors):.3f} "

@@ -73,7 +73,7 @@ def measure(cluster: Cluster, model: str, batch: int, sample: int) -> tuple[list
     cache, cands = scored_candidates(cluster, PRESETS[model], train)
     flat = CostCache(cache.graph, cache.model, cache.train,
                      dataclasses.replace(cache.params, dp_overlap=False, dp_hierarchical=False))
-    total = train.global_batch // train.micro_batch_size
+    total = train.global_batch // cache.micro_batch
     truth, base, fast = [], [], []
     for cand in cands[::max(1, len(cands) // sample)][:sample]:
         est = estimate(build_plan(cache, cand, "flashflex", 0, predict=False), cluster, cache.params)

@@ -42,7 +42,7 @@ PAPER = {  # (model, cluster) -> measured MFU from the paper, mapping as assumed
 }
 SETTINGS = [("llama2-7b", 1), ("llama2-13b", 1), ("llama2-7b", 2), ("llama2-13b", 2), ("llama2-7b", 3),
             ("llama2-13b", 3), ("llama-30b", 3)]
-TRAIN = TrainConfig(global_batch=64, seq_len=4096, micro_batch_size=1, dtype="bf16", recompute=True)
+TRAIN = TrainConfig(global_batch=64, seq_len=4096, dtype="bf16", recompute=True)
 # Naive baseline: every device at its dense peak.
 PEAK_ONLY = CostParams(compute_efficiency={}, default_compute_efficiency=1.0)
 

@@ -37,6 +37,6 @@ def plan(c: Cluster, model: ModelSpec, train: TrainConfig, pipelines: list[tuple
     """A Plan from (num_micro_batches, stages) per pipeline."""
     return Plan.model_validate({
         "inputs": {"cluster_sha256": c.sha256(), "model": model.model_dump(), "train": train.model_dump()},
-        "pipelines": [{"micro_batch_size": mbs or train.micro_batch_size, "num_micro_batches": m, "stages": st}
+        "pipelines": [{"micro_batch_size": mbs or 1, "num_micro_batches": m, "stages": st}
                       for m, st in pipelines],
     })

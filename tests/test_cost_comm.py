@@ -36,25 +36,25 @@ def test_p2p_between_nodes_and_with_tp_change() -> None:
     c = cluster(("RTX-4090", 4, "eth", "pcie"), ("RTX-4090", 4, "eth", "pcie"))
     model, train, params = PRESETS["llama2-7b"], TrainConfig(global_batch=4, seq_len=4096), CostParams()
     nbytes = 4096 * 4096 * 2  # bf16, the compute dtype
-    local = p2p_time(c, ["node0/0"], ["node0/1"], model, train, params)
-    remote = p2p_time(c, ["node0/0"], ["node1/0"], model, train, params)
+    local = p2p_time(c, ["node0/0"], ["node0/1"], model, train, params, micro_batch_size=1)
+    remote = p2p_time(c, ["node0/0"], ["node1/0"], model, train, params, micro_batch_size=1)
     assert local == pytest.approx(5e-6 + nbytes / 25e9)
     assert remote == pytest.approx(5e-5 + nbytes / 1.25e9)
     gather2 = 5e-6 + nbytes / 2 / 25e9  # all-gather among 2 devices over PCIe
     # TP 1 -> TP 2 across nodes: two half-size chunks share the NIC pair, then the receivers gather
-    assert p2p_time(c, ["node0/0"], ["node1/0", "node1/1"], model, train, params) == pytest.approx(
+    assert p2p_time(c, ["node0/0"], ["node1/0", "node1/1"], model, train, params, micro_batch_size=1) == pytest.approx(
         2 * 5e-5 + nbytes / 1.25e9 + gather2)
     # TP 2 -> TP 2 inside a node: each source sends its half over its own link, in parallel
-    assert p2p_time(c, ["node0/0", "node0/1"], ["node0/2", "node0/3"], model, train, params) == pytest.approx(
+    assert p2p_time(c, ["node0/0", "node0/1"], ["node0/2", "node0/3"], model, train, params, micro_batch_size=1) == pytest.approx(
         5e-6 + nbytes / 2 / 25e9 + gather2)
     # TP 2 -> TP 2 across nodes: one tensor crosses the NIC pair (in two chunks), not two copies
-    assert p2p_time(c, ["node0/0", "node0/1"], ["node1/0", "node1/1"], model, train, params) == pytest.approx(
+    assert p2p_time(c, ["node0/0", "node0/1"], ["node1/0", "node1/1"], model, train, params, micro_batch_size=1) == pytest.approx(
         2 * 5e-5 + nbytes / 1.25e9 + gather2)
     # TP 2 -> TP 3 across nodes: 6 chunks of a sixth over the NIC pair, then a 3-device gather
     assert p2p_time(c, ["node0/0", "node0/1"], ["node1/0", "node1/1", "node1/2"], model, train,
-                    params) == pytest.approx(6 * 5e-5 + nbytes / 1.25e9 + 2 * (5e-6 + nbytes / 3 / 25e9))
+                    params, micro_batch_size=1) == pytest.approx(6 * 5e-5 + nbytes / 1.25e9 + 2 * (5e-6 + nbytes / 3 / 25e9))
     # TP 2 -> TP 1 inside a node: two senders, one chunk each, over their own links; no gather
-    assert p2p_time(c, ["node0/0", "node0/1"], ["node0/2"], model, train, params) == pytest.approx(
+    assert p2p_time(c, ["node0/0", "node0/1"], ["node0/2"], model, train, params, micro_batch_size=1) == pytest.approx(
         5e-6 + nbytes / 2 / 25e9)
     # larger micro-batch, proportionally more bytes
     assert p2p_time(c, ["node0/0"], ["node1/0"], model, train, params, micro_batch_size=2) == pytest.approx(
@@ -69,17 +69,17 @@ def test_p2p_element_bytes_follow_the_runtime() -> None:
     gpu = cluster(("RTX-4090", 3, "eth", "pcie"))
     for dtype, size in (("bf16", 2), ("fp16", 2), ("fp32", 4), ("tf32", 4)):
         train = TrainConfig(global_batch=4, seq_len=4096, dtype=dtype)
-        assert p2p_time(gpu, ["node0/0"], ["node0/1"], model, train, CostParams()) == pytest.approx(
+        assert p2p_time(gpu, ["node0/0"], ["node0/1"], model, train, CostParams(), micro_batch_size=1) == pytest.approx(
             5e-6 + 4096 * 4096 * size / 25e9)
     cpu = cluster(("cpu", 2, "eth", "shm"), ("cpu", 2, "eth", "shm"))
     train = TrainConfig(global_batch=4, seq_len=4096, dtype="bf16")
     numel = 4096 * 4096
-    one = p2p_time(cpu, ["node0/0"], ["node1/0"], model, train, CostParams())
+    one = p2p_time(cpu, ["node0/0"], ["node1/0"], model, train, CostParams(), micro_batch_size=1)
     link = transfer_time(cpu, ["node0/0"], ["node1/0"], numel * 2)
     assert one == pytest.approx(link)
     half = CostParams.from_overrides({"tp_comm_efficiency": 0.5})
-    full_eff = p2p_time(gpu, ["node0/0"], ["node0/1", "node0/2"], model, train, CostParams())
-    half_eff = p2p_time(gpu, ["node0/0"], ["node0/1", "node0/2"], model, train, half)
+    full_eff = p2p_time(gpu, ["node0/0"], ["node0/1", "node0/2"], model, train, CostParams(), micro_batch_size=1)
+    half_eff = p2p_time(gpu, ["node0/0"], ["node0/1", "node0/2"], model, train, half, micro_batch_size=1)
     assert half_eff - full_eff == pytest.approx(numel * 2 / 2 / 25e9)  # the gather's bandwidth term doubles
 
 
@@ -89,20 +89,20 @@ def test_full_copies_when_lean_is_off() -> None:
     c = cluster(("RTX-4090", 4, "eth", "pcie"), ("RTX-4090", 4, "eth", "pcie"))
     model, train, params = PRESETS["llama2-7b"], TrainConfig(global_batch=4, seq_len=4096), CostParams()
     nbytes = 4096 * 4096 * 4
-    remote = p2p_time(c, ["node0/0"], ["node1/0"], model, train, params, lean=False)
+    remote = p2p_time(c, ["node0/0"], ["node1/0"], model, train, params, lean=False, micro_batch_size=1)
     assert remote == pytest.approx(5e-5 + nbytes / 1.25e9)
     # TP 1 -> TP 2 across nodes: both copies share the NIC pair
-    assert p2p_time(c, ["node0/0"], ["node1/0", "node1/1"], model, train, params, lean=False) == pytest.approx(
+    assert p2p_time(c, ["node0/0"], ["node1/0", "node1/1"], model, train, params, lean=False, micro_batch_size=1) == pytest.approx(
         2 * remote)
     # TP 2 -> TP 2 inside a node: two source devices send in parallel
     assert p2p_time(c, ["node0/0", "node0/1"], ["node0/2", "node0/3"], model, train, params,
-                    lean=False) == pytest.approx(5e-6 + nbytes / 25e9)
+                    lean=False, micro_batch_size=1) == pytest.approx(5e-6 + nbytes / 25e9)
     # the same boundary across nodes costs the lean path less than half: half the bytes, one copy
-    lean = p2p_time(c, ["node0/0", "node0/1"], ["node1/0", "node1/1"], model, train, params)
-    full = p2p_time(c, ["node0/0", "node0/1"], ["node1/0", "node1/1"], model, train, params, lean=False)
+    lean = p2p_time(c, ["node0/0", "node0/1"], ["node1/0", "node1/1"], model, train, params, micro_batch_size=1)
+    full = p2p_time(c, ["node0/0", "node0/1"], ["node1/0", "node1/1"], model, train, params, lean=False, micro_batch_size=1)
     assert lean < 0.3 * full
     half = CostParams.from_overrides({"activation_transfer_bytes": 2})
-    assert p2p_time(c, ["node0/0"], ["node0/1"], model, train, half, lean=False) == pytest.approx(
+    assert p2p_time(c, ["node0/0"], ["node0/1"], model, train, half, lean=False, micro_batch_size=1) == pytest.approx(
         5e-6 + 4096 * 4096 * 2 / 25e9)
 
 

@@ -31,7 +31,7 @@ def test_marginal_sequence_time_matches_measurement(point) -> None:
     model_key, type_name, seq, dtype, batch, _fwd_ms, _bwd_ms, slope_ms = point
     c = cluster((type_name, 1, "ib", "pcie"))
     times = [layer_times(c, ["node0/0"], PRESETS[SHAPES[model_key]],
-                         TrainConfig(global_batch=b, seq_len=seq, micro_batch_size=b, dtype=dtype), EAGER)
+                         TrainConfig(global_batch=b, seq_len=seq, dtype=dtype), EAGER, micro_batch_size=b)
              for b in (batch, batch + 1)]
     marginal = times[1].fwd_s + times[1].bwd_s - times[0].fwd_s - times[0].bwd_s
     assert marginal == pytest.approx(slope_ms / 1e3, rel=TOLERANCE)
@@ -40,10 +40,10 @@ def test_marginal_sequence_time_matches_measurement(point) -> None:
 def test_slowest_device_sets_the_pace() -> None:
     c = cluster(("A100-80G-SXM", 2, "ib", "nvlink"), ("V100-32G", 2, "ib", "nvlink"))
     model, train, params = PRESETS["llama2-7b"], TrainConfig(global_batch=8, seq_len=2048), CostParams()
-    fast = layer_times(c, ["node0/0"], model, train, params)
-    slow = layer_times(c, ["node1/0"], model, train, params)
-    mixed = layer_times(c, ["node0/0", "node1/0"], model, train, params)
-    pair = layer_times(c, ["node1/0", "node1/1"], model, train, params)
+    fast = layer_times(c, ["node0/0"], model, train, params, micro_batch_size=1)
+    slow = layer_times(c, ["node1/0"], model, train, params, micro_batch_size=1)
+    mixed = layer_times(c, ["node0/0", "node1/0"], model, train, params, micro_batch_size=1)
+    pair = layer_times(c, ["node1/0", "node1/1"], model, train, params, micro_batch_size=1)
     assert slow.fwd_s > fast.fwd_s
     # the mixed pair computes its half of the layer at the V100's pace (as two V100s would), plus all-reduces
     # over the slow NIC
@@ -56,23 +56,23 @@ def test_tp_allreduces_follow_the_links() -> None:
     nvlink = cluster(("A100-80G-SXM", 8, "ib", "nvlink"))
     pcie = cluster(("A100-80G-SXM", 8, "ib", "pcie"))
     devices = [f"node0/{i}" for i in range(4)]
-    a = layer_times(nvlink, devices, model, train, params)
-    b = layer_times(pcie, devices, model, train, params)
+    a = layer_times(nvlink, devices, model, train, params, micro_batch_size=1)
+    b = layer_times(pcie, devices, model, train, params, micro_batch_size=1)
     assert a.fwd_s - a.tp_fwd_s == pytest.approx(b.fwd_s - b.tp_fwd_s)  # same compute
     assert b.tp_fwd_s > 10 * a.tp_fwd_s  # 25 vs 300 GB/s
     # 2 all-reduces of [1, 4096, 5120] bf16 over a 4-ring at 300 GB/s: 2 * (6 * lat + 1.5 * bytes / bw)
     nbytes = 4096 * 5120 * 2
     assert a.tp_fwd_s == pytest.approx(2 * (6 * 2e-6 + 1.5 * nbytes / 300e9))
     assert a.tp_bwd_s == pytest.approx(a.tp_fwd_s)
-    assert layer_times(nvlink, ["node0/0"], model, train, params).tp_fwd_s == 0.0
+    assert layer_times(nvlink, ["node0/0"], model, train, params, micro_batch_size=1).tp_fwd_s == 0.0
 
 
 def test_recompute_adds_a_forward_to_the_backward() -> None:
     c = cluster(("A100-80G-SXM", 8, "ib", "nvlink"))
     model, params = PRESETS["llama2-7b"], CostParams()
     devices = ["node0/0", "node0/1"]
-    plain = layer_times(c, devices, model, TrainConfig(global_batch=8, seq_len=4096), params)
-    again = layer_times(c, devices, model, TrainConfig(global_batch=8, seq_len=4096, recompute=True), params)
+    plain = layer_times(c, devices, model, TrainConfig(global_batch=8, seq_len=4096), params, micro_batch_size=1)
+    again = layer_times(c, devices, model, TrainConfig(global_batch=8, seq_len=4096, recompute=True), params, micro_batch_size=1)
     assert again.fwd_s == plain.fwd_s
     assert again.bwd_s == pytest.approx(plain.bwd_s + plain.fwd_s)
 
@@ -90,8 +90,8 @@ def test_emulated_slowdown_and_measured_rates() -> None:
         "devices": [device("cpu", 1.0, source="measured", peak_flops={"fp32": 1e11}, achieved_flops={"fp32": 1e11}),
                     device("cpu", 2.0, source="measured", peak_flops={"fp32": 1e11}, achieved_flops={"fp32": 1e11})]}]})
     model, train, params = PRESETS["llama-small"], TrainConfig(global_batch=4, seq_len=128, dtype="fp32"), CostParams()
-    one = layer_times(c, ["host/0"], model, train, params)
-    two = layer_times(c, ["host/1"], model, train, params)
+    one = layer_times(c, ["host/0"], model, train, params, micro_batch_size=1)
+    two = layer_times(c, ["host/1"], model, train, params, micro_batch_size=1)
     assert two.fwd_s == pytest.approx(2 * one.fwd_s) and two.bwd_s == pytest.approx(2 * one.bwd_s)
     cost = layer_traffic(PartShape(model, 1, 1, 128, "fp32", "sdpa", on_cuda=False)).fwd
     bandwidth = c.device("host/0").memory_bandwidth * params.memory_bandwidth_efficiency
@@ -105,10 +105,11 @@ def test_a_gpu_is_paced_by_the_host_for_small_micro_batches() -> None:
     two, so a tiny micro-batch costs the host's dispatch and a large one the device's work."""
     c = cluster(("H100-SXM", 1, "ib", "nvlink"))
     model, params = PRESETS["llama-small"], dataclasses.replace(CostParams(), runtime=RuntimeOptions(compile=False))
-    tiny = layer_times(c, ["node0/0"], model, TrainConfig(global_batch=1, seq_len=16, dtype="bf16"), params)
+    tiny = layer_times(c, ["node0/0"], model, TrainConfig(global_batch=1, seq_len=16, dtype="bf16"), params,
+                       micro_batch_size=1)
     assert tiny.fwd_s == pytest.approx(92 * params.host_op_seconds)  # grouped-query heads: 92 operations
     large = layer_times(c, ["node0/0"], PRESETS["llama2-7b"],
-                        TrainConfig(global_batch=8, seq_len=4096, micro_batch_size=8), params)
+                        TrainConfig(global_batch=8, seq_len=4096), params, micro_batch_size=8)
     assert large.fwd_s > 10 * 84 * params.host_op_seconds  # llama2-7b: no grouped heads, 84 operations
 
 
@@ -118,8 +119,8 @@ def test_head_and_embedding_times_are_positive_and_the_loss_path_decides_where_t
     c = cluster(("RTX-4090", 8, "eth", "pcie"))
     model, train = PRESETS["llama3-8b"], TrainConfig(global_batch=8, seq_len=4096)
     whole = layer_times(c, ["node0/0"], model, train,
-                        dataclasses.replace(CostParams(), runtime=RuntimeOptions(chunked_loss=False)))
-    chunked = layer_times(c, ["node0/0"], model, train, CostParams())
+                        dataclasses.replace(CostParams(), runtime=RuntimeOptions(chunked_loss=False)), micro_batch_size=1)
+    chunked = layer_times(c, ["node0/0"], model, train, CostParams(), micro_batch_size=1)
     assert 0 < whole.embed_fwd_s < whole.head_fwd_s < whole.head_bwd_s
     assert 0 < chunked.head_bwd_s < chunked.head_fwd_s
     # the 128k-vocabulary head costs more than one transformer layer of llama3-8b

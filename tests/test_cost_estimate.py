@@ -24,7 +24,7 @@ def test_single_device_iteration_is_compute_plus_optimizer() -> None:
     train = TrainConfig(global_batch=4, seq_len=512)
     p = plan(c, model, train, [(4, [stage(["node0/0"], 0, model.num_layers)])])
     est = estimate(p, c)
-    lt = layer_times(c, ["node0/0"], model, train, CostParams())
+    lt = layer_times(c, ["node0/0"], model, train, CostParams(), micro_batch_size=1)
     per_mb = model.num_layers * (lt.fwd_s + lt.bwd_s) + lt.embed_fwd_s + lt.embed_bwd_s + lt.head_fwd_s + lt.head_bwd_s
     assert est.pipelines[0].time_s == pytest.approx(4 * per_mb)
     n = F.total_params(model)  # embedding, layers, final norm and head

@@ -78,9 +78,9 @@ def test_measured_stage_uses_the_profile_times_slowdown_and_adds_no_tp_comm() ->
     c = build_cluster("1x4xcpu:slowdown=1,1,2,2")
     prof = profile([(1, 1, 0.010), (1, 2, 0.006)])
     params = CostParams(layer_profiles=(prof,))
-    fast = layer_times(c, ["node0/0"], MODEL, TRAIN, params)
-    slow = layer_times(c, ["node0/2"], MODEL, TRAIN, params)
-    pair = layer_times(c, ["node0/0", "node0/2"], MODEL, TRAIN, params)
+    fast = layer_times(c, ["node0/0"], MODEL, TRAIN, params, micro_batch_size=1)
+    slow = layer_times(c, ["node0/2"], MODEL, TRAIN, params, micro_batch_size=1)
+    pair = layer_times(c, ["node0/0", "node0/2"], MODEL, TRAIN, params, micro_batch_size=1)
     assert fast.source == "measured" and (fast.fwd_s, fast.bwd_s) == pytest.approx((0.010, 0.020))
     assert slow.fwd_s == pytest.approx(0.020)  # slowdown 2
     # the slower device of the TP pair sets the pace: its compute (TP 1 time / 2) is stretched, the
@@ -88,9 +88,9 @@ def test_measured_stage_uses_the_profile_times_slowdown_and_adds_no_tp_comm() ->
     assert pair.fwd_s == pytest.approx(0.010 / 2 * 2 + (0.006 - 0.010 / 2)) and pair.tp_fwd_s == 0.0
     alone = CostParams(layer_profiles=(profile([(1, 2, 0.006)]),))  # no TP 1 entry: modelled all-reduces
     ar = allreduce_time(c, ["node0/0", "node0/2"], layer_input_bytes(MODEL, 1, 128, "fp32"), alone)
-    paired = layer_times(c, ["node0/0", "node0/2"], MODEL, TRAIN, alone)
+    paired = layer_times(c, ["node0/0", "node0/2"], MODEL, TRAIN, alone, micro_batch_size=1)
     assert paired.fwd_s == pytest.approx((0.006 - 2 * ar) * 2 + 2 * ar)
-    assert layer_times(c, ["node0/0"], MODEL, TRAIN, CostParams()).source == "modelled"
+    assert layer_times(c, ["node0/0"], MODEL, TRAIN, CostParams(), micro_batch_size=1).source == "modelled"
 
 
 def test_estimate_and_memory_follow_the_profile() -> None:
@@ -115,17 +115,17 @@ def test_estimate_and_memory_follow_the_profile() -> None:
 def test_compute_time_has_an_intercept_so_larger_micro_batches_are_cheaper_per_sequence() -> None:
     c = cluster(("A100-80G-SXM", 1, "ib", "nvlink"))
     model = PRESETS["llama2-7b"]
-    one = layer_times(c, ["node0/0"], model, TrainConfig(global_batch=8, seq_len=1024, micro_batch_size=1),
-                      CostParams())
-    eight = layer_times(c, ["node0/0"], model, TrainConfig(global_batch=8, seq_len=1024, micro_batch_size=8),
-                        CostParams())
+    one = layer_times(c, ["node0/0"], model, TrainConfig(global_batch=8, seq_len=1024),
+                      CostParams(), micro_batch_size=1)
+    eight = layer_times(c, ["node0/0"], model, TrainConfig(global_batch=8, seq_len=1024),
+                        CostParams(), micro_batch_size=8)
     assert one.layer_s > eight.layer_s / 8  # per sequence, micro-batch 1 pays the fixed part 8 times
 
 
 def test_tf32_uses_the_tensor_core_peak() -> None:
     c = cluster(("A100-80G-SXM", 1, "ib", "nvlink"))
-    fp32 = layer_times(c, ["node0/0"], MODEL, TRAIN.model_copy(update={"dtype": "fp32"}), CostParams())
-    tf32 = layer_times(c, ["node0/0"], MODEL, TRAIN.model_copy(update={"dtype": "tf32"}), CostParams())
+    fp32 = layer_times(c, ["node0/0"], MODEL, TRAIN.model_copy(update={"dtype": "fp32"}), CostParams(), micro_batch_size=1)
+    tf32 = layer_times(c, ["node0/0"], MODEL, TRAIN.model_copy(update={"dtype": "tf32"}), CostParams(), micro_batch_size=1)
     assert tf32.layer_s < fp32.layer_s
 
 
@@ -137,11 +137,11 @@ def test_eager_attention_keeps_the_score_matrix() -> None:
 
     eager_layers = dataclasses.replace(CostParams(), runtime=RuntimeOptions(compile=False))
     args = (MODEL, 1, 1, False, False, 1, eager_layers)
-    sdpa = stage_memory(args[0], TRAIN, *args[1:])
-    eager = stage_memory(args[0], TRAIN.model_copy(update={"attention": "eager"}), *args[1:])
+    sdpa = stage_memory(args[0], TRAIN, *args[1:], micro_batch_size=1)
+    eager = stage_memory(args[0], TRAIN.model_copy(update={"attention": "eager"}), *args[1:], micro_batch_size=1)
     # fp32: the probabilities [b, heads, s, s] (4 bytes each) and copies of q, k, v and the output instead of
     # SDPA's log-sum-exp
-    p = A.PartShape(MODEL, 1, TRAIN.micro_batch_size, TRAIN.seq_len, "fp32", "eager", on_cuda=True)
+    p = A.PartShape(MODEL, 1, 1, TRAIN.seq_len, "fp32", "eager", on_cuda=True)
     scores = MODEL.num_heads * TRAIN.seq_len**2 * 4
     per_layer = A.attention_saved_bytes(p) - A.attention_saved_bytes(p.__class__(**{**p.__dict__, "attention": "sdpa"}))
     assert per_layer == scores - MODEL.num_heads * TRAIN.seq_len * 4
@@ -165,7 +165,7 @@ def test_uncatalogued_device_type_uses_the_default_curve() -> None:
 
     future = Cluster.model_validate(data)
     params = CostParams()
-    lt = layer_times(future, ["node0/0"], MODEL, TrainConfig(global_batch=8, seq_len=128), params)
+    lt = layer_times(future, ["node0/0"], MODEL, TrainConfig(global_batch=8, seq_len=128), params, micro_batch_size=1)
     want = params.default_compute_efficiency
     rate = future.device("node0/0").flops("bf16") * want
     flops = 2 * 128 * (2 * 4 * MODEL.hidden_size**2 + 3 * MODEL.hidden_size * MODEL.intermediate_size)

@@ -33,7 +33,7 @@ FUSED = dataclasses.replace(CostParams(), runtime=RuntimeOptions(optimizer="fuse
 def test_states_are_fp32_parameters_gradients_and_two_moments_in_every_dtype(dtype: str) -> None:
     """The runtime keeps fp32 parameters (its master weights), fp32 gradients and AdamW's m and v: 16 bytes per
     parameter whatever the compute dtype; a 16-bit plan holds no separate low-precision weights."""
-    mem = stage_memory(MODEL, TRAIN.model_copy(update={"dtype": dtype}), 1, 4, False, False, 1, FUSED)
+    mem = stage_memory(MODEL, TRAIN.model_copy(update={"dtype": dtype}), 1, 4, False, False, 1, FUSED, micro_batch_size=1)
     n = 4 * F.layer_params(MODEL)
     assert mem.optimizer == 8 * n
     buffers = 2 * 1 * 4097 * 8 + 2 * 4096 * MODEL.head_dim * 4  # the step's int64 tokens, the rotary tables
@@ -44,8 +44,8 @@ def test_states_are_fp32_parameters_gradients_and_two_moments_in_every_dtype(dty
 
 
 def test_in_flight_micro_batches_each_keep_their_saved_tensors() -> None:
-    one = stage_memory(MODEL, TRAIN, 1, 8, False, False, 1, FUSED, num_micro=8)
-    four = stage_memory(MODEL, TRAIN, 1, 8, False, False, 4, FUSED, num_micro=8)
+    one = stage_memory(MODEL, TRAIN, 1, 8, False, False, 1, FUSED, num_micro=8, micro_batch_size=1)
+    four = stage_memory(MODEL, TRAIN, 1, 8, False, False, 4, FUSED, num_micro=8, micro_batch_size=1)
     p = A.PartShape(MODEL, 1, 1, 4096, "bf16", "sdpa", on_cuda=True)
     per_micro_batch = 8 * (A.layer_saved_bytes(p) + A.layer_weight_copies(p)) + p.tokens * p.h * A.FP32
     send_copy = p.tokens * p.h * 2  # each warm-up forward's bf16 send buffer, waited for at the step's end
@@ -63,8 +63,8 @@ def test_tensor_parallelism_splits_the_sharded_tensors_not_the_replicated_ones()
 
 def test_recompute_keeps_each_layers_input_and_one_layer_again() -> None:
     recompute = TRAIN.model_copy(update={"recompute": True})
-    plain = stage_memory(MODEL, TRAIN, 1, 16, False, False, 4, FUSED, num_micro=8)
-    again = stage_memory(MODEL, recompute, 1, 16, False, False, 4, FUSED, num_micro=8)
+    plain = stage_memory(MODEL, TRAIN, 1, 16, False, False, 4, FUSED, num_micro=8, micro_batch_size=1)
+    again = stage_memory(MODEL, recompute, 1, 16, False, False, 4, FUSED, num_micro=8, micro_batch_size=1)
     p = A.PartShape(MODEL, 1, 1, 4096, "bf16", "sdpa", on_cuda=True)
     held = 4 * (16 * A.recompute_saved_bytes(p) + p.tokens * p.h * A.FP32) + 3 * p.tokens * p.h * 2
     assert again.activations == pytest.approx(held)
@@ -87,10 +87,10 @@ def test_the_whole_vocabulary_loss_is_the_last_stages_peak_and_the_chunked_one_i
     """The unchunked loss holds [tokens, vocab] fp32 tensors: they set the last stage's peak and grow with the
     micro-batch; the chunked loss holds one chunk of them."""
     model = PRESETS["llama-1b"]
-    train = TrainConfig(global_batch=16, seq_len=2048, micro_batch_size=8)
-    full = stage_memory(model, train, 1, 16, True, True, 1, FUSED, num_micro=2)
+    train = TrainConfig(global_batch=16, seq_len=2048)
+    full = stage_memory(model, train, 1, 16, True, True, 1, FUSED, num_micro=2, micro_batch_size=8)
     chunked_params = dataclasses.replace(FUSED, runtime=RuntimeOptions(optimizer="fused", chunked_loss=True))
-    chunked = stage_memory(model, train, 1, 16, True, True, 1, chunked_params, num_micro=2)
+    chunked = stage_memory(model, train, 1, 16, True, True, 1, chunked_params, num_micro=2, micro_batch_size=8)
     logits_fp32 = 8 * 2048 * model.vocab_size * 4
     assert full.transient == pytest.approx(2 * logits_fp32)  # the loss's and the log-softmax's fp32 gradients
     assert full.allocated - chunked.allocated > 2 * logits_fp32
@@ -101,21 +101,21 @@ def test_the_multi_tensor_optimizer_needs_a_parameter_sized_temporary() -> None:
     runs) allocates one fp32 temporary as large as the parameters; the fused kernel none."""
     foreach = dataclasses.replace(FUSED, runtime=RuntimeOptions(optimizer="foreach", chunked_loss=False))
     train = TrainConfig(global_batch=16, seq_len=64)
-    slow = stage_memory(MODEL, train, 1, 4, False, False, 1, foreach)
-    fast = stage_memory(MODEL, train, 1, 4, False, False, 1, FUSED)
+    slow = stage_memory(MODEL, train, 1, 4, False, False, 1, foreach, micro_batch_size=1)
+    fast = stage_memory(MODEL, train, 1, 4, False, False, 1, FUSED, micro_batch_size=1)
     assert slow.phase == "optimizer" and slow.transient == pytest.approx(4 * 4 * F.layer_params(MODEL))
     assert fast.phase != "optimizer" and fast.allocated < slow.allocated
     auto = dataclasses.replace(FUSED, runtime=RuntimeOptions(chunked_loss=False, compile=False))
-    assert stage_memory(MODEL, train, 1, 4, False, False, 1, auto, on_cuda=True).allocated == fast.allocated
-    assert stage_memory(MODEL, train, 1, 4, False, False, 1, auto, on_cuda=False).allocated == slow.allocated
+    assert stage_memory(MODEL, train, 1, 4, False, False, 1, auto, on_cuda=True, micro_batch_size=1).allocated == fast.allocated
+    assert stage_memory(MODEL, train, 1, 4, False, False, 1, auto, on_cuda=False, micro_batch_size=1).allocated == slow.allocated
 
 
 def test_total_adds_the_allocators_slack_and_what_lives_outside_it() -> None:
     params = CostParams.from_overrides({"memory_fragmentation": 0.1, "memory_reserve_bytes": 2e9})
-    mem = stage_memory(MODEL, TRAIN, 1, 2, False, False, 2, params)
+    mem = stage_memory(MODEL, TRAIN, 1, 2, False, False, 2, params, micro_batch_size=1)
     assert mem.fragmentation == pytest.approx(0.1 * mem.allocated)
     assert mem.total == pytest.approx(1.1 * mem.allocated + 2e9)
-    assert stage_memory(MODEL, TRAIN, 1, 2, False, False, 2, params, reserve_bytes=123.0).reserve == 123.0
+    assert stage_memory(MODEL, TRAIN, 1, 2, False, False, 2, params, reserve_bytes=123.0, micro_batch_size=1).reserve == 123.0
 
 
 def test_llama2_7b_on_one_a100_does_not_fit_but_on_eight_stages_does() -> None:
@@ -123,9 +123,9 @@ def test_llama2_7b_on_one_a100_does_not_fit_but_on_eight_stages_does() -> None:
     params = CostParams()
     capacity = device_capacity(c, "node0/0", params)
     assert capacity == pytest.approx(80 * 1024**3 * (1 - params.memory_safety_margin))
-    whole = stage_memory(MODEL, TRAIN, 1, 32, True, True, 1, params)
+    whole = stage_memory(MODEL, TRAIN, 1, 32, True, True, 1, params, micro_batch_size=1)
     assert whole.total > capacity  # 7B x 16 bytes = 108 GB of model states alone
-    worst = max(stage_memory(MODEL, TRAIN, 1, 4, s == 0, s == 7, 8 - s, params, warmup=7 - s).total
+    worst = max(stage_memory(MODEL, TRAIN, 1, 4, s == 0, s == 7, 8 - s, params, warmup=7 - s, micro_batch_size=1).total
                 for s in range(8))
     assert worst < capacity
 

@@ -153,9 +153,10 @@ def test_a_dtype_the_device_lacks_runs_at_its_fp32_peak_and_fp32_efficiency() ->
     assert cv.rate("node2/0", "bf16", params) == pytest.approx(8.1e12 * eff["T4:fp32"])
     assert cv.rate("node2/0", "fp16", params) == pytest.approx(65e12 * eff["T4:fp16"])
     # so a compute-bound bf16 layer on a V100 takes several times its fp16 time (5.6x at the slope)
-    bf16 = TrainConfig(global_batch=4, seq_len=2048, micro_batch_size=4, dtype="bf16")
-    v100_bf16 = layer_times(c, ["node0/0"], PRESETS["llama2-7b"], bf16, params)
-    v100_fp16 = layer_times(c, ["node0/0"], PRESETS["llama2-7b"], bf16.model_copy(update={"dtype": "fp16"}), params)
+    bf16 = TrainConfig(global_batch=4, seq_len=2048, dtype="bf16")
+    v100_bf16 = layer_times(c, ["node0/0"], PRESETS["llama2-7b"], bf16, params, micro_batch_size=4)
+    v100_fp16 = layer_times(c, ["node0/0"], PRESETS["llama2-7b"], bf16.model_copy(update={"dtype": "fp16"}), params,
+                            micro_batch_size=4)
     assert v100_bf16.layer_s > 4 * v100_fp16.layer_s
 
 
@@ -175,7 +176,7 @@ def _profile(device_type_: str, dtype: str, seconds: float, tps: tuple[int, ...]
 def test_a_profile_measured_in_the_dtype_on_that_device_wins() -> None:
     c = cluster(("V100-16G", 1, "ib", "nvlink"))
     params = CostParams().with_layer_profiles((_profile("V100-16G", "bf16", 0.004),))
-    lt = layer_times(c, ["node0/0"], SMALL, BF16, params)
+    lt = layer_times(c, ["node0/0"], SMALL, BF16, params, micro_batch_size=1)
     assert lt.source == "measured" and (lt.fwd_s, lt.bwd_s) == pytest.approx((0.004, 0.008))
 
 
@@ -225,8 +226,8 @@ def test_a_profile_without_tp_collectives_costs_a_tp2_stage_the_modelled_collect
     devices = ["node0/0", "node0/1"]
     included = CostParams().with_layer_profiles((_profile("cpu", "bf16", 0.01, (1, 2)),))
     excluded = CostParams().with_layer_profiles((_profile("cpu", "bf16", 0.01, (1, 2), tp_comm_included=False),))
-    a = layer_times(c, devices, SMALL, BF16, included)
-    b = layer_times(c, devices, SMALL, BF16, excluded)
+    a = layer_times(c, devices, SMALL, BF16, included, micro_batch_size=1)
+    b = layer_times(c, devices, SMALL, BF16, excluded, micro_batch_size=1)
     ar = allreduce_time(c, devices, layer_input_bytes(SMALL, 1, 128, "bf16"), included)
     assert ar > 0 and a.source == b.source == "measured"
     assert (b.fwd_s - a.fwd_s, b.bwd_s - a.bwd_s) == pytest.approx((2 * ar, 2 * ar))  # two all-reduces each way

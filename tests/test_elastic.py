@@ -29,11 +29,12 @@ from flashflex_cli.launch.elastic import (
     Layout,
     lost_devices,
     reduced_cluster,
+    replan_micro_batch,
 )
 from flashflex_cli.launch.elastic_options import ElasticSettings
 from flashflex_cli.launch.local import JobOutcome, RankExit
 from flashflex_cli.launch.options import launch_config
-from flashflex_cli.plan.schema import load_plan
+from flashflex_cli.plan.schema import Plan, load_plan
 from flashflex_cli.run_config import load_run_config
 from flashflex_cli.runtime import checkpoint as ckpt
 from tests.conftest import FLASHFLEX
@@ -198,6 +199,20 @@ def test_lost_devices_are_the_killed_and_the_frozen_not_their_peers() -> None:
                 3: RankExit(3, -9, 1.5, silent=True)}
     assert lost_devices(plan, failures) == ["node0/1", "node0/2"]  # plan rank 3 drives node0/2
     assert lost_devices(plan, {0: RankExit(0, 1, 1.0), 1: RankExit(1, 3, 1.0)}) == []  # its own error: no loss
+
+
+def test_a_replan_keeps_one_micro_batch_size_and_searches_between_several() -> None:
+    """The re-planned run keeps the micro-batch size every pipeline ran; pipelines of unlike sizes let the
+    search choose from the smallest to the largest of them."""
+    plan = load_plan(GOLDEN / "plan-4rank.json")
+    sizes = {p.micro_batch_size for p in plan.pipelines}
+    assert len(sizes) == 1 and replan_micro_batch(plan) == (sizes.pop(), None)
+    data = plan.model_dump(mode="json", by_alias=True)
+    pipes = data["pipelines"]
+    pipes[0]["micro_batch_size"], pipes[0]["num_micro_batches"] = 4, 1
+    pipes[-1]["micro_batch_size"], pipes[-1]["num_micro_batches"] = 2, 1
+    data["inputs"]["train"]["global_batch"] = sum(p["micro_batch_size"] * p["num_micro_batches"] for p in pipes)
+    assert replan_micro_batch(Plan.model_validate(data)) == (2, 4)
 
 
 def test_reduced_cluster_renumbers_devices_and_drops_empty_nodes() -> None:

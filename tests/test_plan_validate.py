@@ -66,3 +66,27 @@ def test_devices_neither_used_nor_listed_are_reported() -> None:
     cluster = build_cluster("1x6xcpu:slowdown=1,1,2,2,1,1", name="demo")
     result = validate_plan(plan, cluster)
     assert any("neither used nor listed as unused: node0/4, node0/5" in w for w in result.warnings)
+
+
+def test_a_plan_written_with_the_old_train_micro_batch_size_loads_and_says_it_once() -> None:
+    """Before the pipelines were the micro-batch size's only home, `inputs.train` carried the planner's base size:
+    such a plan loads to the same plan (the pipelines' sizes unchanged) and writes without the old key."""
+    plan = _plan()
+    data = plan.model_dump(mode="json", by_alias=True)
+    data["inputs"]["train"]["micro_batch_size"] = 1
+    old = Plan.model_validate(data)
+    assert old == plan and old.to_json() == plan.to_json()
+    assert "micro_batch_size" not in old.inputs.train.model_dump()
+    assert [p.micro_batch_size for p in old.pipelines] == [p.micro_batch_size for p in plan.pipelines]
+
+
+def test_an_impossible_old_train_micro_batch_size_is_refused_by_name() -> None:
+    data = _plan().model_dump(mode="json", by_alias=True)
+    for bad in (0, -3, "4", 2.5, True):
+        data["inputs"]["train"]["micro_batch_size"] = bad
+        try:
+            Plan.model_validate(data)
+        except ValueError as exc:
+            assert "micro_batch_size" in str(exc)
+        else:
+            raise AssertionError(f"micro_batch_size {bad!r} was accepted")

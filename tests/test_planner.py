@@ -89,7 +89,7 @@ def test_infeasible_requests_name_what_is_needed_against_what_there_is() -> None
     with pytest.raises(InfeasibleError, match=r"llama2-70b needs at least .* TiB .*; the cluster has .* GiB usable"):
         plan_layout(cluster, PRESETS["llama2-70b"], TrainConfig(global_batch=8, seq_len=4096))
     with pytest.raises(InfeasibleError, match="not a multiple of micro-batch size"):
-        plan_layout(cluster, PRESETS["llama-tiny"], TrainConfig(global_batch=7, seq_len=64, micro_batch_size=2))
+        plan_layout(cluster, PRESETS["llama-tiny"], TrainConfig(global_batch=7, seq_len=64), micro_batch=2)
     with pytest.raises(InputError, match="unknown strategy"):
         plan_layout(cluster, PRESETS["llama-tiny"], TrainConfig(global_batch=8, seq_len=64), strategy="magic")
 

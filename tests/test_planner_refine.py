@@ -101,7 +101,7 @@ def test_a_device_level_move_beats_whole_group_moves() -> None:
     cluster = build_cluster("1x8xRTX-4090")
     train = TrainConfig(global_batch=64, seq_len=2048)
     cache = _cache(cluster, "llama-1b", train)
-    total = micro_batches(train.global_batch, train.micro_batch_size)
+    total = micro_batches(train.global_batch, 1)
     start = _start(cache, [((0, 1, 2, 3),), ((4, 5, 6, 7),)], total)
     groups, _ = refine(cache, start, total, 0, math.inf, device_moves=False)
     devices, _ = refine(cache, start, total, 0, math.inf)
@@ -116,7 +116,7 @@ def test_device_moves_stay_inside_an_island() -> None:
     cluster = _two_sockets("1x8xRTX-4090", 4.0)
     train = TrainConfig(global_batch=32, seq_len=2048)
     cache = _cache(cluster, "llama-1b", train)
-    total = micro_batches(train.global_batch, train.micro_batch_size)
+    total = micro_batches(train.global_batch, 1)
     start = _start(cache, [((0, 2, 4, 6),), ((1, 3, 5, 7),)], total)
     better, _ = refine(cache, start, total, 0, math.inf)
     assert better.score_s < start.score_s

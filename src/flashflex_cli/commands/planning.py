@@ -59,14 +59,14 @@ def _cost_params(path: Path | None, layers: list[Path] | None = None, plan: Plan
     return params
 
 
-def _train(global_batch: int, seq_len: int, micro_batch: int, dtype: str, recompute: bool,
+def _train(global_batch: int, seq_len: int, dtype: str, recompute: bool,
            attention: str = "sdpa") -> TrainConfig:
     from pydantic import ValidationError
 
     from ..fileio import validation_message
 
     try:
-        return TrainConfig(global_batch=global_batch, seq_len=seq_len, micro_batch_size=micro_batch, dtype=dtype,
+        return TrainConfig(global_batch=global_batch, seq_len=seq_len, dtype=dtype,
                            recompute=recompute, attention=attention)
     except ValidationError as exc:
         raise InputError(validation_message("options", exc)) from None
@@ -118,7 +118,7 @@ def plan_command(
     cluster = load_cluster(cluster_file)
     spec = resolve_model(model)
     dtypes = AUTO_DTYPES if dtype == AUTO else (dtype,)
-    train = _train(global_batch, seq_len, micro_batch or 1, dtypes[0], recompute, attention)
+    train = _train(global_batch, seq_len, dtypes[0], recompute, attention)
     params = _cost_params(cost_params, layers, model=spec, train=train, dtypes=dtypes)
     options = Fleet.from_options(cluster, prices_file, objective, budget, exclude)
     stats = SearchStats()
@@ -131,7 +131,7 @@ def plan_command(
         found = fleet.plan(lambda sub: plan_layout(
             sub, spec, trained, strategy=strategy, time_budget_s=time_budget, seed=seed,
             params=params, stats=stats, max_micro_batch=max_micro_batch if micro_batch is None else None,
-            jobs=jobs or usable_cores()))
+            jobs=jobs or usable_cores(), micro_batch=micro_batch or 1))
         found = reestimated(found, estimate(found, cluster, params))  # records the layer profiles it used
         assert fleet.choice is not None  # fleet.plan raises otherwise
         return DtypeTrial(chosen, found, float(found.predicted["tokens_per_s"]),  # type: ignore[index]
@@ -162,7 +162,7 @@ def plan_command(
     if baseline and strategy != "uniform":
         try:
             uniform = fleet.baseline(plan_layout(fleet.baseline_cluster(), spec, train, strategy="uniform",
-                                                 seed=seed, params=params))
+                                                 seed=seed, params=params, micro_batch=micro_batch or 1))
         except FlashflexError as exc:
             why = str(exc)
     if strategy != "uniform":

@@ -132,7 +132,7 @@ def lean_transfer_time(cluster: Cluster, src: Sequence[str], dst: Sequence[str],
 
 
 def p2p_time(cluster: Cluster, src: Sequence[str], dst: Sequence[str], model: ModelSpec, train: TrainConfig,
-             params: CostParams, micro_batch_size: int | None = None, lean: bool = True) -> float:
+             params: CostParams, micro_batch_size: int, lean: bool = True) -> float:
     """Seconds to pass one micro-batch's activation [mbs, seq, hidden] from stage `src` to stage `dst`.
 
     `lean` (the runtime's default, RuntimeOptions.lean_p2p): scatter-gather in the compute dtype
@@ -140,10 +140,9 @@ def p2p_time(cluster: Cluster, src: Sequence[str], dst: Sequence[str], model: Mo
     Otherwise every destination receives the whole tensor at `params.activation_transfer_bytes` per element
     (4: fp32, what the runtime sends with lean transfers off).
     The same time applies to the gradient sent back in the backward pass (call with the stages swapped).
-    `micro_batch_size`: the pipeline's own (default train.micro_batch_size).
+    `micro_batch_size`: the pipeline's micro-batch, mbs sequences.
     """
-    mbs = micro_batch_size or train.micro_batch_size
-    numel = mbs * train.seq_len * model.hidden_size
+    numel = micro_batch_size * train.seq_len * model.hidden_size
     if lean:
         nbytes = numel * transfer_element_bytes(train)
         return lean_transfer_time(cluster, src, dst, nbytes, params.p2p_efficiency, params.tp_comm_efficiency)

@@ -125,12 +125,10 @@ def measured_layer_comm(cluster: Cluster, devices: Sequence[str], model: ModelSp
 
 
 def layer_times(cluster: Cluster, devices: Sequence[str], model: ModelSpec, train: TrainConfig,
-                params: CostParams, micro_batch_size: int | None = None) -> LayerTimes:
-    """Per-micro-batch times of one layer, the embedding and the head on the TP group `devices`.
-
-    `micro_batch_size`: the pipeline's own (default train.micro_batch_size).
-    """
-    return _layer_times(cluster, tuple(devices), model, train, params, micro_batch_size or train.micro_batch_size)
+                params: CostParams, micro_batch_size: int) -> LayerTimes:
+    """Per-micro-batch times of one layer, the embedding and the head on the TP group `devices`, for the
+    pipeline's micro-batches of `micro_batch_size` sequences."""
+    return _layer_times(cluster, tuple(devices), model, train, params, micro_batch_size)
 
 
 _CACHE: dict[tuple, tuple[object, LayerTimes]] = {}

@@ -156,7 +156,7 @@ def _micro_batch(p: A.PartShape, num_layers: int, first: bool, last: bool, recom
 
 @lru_cache(maxsize=65536)
 def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int, first: bool, last: bool,
-                 in_flight: int, params: CostParams, micro_batch_size: int | None = None,
+                 in_flight: int, params: CostParams, micro_batch_size: int,
                  reserve_bytes: float | None = None, measured: MeasuredCosts | None = None,
                  num_micro: int | None = None, on_cuda: bool = True, dp_shared: bool = False,
                  warmup: int | None = None) -> MemoryBreakdown:
@@ -164,14 +164,14 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
 
     in_flight: k, micro-batches alive at once (1F1B: min(S - s, m) on stage s of S). num_micro: m, the
     pipeline's micro-batches (None: more than k, the steady state). warmup: forwards before the first backward
-    (None: k - 1). micro_batch_size: the pipeline's own (default train.micro_batch_size). reserve_bytes: memory
+    (None: k - 1). micro_batch_size: the pipeline's, in sequences. reserve_bytes: memory
     outside the allocator (default params.memory_reserve_bytes, the GPU figure). measured: the group's layer
     profile at this micro-batch size and TP degree, if any. on_cuda: a GPU stage (the runtime's paths and
     autocast's softmax policy differ on CPU devices). dp_shared: the stage's gradients are reduced across
     pipelines.
     """
     paths = params.runtime.resolved(on_cuda)
-    mbs = micro_batch_size or train.micro_batch_size
+    mbs = micro_batch_size
     m = num_micro if num_micro is not None else in_flight + 1
     w = warmup if warmup is not None else in_flight - 1
     dtype = params.compute_dtype or compute_dtype(train.dtype)

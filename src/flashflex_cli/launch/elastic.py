@@ -143,6 +143,14 @@ def predicted_tokens_per_s(plan: Plan, cluster: Cluster, params: CostParams) -> 
     return float(checked.estimate.tokens_per_s)
 
 
+def replan_micro_batch(old: Plan) -> tuple[int, int | None]:
+    """The micro-batch sizes (sequences) a re-plan of `old` may use, as `plan_layout`'s (micro_batch,
+    max_micro_batch): the one size every pipeline of `old` runs, pinned; pipelines of several sizes let the
+    search choose from the smallest of them up to the largest."""
+    sizes = sorted({pipe.micro_batch_size for pipe in old.pipelines})
+    return (sizes[0], None) if len(sizes) == 1 else (sizes[0], sizes[-1])
+
+
 def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, time_budget_s: float) -> Plan:
     """A plan of `old`'s model and training configuration for `cluster`, with `old`'s strategy ("flashflex" for a
     hand-made plan) and seed; InfeasibleError when none fits."""
@@ -152,8 +160,9 @@ def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, t
 
     inputs = old.inputs
     strategy = inputs.strategy if inputs.strategy in STRATEGIES else "flashflex"
+    micro_batch, max_micro_batch = replan_micro_batch(old)
     plan = plan_layout(cluster, inputs.model, inputs.train, strategy=strategy, time_budget_s=time_budget_s,
-                       seed=inputs.seed, params=params)
+                       seed=inputs.seed, params=params, micro_batch=micro_batch, max_micro_batch=max_micro_batch)
     plan = reestimated(plan, estimate(plan, cluster, params))
     return plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"cluster_path": cluster_path})})
 

@@ -39,7 +39,8 @@ Seed = limited(SEED)
 
 
 class TrainConfig(_Strict):
-    """What one optimizer step processes. global_batch and micro_batch_size count sequences.
+    """What one optimizer step processes. global_batch counts sequences; each pipeline of the plan carries its
+    own micro-batch size (`PipelinePlan.micro_batch_size`).
 
     dtype: bf16/fp16 (mixed precision), fp32, or tf32 (fp32 tensors, TF32 tensor-core matmuls).
     attention: the attention kernel: flash (flash-attn), sdpa (torch's fused scaled_dot_product_attention)
@@ -49,10 +50,21 @@ class TrainConfig(_Strict):
 
     global_batch: Sequences
     seq_len: SeqLen
-    micro_batch_size: Sequences = 1
     dtype: Literal["bf16", "fp16", "fp32", "tf32"] = "bf16"
     recompute: bool = False
     attention: Literal["flash", "sdpa", "eager"] = "sdpa"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_old_micro_batch(cls, data: Any) -> Any:
+        """Plans written before the pipelines were the micro-batch size's only home carry a placeholder
+        `micro_batch_size` here (what the planner was given); it is checked as a count and dropped."""
+        if isinstance(data, dict) and "micro_batch_size" in data:
+            data = dict(data)
+            problem = SEQUENCES.problem(data.pop("micro_batch_size"))
+            if problem is not None:
+                raise ValueError(f"micro_batch_size {problem}")
+        return data
 
     @property
     def tokens_per_step(self) -> int:

@@ -84,7 +84,9 @@ class _Measure:
     def __init__(self, plan: Plan, cluster: Cluster, params: CostParams) -> None:
         self.plan, self.cluster, self.params = plan, cluster, params
         train = plan.inputs.train
-        self.cache = CostCache(DeviceGraph(cluster, train.dtype), plan.inputs.model, train, params)
+        # an idle group's pipeline or stages run the plan's smallest micro-batch size (sequences)
+        self.micro_batch = min(pipe.micro_batch_size for pipe in plan.pipelines)
+        self.cache = CostCache(DeviceGraph(cluster, train.dtype), plan.inputs.model, train, params, self.micro_batch)
         self.base = estimate(plan, cluster, params)
         by_pipe: dict[int, list[StageEstimate]] = {}
         for st in self.base.stages:
@@ -119,12 +121,12 @@ class _Measure:
         g = cache.graph
         used = [g.index[r.device] for r in self.plan.ranks()]
         share = float(g.flops[idx].sum()) / float(g.flops[used + idx].sum())
-        total_micro = max(1, train.global_batch // train.micro_batch_size)
+        total_micro = max(1, train.global_batch // self.micro_batch)
         return best_pipeline(cache, idx, max(1, round(total_micro * share)), total_micro)
 
     def own_pipeline(self, idx: list[int], devices: set[str], pipe: PipeEval | None) -> _Option:
         """The group as one more pipeline (`pipe`: its structure, from `group_pipeline`)."""
-        cache, train = self.cache, self.plan.inputs.train
+        cache = self.cache
         what = "as a pipeline of its own"
         if pipe is None:
             reserve = cache.params.memory_reserve_bytes
@@ -137,7 +139,7 @@ class _Measure:
             return _Option(what, 0.0, why)
         stages, mbs = self._existing()
         stages.append(self._stages_of(pipe.stages, pipe.counts))
-        mbs.append(train.micro_batch_size)
+        mbs.append(self.micro_batch)
         pace = [pf[0] for pf in self.pace_fill] + [pipe.pace_s]
         fill = [pf[1] for pf in self.pace_fill] + [pipe.fill_s]
         return self._judge(what, self._build(stages, mbs, pace, fill, devices), len(stages) - 1, idx, pipe.num_stages)
@@ -145,7 +147,7 @@ class _Measure:
     def extra_stages(self, idx: list[int], devices: set[str], own: PipeEval | None) -> _Option | None:
         """The group as extra stages (at the end or the front) of the pipelines with the fastest links to it;
         its TP groups as in `own` (its own pipeline's structure), else of the largest supported degree."""
-        cache, train, cluster = self.cache, self.plan.inputs.train, self.cluster
+        cache, cluster = self.cache, self.cluster
         g = cache.graph
         node = cluster.node_of(g.ids[idx[0]])
         degrees = tp_degrees(self.plan.inputs.model, len(idx))
@@ -168,7 +170,7 @@ class _Measure:
                 else:
                     stages, mbs = self._existing()
                     stages[p] = self._stages_of(ev.stages, ev.counts)
-                    mbs[p] = train.micro_batch_size
+                    mbs[p] = self.micro_batch
                     pace = [pf[0] for pf in self.pace_fill]
                     fill = [pf[1] for pf in self.pace_fill]
                     pace[p], fill[p] = ev.pace_s, ev.fill_s

@@ -65,7 +65,7 @@ def build_plan(cache: CostCache, cand: Candidate, strategy: str, seed: int,
     """The `Plan` of a candidate, with `predicted` from the cost model's `estimate`."""
     g, train, model = cache.graph, cache.train, cache.model
     pipelines = []
-    sizes = cand.mbs or (train.micro_batch_size,) * len(cand.pipes)
+    sizes = cand.mbs or (cache.micro_batch,) * len(cand.pipes)
     for pipe, micro, mbs in zip(cand.pipes, cand.micro, sizes, strict=True):
         start, stages = 0, []
         for devs, n in zip(pipe.stages, pipe.counts, strict=True):

@@ -31,10 +31,13 @@ M = TypeVar("M")
 
 
 class CostCache:
-    """Memoised cost questions about device groups of one cluster, model and training configuration."""
+    """Memoised cost questions about device groups of one cluster, model and training configuration, at one
+    micro-batch size (`micro_batch`, sequences)."""
 
-    def __init__(self, graph: DeviceGraph, model: ModelSpec, train: TrainConfig, params: CostParams) -> None:
+    def __init__(self, graph: DeviceGraph, model: ModelSpec, train: TrainConfig, params: CostParams,
+                 micro_batch: int = 1) -> None:
         self.graph, self.model, self.train, self.params = graph, model, train, params
+        self.micro_batch = micro_batch
         # the runtime's memory paths differ on emulated CPU devices (a cluster is one or the other in practice)
         self.on_cuda = is_cuda_group(graph.cluster, graph.ids)
         self._stage: dict[int, LayerTimes] = {}
@@ -87,7 +90,7 @@ class CostCache:
         hit = self._stage.get(key)
         if hit is None:
             ids = [self.graph.ids[i] for i in devs]
-            hit = layer_times(self.graph.cluster, ids, self.model, self.train, self.params)
+            hit = layer_times(self.graph.cluster, ids, self.model, self.train, self.params, self.micro_batch)
             self._stage[key] = hit
         self._stage_by_devs[devs] = hit
         return hit
@@ -104,7 +107,7 @@ class CostCache:
         if hit is None:
             ids_a = [g.ids[i] for i in src]
             ids_b = [g.ids[i] for i in dst]
-            hit = p2p_time(g.cluster, ids_a, ids_b, self.model, self.train, self.params)
+            hit = p2p_time(g.cluster, ids_a, ids_b, self.model, self.train, self.params, self.micro_batch)
             self._p2p[key] = hit
         self._p2p_by_devs[(src, dst)] = hit
         return hit
@@ -128,7 +131,7 @@ class CostCache:
 
     def _memory(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> float:
         return float(stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params,
-                                  on_cuda=self.on_cuda).total)
+                                  self.micro_batch, on_cuda=self.on_cuda).total)
 
     def max_layers(self, tp: int, first: bool, last: bool, in_flight: int, capacity: float) -> int:
         """Most layers (0..L) a stage of degree `tp` can hold within `capacity` bytes per device."""
@@ -171,7 +174,7 @@ class CostCache:
     def stage_bytes_breakdown(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> MemoryBreakdown:
         """The cost model's MemoryBreakdown of a stage (bytes per device)."""
         return stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params,
-                            on_cuda=self.on_cuda)
+                            self.micro_batch, on_cuda=self.on_cuda)
 
     def stage_bytes(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> float:
         """Bytes per device of a stage (the cost model's figure)."""

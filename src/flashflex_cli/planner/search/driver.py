@@ -83,16 +83,17 @@ def _uniform_seeds(cache: CostCache, total_micro: int) -> tuple[list[Candidate],
 def plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy: str = "flashflex",
                 time_budget_s: float = 30.0, seed: int = 0, params: CostParams | None = None,
                 stats: SearchStats | None = None, device_moves: bool = True,
-                max_micro_batch: int | None = None, jobs: int = 1) -> Plan:
+                max_micro_batch: int | None = None, jobs: int = 1, micro_batch: int = 1) -> Plan:
     """Plan an asymmetric layout of `model` on `cluster` for `train` (module docstring); InfeasibleError
     when none exists; InputError for an unknown strategy. `device_moves=False` limits refinement to
-    whole-group moves (to measure what the device-level moves add). `max_micro_batch`: None pins every
-    pipeline's micro-batch size to train.micro_batch_size; a number lets the flashflex strategy choose each
-    pipeline's size among train.micro_batch_size x 2^j up to it (`microbatch.MicroBatchSearch`). `jobs`:
+    whole-group moves (to measure what the device-level moves add). `micro_batch`: the base micro-batch size
+    (sequences). `max_micro_batch`: None pins every pipeline's micro-batch size to `micro_batch`; a number lets
+    the flashflex strategy choose each pipeline's size among micro_batch x 2^j up to it
+    (`microbatch.MicroBatchSearch`). `jobs`:
     worker processes for the search's independent units (`pool.SearchPool`; the plan does not depend on it)."""
     with _no_cycle_collection():
         return _plan_layout(cluster, model, train, strategy, time_budget_s, seed, params, stats, device_moves,
-                            max_micro_batch, jobs)
+                            max_micro_batch, jobs, micro_batch)
 
 
 @contextmanager
@@ -111,7 +112,7 @@ def _no_cycle_collection() -> Iterator[None]:
 
 def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy: str, time_budget_s: float,
                  seed: int, params: CostParams | None, stats: SearchStats | None, device_moves: bool,
-                 max_micro_batch: int | None, jobs: int) -> Plan:
+                 max_micro_batch: int | None, jobs: int, micro_batch: int) -> Plan:
     """`plan_layout` itself."""
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -120,8 +121,8 @@ def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strateg
     started = time.monotonic()
     stats = stats if stats is not None else SearchStats()
     params = params or CostParams()
-    total = micro_batches(train.global_batch, train.micro_batch_size)
-    cache = CostCache(DeviceGraph(cluster, train.dtype), model, train, params)
+    total = micro_batches(train.global_batch, micro_batch)
+    cache = CostCache(DeviceGraph(cluster, train.dtype), model, train, params, micro_batch)
     check_feasible(cache, total)
     deadline = started + max(0.0, time_budget_s)
     if strategy == "uniform":
@@ -161,13 +162,13 @@ def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strateg
 
 
 def scored_candidates(cluster: Cluster, model: ModelSpec, train: TrainConfig, seed: int = 0,
-                      params: CostParams | None = None) -> tuple[CostCache, list[Candidate]]:
+                      params: CostParams | None = None, micro_batch: int = 1) -> tuple[CostCache, list[Candidate]]:
     """Every candidate the flashflex strategy's search scores before refinement (both phases and the uniform
     seeds), ranked by fast score, with the cache that scored them: for benchmarks and diagnostics of the fast
     score against `cost.estimate` (no time budget, one process)."""
     params = params or CostParams()
-    total = micro_batches(train.global_batch, train.micro_batch_size)
-    cache = CostCache(DeviceGraph(cluster, train.dtype), model, train, params)
+    total = micro_batches(train.global_batch, micro_batch)
+    cache = CostCache(DeviceGraph(cluster, train.dtype), model, train, params, micro_batch)
     check_feasible(cache, total)
     resplit, _ = _uniform_seeds(cache, total)
     with SearchPool(cache, 1) as pool:

@@ -96,13 +96,14 @@ def nothing_fits(cache: CostCache) -> InfeasibleError:
     """Why no layout was found: the batch too small for the shortest pipeline that fits, or memory."""
     model, g, train = cache.model, cache.graph, cache.train
     fitting = [pipe.num_stages for pipe in evaluated(cache) if pipe.ok]
-    total = train.global_batch // train.micro_batch_size
+    mbs = cache.micro_batch
+    total = train.global_batch // mbs
     if fitting and min(fitting) > total:
         need = min(fitting)
         return InfeasibleError(
-            f"global batch {train.global_batch} gives {total} micro-batches of {train.micro_batch_size}, but the "
+            f"global batch {train.global_batch} gives {total} micro-batches of {mbs}, but the "
             f"smallest pipeline of {model.name} that fits in memory has {need} stages and 1F1B needs a "
-            f"micro-batch per stage; use a global batch of at least {need * train.micro_batch_size}"
+            f"micro-batch per stage; use a global batch of at least {need * mbs}"
         )
     need = model_state_bytes(cache)
     have = sum(cache.capacity((i,)) - cache.params.memory_reserve_bytes for i in range(g.size))

@@ -98,17 +98,16 @@ class MicroBatchSearch:
         train = cache.train
         self.base = cache
         self.total = train.global_batch
-        self.options = mbs_options(train.global_batch, train.micro_batch_size, max_mbs)
-        self.caches = {b: cache if b == train.micro_batch_size else
-                       CostCache(cache.graph, cache.model, train.model_copy(update={"micro_batch_size": b}),
-                                 cache.params) for b in self.options}
+        self.options = mbs_options(train.global_batch, cache.micro_batch, max_mbs)
+        self.caches = {b: cache if b == cache.micro_batch else CostCache(cache.graph, cache.model, train, cache.params, b)
+                       for b in self.options}
 
     def tune(self, cand: Candidate) -> Candidate | None:
         """`cand`'s layout with the micro-batch size of every pipeline chosen (module docstring); None when
         it keeps the base size everywhere (nothing to add)."""
         if len(self.options) < 2:
             return None
-        base_b = self.base.train.micro_batch_size
+        base_b = self.base.micro_batch
         count = len(cand.pipes)
         # pipelines of equal shape (same stage keys and counts at the base size) take the same size
         shape_of = [tuple(self.base.stage_key(st) for st in pipe.stages) for pipe in cand.pipes]

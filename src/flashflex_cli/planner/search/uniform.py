@@ -103,7 +103,7 @@ def uniform_plan(cache: CostCache, layout: UniformLayout, total_micro: int, seed
         for devs, n in zip(stages, layers, strict=True):
             plans.append(StagePlan(devices=[g.ids[i] for i in devs], tp=layout.tp, layers=(start, start + n)))
             start += n
-        pipelines.append(PipelinePlan(micro_batch_size=train.micro_batch_size,
+        pipelines.append(PipelinePlan(micro_batch_size=cache.micro_batch,
                                       num_micro_batches=total_micro // layout.dp, stages=plans))
     used = layout.tp * layout.pp * layout.dp
     idle = [UnusedDevice(device=g.ids[i], reason=f"uniform layout {layout.dp}x{layout.pp}x{layout.tp} "

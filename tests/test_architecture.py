@@ -173,3 +173,41 @@ def test_parts_that_plan_and_cost_import_without_torch(part: str) -> None:
     code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + "print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False"
+
+
+# What the cost model and the runtime must agree on, imported by both from semantics/ (module: names each uses)
+SHARED = {
+    "semantics.schedule": {"cost.schedule": {"one_f_one_b"}, "runtime.pipeline": {"one_f_one_b"}},
+    "semantics.buckets": {"cost.dp": {"KEY_NORM", "KEY_HEAD", "KEY_EMBED", "KEY_UNORDERED", "overlap_order"},
+                          "runtime.grad_buckets": {"KEY_UNORDERED", "backward_key", "overlap_order"}},
+    "semantics.boundary": {"cost.comm": {"chunk_route"}, "runtime.pipeline": {"ChunkPlan"}},
+}
+
+
+def _top_level_names(source: str) -> set[str]:
+    """Names a module defines at its top level (functions, classes, assignments)."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+@pytest.mark.parametrize("shared", sorted(SHARED))
+def test_the_cost_model_and_the_runtime_import_what_they_share_and_restate_none_of_it(shared: str) -> None:
+    """The 1F1B order, the gradient-bucket keys and order and the lean-transfer chunk route have one home: each
+    user imports them from it, and no module outside semantics/ defines a name of it again."""
+    home = PACKAGE.joinpath(*shared.split(".")).with_suffix(".py")
+    public = {n for n in _top_level_names(home.read_text()) if not n.startswith("_")}
+    for user, names in SHARED[shared].items():
+        path = PACKAGE.joinpath(*user.split(".")).with_suffix(".py")
+        imported = _imports(path.read_text(), f"{ROOT}.{user}", False)
+        missing = {n for n in names if f"{ROOT}.{shared}.{n}" not in imported}
+        assert not missing, f"{user} does not import {sorted(missing)} from {shared}"
+    restated = [f"{_module_name(p)}.{n}" for p in _sources() if _part(_module_name(p)) != "semantics"
+                for n in sorted(_top_level_names(p.read_text()) & public)]
+    assert not restated, f"defined again outside {shared}: {restated}"

@@ -35,16 +35,12 @@ from typing import NamedTuple
 from ..hardware.cluster import Cluster
 from ..model import flops as F
 from ..plan.schema import Plan
+from ..semantics.buckets import KEY_EMBED, KEY_HEAD, KEY_NORM, KEY_UNORDERED, overlap_order
 from .comm import ring_allreduce_seconds, ring_link
 from .params import CostParams
 from .view import view
 
 StageKey = tuple[int, int]
-
-# backward-order keys of the non-layer buckets (larger = earlier; layers use their index)
-KEY_NORM = 1 << 30
-KEY_HEAD = KEY_NORM + 1
-KEY_EMBED = -1
 
 
 @dataclass(frozen=True)
@@ -143,9 +139,9 @@ def dp_buckets(plan: Plan, cluster: Cluster, params: CostParams) -> list[DPBucke
     sets = [(key, tuple(sorted(holders)), count) for key, holders, count in _holder_sets(plan) if len(holders) > 1]
     merged: dict[tuple[int, tuple[StageKey, ...]], float] = {}
     for key, holders, count in sets:
-        k = (key if params.dp_overlap else 0, holders)
+        k = (key if params.dp_overlap else KEY_UNORDERED, holders)
         merged[k] = merged.get(k, 0.0) + count
-    order = sorted(merged, key=lambda k: (-k[0], k[1]))
+    order = sorted(merged, key=lambda k: overlap_order(*k))
     out = []
     costs: dict[tuple[tuple[StageKey, ...], float], BucketTime] = {}
     for key, holders in order:

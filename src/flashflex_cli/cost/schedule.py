@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from itertools import chain, repeat
 
 import numpy as np
+
+from ..semantics.schedule import FORWARD, one_f_one_b
 
 
 @dataclass(frozen=True)
@@ -42,17 +43,9 @@ class ScheduleResult:
 
 
 def stage_order(stage: int, num_stages: int, num_micro_batches: int) -> list[tuple[bool, int]]:
-    """The 1F1B operation order of one stage: (is_forward, micro-batch index) pairs."""
-    m = num_micro_batches
-    warmup = min(num_stages - stage - 1, m)
-    steady = m - warmup
-    order = list(zip(repeat(True, warmup), range(warmup), strict=True))
-    # steady state: forward warmup + i, then backward i
-    forwards = zip(repeat(True, steady), range(warmup, m), strict=True)
-    order.extend(chain.from_iterable(zip(forwards, zip(repeat(False, steady), range(steady), strict=True),
-                                         strict=True)))
-    order.extend(zip(repeat(False, warmup), range(steady, m), strict=True))
-    return order
+    """The 1F1B operation order of one stage, the runtime's (`semantics.schedule.one_f_one_b`): (is_forward,
+    micro-batch index) pairs."""
+    return [(op == FORWARD, i) for op, i in one_f_one_b(num_stages, stage, num_micro_batches)]
 
 
 def simulate_1f1b(fwd_s: Sequence[float], bwd_s: Sequence[float], p2p_s: Sequence[float],

@@ -62,21 +62,22 @@ class Trials(TrialSpace):
         if hit is not None:
             return hit[0]
         pieces = self._pieces_of(sizes, order)
-        stages, keep = self._assemble(pieces)
-        micro, most = self.micro, self.max_stages
+        micro, most, layers = self.micro, self.max_stages, self.cache.model.num_layers
         terms, links, shape = None, None, None
-        if keep is None:
-            *terms, room = self._terms_and_room(pieces, len(stages))
-            if room < self.cache.model.num_layers:  # the exact figure, inf, without a layer split
+        count = sum([piece.summary.count for piece in pieces])
+        if count <= layers:  # every stage kept (`_assemble`): the stages are listed only for a split
+            *terms, room = self._terms_and_room(pieces, count)
+            if room < layers:  # the exact figure, inf, without a layer split
                 self._seen[key] = (INFEASIBLE, UNFIT)
                 return INFEASIBLE
-            if len(stages) <= most and 2 * room < 3 * self.cache.model.num_layers:  # memory binds: worth a probe
-                links = self._links(pieces, stages, None)
+            if count <= most and 2 * room < 3 * layers:  # memory binds: worth a probe
+                links = self._links(pieces, (), None)
                 probed = self._slower_than(terms, links, limit)
                 if probed is not None:
                     self._bounds[key] = probed
                     return INFEASIBLE
             shape = lambda: self._shape(pieces)  # noqa: E731
+        stages, keep = self._assemble(pieces)
         low: list[float] = []
 
         def skip(pace: float, fill: float, count: int) -> bool:

@@ -29,7 +29,7 @@ class Kept:
             run = piece.summary
             if run.fastest > cut:
                 continue
-            if run.slowest < cut:  # kept whole: its summary (`_plus`, inlined: the hot path)
+            if run.slowest < cut:  # kept whole: its summary (as `sweeps._summed`)
                 count += run.count
                 inverse += run.inverse
                 total += run.total

@@ -17,26 +17,25 @@ from bisect import bisect_left
 
 from ...cost.schedule import pair_window_s
 from ..scoring.cost_cache import CostCache
-from .bounds import INFEASIBLE, Summary, combine
+from .bounds import INFEASIBLE, combine
 from .kept import Kept, whole
 from .pieces import Piece, Sizes, TrialSpace
 
 Sums = tuple[int, float, float, float, float, float]  # count, sum 1 / t, sum t, inner links, largest window, fastest
 
 
-def _plus(sums: Sums, run: Summary) -> Sums:
-    """`sums` with one more run of stages added (its count, 1 / t, t and links summed, windows and t compared)."""
-    count, inverse, total, hops, pace, fastest = sums
-    return (count + run.count, inverse + run.inverse, total + run.total, hops + run.hops,
-            max(pace, run.slowest, run.pair), min(fastest, run.fastest))
-
-
 def _summed(pieces: list[Piece]) -> Sums:
-    """The `Sums` of the pieces' summaries, in order."""
-    sums: Sums = (0, 0.0, 0.0, 0.0, 0.0, float("inf"))
+    """The `Sums` of the pieces' summaries, in order (count, 1 / t, t and links summed, windows and t compared)."""
+    count, inverse, total, hops, pace, fastest = 0, 0.0, 0.0, 0.0, 0.0, float("inf")
     for piece in pieces:
-        sums = _plus(sums, piece.summary)
-    return sums
+        run = piece.summary
+        count += run.count
+        inverse += run.inverse
+        total += run.total
+        hops += run.hops
+        pace = max(pace, run.slowest, run.pair)
+        fastest = min(fastest, run.fastest)
+    return count, inverse, total, hops, pace, fastest
 
 
 class Totals:

@@ -121,3 +121,43 @@ def test_the_cheap_floor_never_exceeds_the_fast_score_and_lets_refinement_skip_i
             above += 1
             assert score(cache, pipes, train.global_batch, bound=floor) is None
     assert above >= 10
+
+
+def test_the_floor_from_the_known_pipelines_never_exceeds_the_fast_score() -> None:
+    """`dp_finish_below`'s floor (the timeline with only the pipelines whose terms are memoised), for every
+    candidate of a 32-GPU 10 GbE search and each pipeline known alone: never above `dp_finish` (compared exactly:
+    every later step is monotone in the ready times), at least `dp_finish_floor`, and above it for some; with a
+    bound at or below it `dp_finish_below` gives None, with a bound above `dp_finish` its exact figure (most of
+    these floors lie above `dp_finish_floor`: the refinement skips more data-parallel terms)."""
+    from flashflex_cli.cost.schedule import closed_form_s as pipeline_time
+    from flashflex_cli.planner.space.batch_split import split_batch
+
+    train = TrainConfig(global_batch=64, seq_len=4096)
+    cache, cands = scored_candidates(build_cluster(_eth10(32)), PRESETS["llama2-7b"], train)
+    tighter = checked = 0
+    for cand in cands:
+        pipes = cand.pipes
+        if len(pipes) < 2:
+            continue
+        micro = split_batch(train.global_batch, [p.pace_s for p in pipes], [p.fill_s - p.pace_s for p in pipes],
+                            [p.num_stages for p in pipes])
+        assert micro is not None
+        ends = [pipeline_time(p.pace_s, p.fill_s, m) for p, m in zip(pipes, micro, strict=True)]
+        exact = dp_score.dp_finish(cache, pipes, ends)
+        for alone in range(len(pipes)):
+            known = [dp_score.pipe_terms(cache, p) if q == alone else None for q, p in enumerate(pipes)]
+            floor = dp_score._known_floor(cache, pipes, ends, known)
+            assert dp_score.dp_finish_floor(cache, pipes, ends) <= floor <= exact
+            tighter += floor > dp_score.dp_finish_floor(cache, pipes, ends)
+            checked += 1
+        memo = cache.memo(dp_score.DpMemo).terms
+        saved = dict(memo)
+        memo.clear()
+        dp_score.pipe_terms(cache, pipes[0])  # the first pipeline known, the others not
+        floor = dp_score._known_floor(cache, pipes, ends, [dp_score.pipe_terms(cache, pipes[0])] +
+                                      [None] * (len(pipes) - 1))
+        assert dp_score.dp_finish_below(cache, pipes, ends, floor) is None
+        memo.clear()
+        memo.update(saved)
+        assert dp_score.dp_finish_below(cache, pipes, ends, exact * 1.01 + 1e-12) == exact
+    assert checked >= 10 and 2 * tighter >= checked

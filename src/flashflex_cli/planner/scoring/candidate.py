@@ -17,7 +17,7 @@ from ...cost.schedule import closed_form_s
 from ...plan.schema import PipelinePlan, Plan, PlanInputs, StagePlan, UnusedDevice
 from ..space.batch_split import split_batch
 from .cost_cache import CostCache
-from .dp_score import dp_finish, dp_finish_floor
+from .dp_score import dp_finish_below, dp_finish_floor
 from .pipeline_score import PipeEval
 
 
@@ -45,8 +45,9 @@ class Candidate:
 def score(cache: CostCache, pipes: list[PipeEval] | tuple[PipeEval, ...], total_micro: int,
           bound: float = float("inf")) -> Candidate | None:
     """Batch-split `pipes` and score them; None when a pipeline does not fit or the batch is too small, or
-    when a lower bound (the slowest pipeline, then `dp_score.dp_finish_floor`) already reaches `bound` seconds
-    (the score can only be larger, so the data-parallel term is not computed)."""
+    when a lower bound (the slowest pipeline, then `dp_score.dp_finish_floor`, then the data-parallel timeline of
+    the pipelines already known, `dp_score.dp_finish_below`) already reaches `bound` seconds (the score can only be
+    larger, so the data-parallel term is not computed in full)."""
     if not pipes or not all(pipe.ok for pipe in pipes):
         return None
     ordered = tuple(sorted(pipes, key=lambda pipe: pipe.first_device))
@@ -57,7 +58,8 @@ def score(cache: CostCache, pipes: list[PipeEval] | tuple[PipeEval, ...], total_
     ends = [closed_form_s(p.pace_s, p.fill_s, m) for p, m in zip(ordered, micro, strict=True)]
     if max(ends) >= bound or (bound < float("inf") and dp_finish_floor(cache, ordered, ends) >= bound):
         return None
-    return Candidate(ordered, tuple(micro), dp_finish(cache, ordered, ends))
+    finish = dp_finish_below(cache, ordered, ends, bound)
+    return None if finish is None else Candidate(ordered, tuple(micro), finish)
 
 
 def build_plan(cache: CostCache, cand: Candidate, strategy: str, seed: int,

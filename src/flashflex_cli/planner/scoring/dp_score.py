@@ -13,7 +13,9 @@ runtime's order (head, layers top-down, embedding), each after the previous buck
 stage's buckets run one after another), their cross-node parts queued on the nodes' NICs (`cost.dp.NicQueue`).
 The term is when the last bucket ends (at least the slowest pipeline's end). Without overlap every reduction
 starts after the slowest pipeline, and the term is the longest sum of one stage's buckets or of one node's NIC
-load (a bound of the cost model's sequential timeline: it leaves out waits between stages).
+load (a bound of the cost model's sequential timeline: it leaves out waits between stages). A caller that only
+wants terms below a bound (the refinement) first runs the timeline with the ready times of the pipelines whose
+terms are memoised (`dp_finish_below`): a valid lower bound, so most losing trials never compute the others'.
 """
 
 from __future__ import annotations
@@ -77,11 +79,16 @@ def _terms(cache: CostCache, pipe: PipeEval) -> PipeTerms:
     starts = [end - whole for end, whole in zip(drain_offsets_s(wholes, backs), wholes, strict=True)]
     heads = [0.0] * last + [times[last].head_bwd_s]
     layers = [lt.bwd_s for lt in times]
-    per_stage = np.array([[devs[0] for devs in stages], [len(devs) for devs in stages], range(last + 1)],
-                         dtype=np.int64)
-    return PipeTerms(np.repeat(per_stage, pipe.counts, axis=1),
-                     np.array(layers_ready_s(starts, heads, layers, pipe.counts)),
+    return PipeTerms(_rows(pipe), np.array(layers_ready_s(starts, heads, layers, pipe.counts)),
                      layer_ready_s(starts[last], heads[last], layers[last], 0))
+
+
+def _rows(pipe: PipeEval) -> np.ndarray:
+    """`PipeTerms.rows` of `pipe`: per layer its stage's first device, TP degree and stage index (int64 [3, L])."""
+    stages = pipe.stages
+    per_stage = np.array([[devs[0] for devs in stages], [len(devs) for devs in stages], range(len(stages))],
+                         dtype=np.int64)
+    return np.repeat(per_stage, pipe.counts, axis=1)
 
 
 def _column(cache: CostCache, devices: Sequence[int], min_tp: int, nbytes: float) -> Column:
@@ -167,13 +174,57 @@ def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]
         return slowest + _sequential(cache, pipes)
     terms = [pipe_terms(c, pipe) for c, pipe in zip(caches or [cache] * len(pipes), pipes, strict=True)]
     columns, shares, _ = _layer_columns(cache, terms)
-    embed, head = _end_columns(cache, pipes)
     at = np.asarray(ends, dtype=np.float64)
     layer_ready = (np.stack([t.ready for t in terms]) + at[:, None]).max(axis=0).tolist()
     head_ready = max(e + t.head_s for e, t in zip(ends, terms, strict=True))
+    return _timeline(columns, shares, layer_ready, head_ready, _end_columns(cache, pipes), slowest)
+
+
+def dp_finish_below(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float], bound: float
+                    ) -> float | None:
+    """`dp_finish` (one cache), or None when it is at least `bound` seconds as the pipelines whose `PipeTerms`
+    are memoised already show (`_known_floor`, when some are and some are not: the others' ready times are not
+    computed)."""
+    if len(pipes) >= 2 and cache.params.dp_overlap and bound < float("inf"):
+        known = [_memoised_terms(cache, pipe) for pipe in pipes]
+        if None in known and any(known) and _known_floor(cache, pipes, ends, known) >= bound:
+            return None
+    return dp_finish(cache, pipes, ends)
+
+
+def _memoised_terms(cache: CostCache, pipe: PipeEval) -> PipeTerms | None:
+    """`pipe_terms` of `pipe` when memoised already, else None (nothing computed)."""
+    memo = cache.memo(DpMemo).terms
+    mine = memo.get(id(pipe))
+    if mine is not None and mine[0] is pipe:
+        return mine[1]  # type: ignore[no-any-return]
+    return memo.get((pipe.stages, pipe.counts))  # type: ignore[return-value]
+
+
+def _known_floor(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float],
+                 known: Sequence[PipeTerms | None]) -> float:
+    """A lower bound on `dp_finish` (seconds): its timeline with every layer (and the head) ready when the
+    pipelines of `known` (their `PipeTerms`, None where not memoised) have finished it. A layer's ready time is a
+    max over the pipelines, so over some of them it is no later (-inf over none), and every later step of the
+    timeline (max, +, `NicQueue.run`) is monotone in it, in floating point too: never above `dp_finish`. The
+    others need only their layers' holders (`_rows`), not their ready times."""
+    terms = [t if t is not None else PipeTerms(_rows(pipe), np.full(sum(pipe.counts), -np.inf), -np.inf)
+             for t, pipe in zip(known, pipes, strict=True)]
+    columns, shares, _ = _layer_columns(cache, terms)
+    at = np.asarray(ends, dtype=np.float64)
+    layer_ready = (np.stack([t.ready for t in terms]) + at[:, None]).max(axis=0).tolist()
+    head_ready = max(e + t.head_s for e, t in zip(ends, terms, strict=True))
+    return _timeline(columns, shares, layer_ready, head_ready, _end_columns(cache, pipes), max(ends))
+
+
+def _timeline(columns: list[Column], shares: list[bool], layer_ready: list[float], head_ready: float,
+              end_columns: tuple[Column, Column], slowest: float) -> float:
+    """When the last bucket ends (at least `slowest`): the head's bucket from `head_ready`, then the layers
+    top-down from their ready times, then the embedding after the slowest pipeline, each after the one before
+    where they share a holder, the cross-node parts queued on the NICs (seconds; `end_columns`: the embedding's
+    and the head's columns)."""
+    embed, head = end_columns
     run = NicQueue().run
-    # head, then layers top-down, then the embedding, each after the one before where they share a holder;
-    # the cross-node part also waits for its NICs
     end = run(head_ready, *head)
     latest = end
     top = len(columns) - 1

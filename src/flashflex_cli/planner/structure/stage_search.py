@@ -161,21 +161,30 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
     best: tuple[float, Sizes, tuple[int, ...]] | None = None
     for cost, sizes, order in starts:
         current = (cost, sizes, order)
+        # where each sweep (a unit's, or the orders' as -1) last ended: swept again from there, it tries the same
+        # trials against the cost of their cheapest, so it finds nothing strictly better and is skipped
+        ended: dict[int, tuple] = {}
         for _ in range(MAX_ROUNDS):
             before = current[0]
             # taking every strictly better option in turn ends at the first of the cheapest: `ranked` finds it
-            for unit in units:
+            for u, unit in enumerate(units):
+                if ended.get(u) == trials.key(current[1], current[2]):
+                    continue
                 if len(unit) == 1:
                     for value, trial in trials.unit_ranked(current[1], current[2], unit[0], options[unit[0]],
                                                            current[0]):
                         current = (value, trial, current[2])
-                    continue
-                tried = [({**current[1], **{b: option for b in unit}}, current[2]) for option in options[unit[0]]]
+                else:
+                    tried = [({**current[1], **{b: option for b in unit}}, current[2])
+                             for option in options[unit[0]]]
+                    for value, j in trials.ranked(tried, 1, current[0]):
+                        current = (value, *tried[j])
+                ended[u] = trials.key(current[1], current[2])
+            if ended.get(-1) != trials.key(current[1], current[2]):
+                tried = [(current[1], order) for order in all_orders]
                 for value, j in trials.ranked(tried, 1, current[0]):
                     current = (value, *tried[j])
-            tried = [(current[1], order) for order in all_orders]
-            for value, j in trials.ranked(tried, 1, current[0]):
-                current = (value, *tried[j])
+                ended[-1] = trials.key(current[1], current[2])
             if current[0] >= before:
                 break
         if best is None or current[0] < best[0]:

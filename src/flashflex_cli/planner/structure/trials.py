@@ -4,11 +4,17 @@ A trial (a group-size choice per block and a block order, `pieces.TrialSpace`) i
 the transfers where they join (`bounds.runs_lower_bound`'s figures); the sweeps sum what their trials share once
 (`sweeps`): a unit sweep (one block's sizes vary) the other pieces' totals, an order sweep the order-free totals,
 so a trial costs O(1), resp. O(blocks) joins. A trial with more stages than layers drops its slowest stages (as
-`stage_search.assemble` does) and is bounded over the kept stages piece by piece (`sweeps.Kept`). Only a trial
-whose bound is below the best so far is evaluated: its layers are split exactly, and when its exact fill and
-slowest stage / adjacent pair of stages (a lower bound on the period) already show that it cannot win, the
-window search is skipped and nothing is memoised (`Trials.cost_below`, `pipeline_score.evaluate_unless`);
-otherwise it is evaluated in full (`pipeline_score.evaluate_pipeline`). All figures in seconds per micro-batch.
+`stage_search.assemble` does) and is bounded over the kept stages piece by piece (`kept.Kept`). Only a trial
+whose bound is below the best so far is evaluated. One whose layers do not fit in its stages' memory costs inf,
+known from its pieces' memory rooms without a layer split (`pieces.TrialSpace.fits`; in a unit sweep from the
+other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`). Where memory binds, a trial that could only win
+at a pace its layers cannot keep (each stage and each two adjacent stages within that pace, `Trials._slower_than`)
+is not split either. Otherwise its layers are split exactly, and when its exact fill and slowest stage / adjacent
+pair of stages (a lower bound on the period) already show that it cannot win, the window search is skipped and
+nothing is memoised (`Trials.cost_below`, `pipeline_score.evaluate_unless`); else it is evaluated in full
+(`pipeline_score.evaluate_pipeline`). Every shortcut gives the exact figure or a valid lower bound, so the trials
+ranked, and the structure found, are the ones the plain evaluation of every trial gives. All figures in seconds
+per micro-batch.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from ...cost.schedule import closed_form_s
 from ..scoring.pipeline_score import PipeEval, evaluate_pipeline, evaluate_unless
 from ..space.layer_split import fits_within
 from .bounds import INFEASIBLE, SAFETY, cannot_beat, runs_lower_bound
+from .kept import Kept
 from .pieces import Piece, Sizes, TrialSpace
-from .sweeps import Kept, Totals, UnitBounds
+from .sweeps import Totals, UnitBounds
 
 Trial = tuple[Sizes, tuple[int, ...]]  # group sizes by block position, block order
 UNFIT = PipeEval((), (), INFEASIBLE, INFEASIBLE, INFEASIBLE, False)  # the evaluation of a trial that does not fit
@@ -55,21 +62,22 @@ class Trials(TrialSpace):
         if hit is not None:
             return hit[0]
         pieces = self._pieces_of(sizes, order)
-        stages, keep = self._assemble(pieces)
-        micro, most = self.micro, self.max_stages
+        micro, most, layers = self.micro, self.max_stages, self.cache.model.num_layers
         terms, links, shape = None, None, None
-        if keep is None:
-            *terms, room = self._terms_and_room(pieces, len(stages))
-            if room < self.cache.model.num_layers:  # the exact figure, inf, without a layer split
+        count = sum([piece.summary.count for piece in pieces])
+        if count <= layers:  # every stage kept (`_assemble`): the stages are listed only for a split
+            *terms, room = self._terms_and_room(pieces, count)
+            if room < layers:  # the exact figure, inf, without a layer split
                 self._seen[key] = (INFEASIBLE, UNFIT)
                 return INFEASIBLE
-            if len(stages) <= most and 2 * room < 3 * self.cache.model.num_layers:  # memory binds: worth a probe
-                links = self._links(pieces, stages, None)
+            if count <= most and 2 * room < 3 * layers:  # memory binds: worth a probe
+                links = self._links(pieces, (), None)
                 probed = self._slower_than(terms, links, limit)
                 if probed is not None:
                     self._bounds[key] = probed
                     return INFEASIBLE
             shape = lambda: self._shape(pieces)  # noqa: E731
+        stages, keep = self._assemble(pieces)
         low: list[float] = []
 
         def skip(pace: float, fill: float, count: int) -> bool:

@@ -48,26 +48,14 @@ def split_layers(
     inverse = sum([1.0 / x for x in t])
     limit = max(max([x + y for x, y in zip(t, e, strict=True)]),
                 (num_layers + sum([y / x for x, y in zip(t, e, strict=True)])) / inverse)
+    # _room inlined (the planner's hottest loop): every stage's room at `limit`, then at the next breakpoint
+    # (`step`) until the rooms hold the layers. A stage whose room reaches its cap keeps it at every larger
+    # limit, so it leaves the loop (`active`: the others; `full`: the room of the stages at their cap).
     floor, scale = math.floor, 1 + _EPS
-    # _room inlined (the planner's hottest loop): every stage's room at `limit`, and the next breakpoint. A stage
-    # whose room reaches its cap keeps it at every larger limit, so it leaves the loop (`active`: the others).
     caps = list(c)  # each stage's room at `limit`
-    room, full, step, active = 0, 0, math.inf, []  # full: the room of the stages at their cap
-    for s in range(stages):
-        ts, es, cs = t[s], e[s], c[s]
-        n = floor((limit - es) / ts * scale + 1e-9)
-        if n < cs:
-            room += n
-            caps[s] = n
-            active.append((s, ts, es, cs))
-            nxt = (n + 1) * ts + es
-            if nxt < step:
-                step = nxt
-        else:
-            room += cs
-            full += cs
-    while room < num_layers:
-        limit = step
+    active = list(zip(range(stages), t, e, c, strict=True))
+    full = 0
+    while True:
         room, step, still = full, math.inf, []
         for s, ts, es, cs in active:
             n = floor((limit - es) / ts * scale + 1e-9)
@@ -83,6 +71,9 @@ def split_layers(
                 full += cs
                 caps[s] = cs
         active = still
+        if room >= num_layers:
+            break
+        limit = step
     counts = [1] * stages
     left = num_layers - stages
     for s in sorted(range(stages), key=t.__getitem__):  # stable: ties in stage order

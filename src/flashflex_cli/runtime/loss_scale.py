@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from ..errors import InputError
 from ..run_config import LossScaling
+from .injection_spec import parse_injection
 
 INJECT_ENV = "FLASHFLEX_OVERFLOW_INJECT"
 SCALE_KEY = "loss_scale"  # checkpoint keys: fp32 scalar (the scale the next step uses) ...
@@ -119,19 +120,7 @@ class OverflowInjection:
     @classmethod
     def parse(cls, text: str) -> OverflowInjection:
         """Parse "rank=R,step=K"; InputError naming the field."""
-        fields: dict[str, int] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, value = part.partition("=")
-            if not sep or key not in ("rank", "step"):
-                raise InputError(f"{INJECT_ENV}: {part!r} is not one of rank=, step=")
-            try:
-                fields[key] = int(value)
-            except ValueError:
-                raise InputError(f"{INJECT_ENV}: {key}={value!r} is not a whole number") from None
-            if fields[key] < 0:
-                raise InputError(f"{INJECT_ENV}: {key}={value!r} is negative")
-        if set(fields) != {"rank", "step"}:
-            raise InputError(f"{INJECT_ENV}: rank= and step= are required, got {text!r}")
+        fields = parse_injection(INJECT_ENV, text, ("rank", "step"), ("rank", "step"))
         return cls(**fields)
 
 

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InputError
+from .injection_spec import parse_injection
 
 if TYPE_CHECKING:
     from ..plan.schema import Plan
@@ -276,25 +276,8 @@ class OomInjection:
     @classmethod
     def parse(cls, text: str) -> OomInjection:
         """Parse "rank=R,phase=P[,step=K][,asked=B][,used=B][,free=B][,total=B]"; InputError naming the field."""
-        fields: dict[str, Any] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            key, sep, value = part.partition("=")
-            if not sep or key not in {"rank", "phase", "step", "asked", "used", "free", "total"}:
-                raise InputError(f"{INJECT_ENV}: {part!r} is not one of rank=, phase=, step=, asked=, used=, "
-                                 "free=, total=")
-            if key == "phase":
-                if value not in PHASES:
-                    raise InputError(f"{INJECT_ENV}: phase {value!r} is not one of {', '.join(PHASES)}")
-                fields[key] = value
-                continue
-            try:
-                fields[key] = int(value)
-            except ValueError:
-                raise InputError(f"{INJECT_ENV}: {key}={value!r} is not a whole number") from None
-            if fields[key] < 0:
-                raise InputError(f"{INJECT_ENV}: {key}={value!r} is negative")
-        if "rank" not in fields or "phase" not in fields:
-            raise InputError(f"{INJECT_ENV}: rank= and phase= are required, got {text!r}")
+        fields = parse_injection(INJECT_ENV, text, ("rank", "phase", "step", "asked", "used", "free", "total"),
+                                 ("rank", "phase"), {"phase": PHASES})
         return cls(**fields)
 
     def matches(self, rank: int, phase: str, step: int) -> bool:

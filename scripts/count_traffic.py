@@ -23,12 +23,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests/infra/op_traffic.py
 
-from tests.infra.op_traffic import OpTraffic  # noqa: E402
+from tests.infra.op_traffic import count_part  # noqa: E402
 
 from flashflex_cli.model.spec import ModelSpec  # noqa: E402
-from flashflex_cli.runtime.model import StageModule  # noqa: E402
-from flashflex_cli.runtime.precision import autocast  # noqa: E402
-from flashflex_cli.runtime.tensor_parallel import TPContext  # noqa: E402
 
 # (hidden, MLP, heads, kv heads, head_dim override)
 FIT = [(128, 512, 4, 2, None), (96, 320, 6, 6, None), (160, 256, 5, 1, None), (256, 688, 8, 4, None),
@@ -37,23 +34,6 @@ FIT = [(128, 512, 4, 2, None), (96, 320, 6, 6, None), (160, 256, 5, 1, None), (2
 HELD_OUT = [(320, 864, 10, 2, None), (144, 1024, 6, 6, 40), (512, 1376, 8, 2, None)]
 RUNS = ((2, 40), (3, 64))
 HEADS = [(128, 1000), (96, 3000), (256, 2000), (64, 5000), (160, 1500), (200, 800)]
-
-
-def passes(spec: ModelSpec, part: str, b: int, s: int, dtype: str, chunk: int | None = None) -> tuple[OpTraffic, ...]:
-    """The counted forward and backward of one part (second round: tables and gradients exist)."""
-    layers, first, last = {"layer": ((0, 1), False, False), "head": ((0, 0), False, True)}[part]
-    module = StageModule(spec, layers, first, last, TPContext(None), chunked_loss=chunk is not None)
-    if chunk is not None:
-        module.loss_chunk_tokens = chunk
-    x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
-    tokens = torch.randint(0, spec.vocab_size, (b, s + 1))
-    for _ in range(2):
-        with OpTraffic() as forward, autocast(torch.device("cpu"), dtype):
-            out = module(x) if part == "layer" else module(x, tokens[:, 1:])
-        grad = torch.ones_like(out)
-        with OpTraffic() as backward:
-            out.backward(grad)
-    return forward, backward
 
 
 def layer_features(shape: tuple, n: int) -> list[float]:
@@ -84,7 +64,7 @@ def main() -> None:
                                  num_kv_heads=shape[3], intermediate_size=shape[1], vocab_size=500,
                                  head_dim_override=shape[4])
                 for b, s in RUNS:
-                    fwd, bwd = passes(spec, "layer", b, s, dtype)
+                    fwd, bwd = count_part(spec, "layer", b, s, dtype)
                     for name, count in (("forward", fwd), ("backward", bwd)):
                         data.setdefault((tag, name), []).append((layer_features(shape, b * s), count.bytes))
                         data.setdefault(("ops", name), []).append((count.ops, count.kernels))
@@ -99,7 +79,7 @@ def main() -> None:
                 for b, s in (*RUNS, (4, 50)):
                     n = b * s
                     chunks = math.ceil(n / chunk) if chunk else 1
-                    fwd, bwd = passes(spec, "head", b, s, dtype, chunk)
+                    fwd, bwd = count_part(spec, "head", b, s, dtype, chunk)
                     for name, count in (("forward", fwd), ("backward", bwd)):
                         rows.setdefault(name, []).append(([n * h, n * v, v * h, v * h * chunks], count.bytes))
                         rows.setdefault(name + " ops", []).append((count.ops, count.kernels, chunks))

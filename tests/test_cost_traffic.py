@@ -6,15 +6,11 @@ the per-token loss scalars and [N, 1] norm statistics it leaves out are below 0.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flashflex_cli.cost import traffic as T
 from flashflex_cli.cost.activations import PartShape
 from flashflex_cli.model.spec import ModelSpec
-from flashflex_cli.runtime.model import StageModule
-from flashflex_cli.runtime.precision import autocast
-from flashflex_cli.runtime.tensor_parallel import TPContext
-from tests.infra.op_traffic import OpTraffic
+from tests.infra.op_traffic import count_part
 
 SHAPES = {  # not among the fit's (scripts/count_traffic.py)
     "gqa": (ModelSpec(name="g", hidden_size=320, num_layers=1, num_heads=10, num_kv_heads=2, intermediate_size=864,
@@ -22,25 +18,6 @@ SHAPES = {  # not among the fit's (scripts/count_traffic.py)
     "mha-head-dim": (ModelSpec(name="m", hidden_size=144, num_layers=1, num_heads=6, num_kv_heads=6,
                                intermediate_size=1024, vocab_size=1500, head_dim_override=40), 3, 40),
 }
-LAYOUTS = {"layer": ((0, 1), False, False), "head": ((0, 0), False, True), "embedding": ((0, 0), True, False)}
-
-
-def _count(spec: ModelSpec, part: str, b: int, s: int, dtype: str, chunk: int | None) -> tuple[OpTraffic, OpTraffic]:
-    """The second forward and backward of one part (the first builds the rotary tables and the gradients)."""
-    layers, first, last = LAYOUTS[part]
-    module = StageModule(spec, layers, first, last, TPContext(None), chunked_loss=chunk is not None)
-    if chunk is not None:
-        module.loss_chunk_tokens = chunk
-    x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
-    tokens = torch.randint(0, spec.vocab_size, (b, s + 1))
-    for _ in range(2):
-        with OpTraffic() as forward, autocast(torch.device("cpu"), dtype):
-            out = module(x) if part == "layer" else module(tokens[:, :-1]) if part == "embedding" else \
-                module(x, tokens[:, 1:])
-        grad = torch.ones_like(out)
-        with OpTraffic() as backward:
-            out.backward(grad)
-    return forward, backward
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -50,7 +27,7 @@ def test_counts_follow_the_runtimes_operations(shape: str, dtype: str, part: str
     spec, b, s = SHAPES[shape]
     p = PartShape(spec, 1, b, s, dtype, "sdpa", on_cuda=False, chunked_loss=chunk is not None, loss_chunk=chunk)
     counted = {"layer": T.layer_traffic, "head": T.head_traffic, "embedding": T.embedding_traffic}[part](p)
-    for got, want in zip(_count(spec, part, b, s, dtype, chunk), (counted.fwd, counted.bwd), strict=True):
+    for got, want in zip(count_part(spec, part, b, s, dtype, chunk), (counted.fwd, counted.bwd), strict=True):
         assert got.ops == want.ops
         if part == "embedding":  # the counter charges the whole table read; the count only the rows looked up
             continue

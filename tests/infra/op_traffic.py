@@ -11,6 +11,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from flashflex_cli.model.spec import ModelSpec
+from flashflex_cli.runtime.model import StageModule
+from flashflex_cli.runtime.precision import autocast
+from flashflex_cli.runtime.tensor_parallel import TPContext
+
 # operations that launch no kernel: views, metadata, allocations without a fill
 NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "expand", "slice", "select", "squeeze", "unsqueeze", "permute",
              "detach", "alias", "as_strided", "reshape", "split", "chunk", "unbind", "narrow", "view_as",
@@ -43,3 +48,28 @@ class OpTraffic(TorchDispatchMode):
             tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
             self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         return out
+
+
+# (layers, first, last) of a StageModule holding one part alone
+PART_LAYOUTS = {"layer": ((0, 1), False, False), "head": ((0, 0), False, True), "embedding": ((0, 0), True, False)}
+
+
+def count_part(spec: ModelSpec, part: str, b: int, s: int, dtype: str,
+               chunk: int | None = None) -> tuple[OpTraffic, OpTraffic]:
+    """The counted second forward and backward of one part of the runtime's model ("layer", "head", "embedding")
+    on micro-batches [b, s] in `dtype` (the first builds the rotary tables and the gradients); `chunk`: the head's
+    chunked loss with chunks of that many tokens (None: the whole-vocabulary loss)."""
+    layers, first, last = PART_LAYOUTS[part]
+    module = StageModule(spec, layers, first, last, TPContext(None), chunked_loss=chunk is not None)
+    if chunk is not None:
+        module.loss_chunk_tokens = chunk
+    x = torch.randn(b, s, spec.hidden_size, requires_grad=True)
+    tokens = torch.randint(0, spec.vocab_size, (b, s + 1))
+    for _ in range(2):
+        with OpTraffic() as forward, autocast(torch.device("cpu"), dtype):
+            out = module(x) if part == "layer" else module(tokens[:, :-1]) if part == "embedding" else \
+                module(x, tokens[:, 1:])
+        grad = torch.ones_like(out)
+        with OpTraffic() as backward:
+            out.backward(grad)
+    return forward, backward

@@ -28,6 +28,19 @@ def repo() -> Path:
 
 
 @pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A one-process gloo group in this process (rank 0 of 1: DCP save/load and the engine's reductions are
+    collectives), destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def net() -> Iterator[NetnsHosts]:
     """Two network-namespace hosts on one bridge (tests/infra/netns.py); skips where namespaces cannot be made."""
     ok, why = netns_available()

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from flashflex_cli.errors import InputError
 from flashflex_cli.runtime import checkpoint as ckpt
@@ -20,14 +19,6 @@ from tests.conftest import FLASHFLEX
 
 GOLDEN = Path(__file__).parent / "golden"
 CLUSTER = str(GOLDEN / "cluster-2node.json")
-
-
-@pytest.fixture
-def world_of_one():
-    """A one-process gloo group in this process (DCP save/load are collectives)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _shards(w: torch.Tensor, cuts: list[int]) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:

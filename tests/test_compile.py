@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan
@@ -68,13 +67,9 @@ def failing_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
 
 
 @pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[Plan]:
+def one_rank(world_of_one: None) -> Plan:
     """A one-device plan (2 micro-batches of 2 sequences) with torch.distributed initialised for it."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield make_plan("llama-tiny", [(2, 2, [(1, (0, 4))])])
-    finally:
-        dist.destroy_process_group()
+    return make_plan("llama-tiny", [(2, 2, [(1, (0, 4))])])
 
 
 def test_every_layer_shares_one_graph_and_names_stay() -> None:

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from flashflex_cli.cli import main
 from flashflex_cli.errors import InputError
@@ -80,15 +79,6 @@ def test_settings_and_injection_are_checked() -> None:
 
 
 # ------------------------------------------------------------------------------------------- one process
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_one_rank_follows_torch_gradscaler_loop(world_of_one: None) -> None:

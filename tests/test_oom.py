@@ -210,14 +210,6 @@ def test_the_launcher_reports_the_out_of_memory_line_over_its_peers(predicted_pl
     assert str(describe_failure(plan, None, failures)) == f"{line}; 3 other rank(s) stopped after it; the job was stopped"
 
 
-@pytest.fixture
-def world_of_one():
-    """A one-process gloo group in this process (DCP save/load are collectives)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _state(value: float) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
     return {"w": torch.full((4, 6), value)}, {"w": ShardSpec("w", (4, 6), None, 0, 1, True)}
 

@@ -11,12 +11,10 @@ plus 1e-7 absolute.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime import checkpoint as ckpt
@@ -30,12 +28,9 @@ GOLDEN = Path(__file__).parent / "golden" / "adamw-ckpt"
 
 
 @pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[Plan]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield golden.plan()
-    finally:
-        dist.destroy_process_group()
+def golden_plan(world_of_one: None) -> Plan:
+    """The golden one-device plan, torch.distributed initialised for it."""
+    return golden.plan()
 
 
 def _engine(plan: Plan, optimizer: str, seed: int = golden.SEED) -> RankEngine:
@@ -69,12 +64,12 @@ def test_groups_decay_matrices_only_and_follow_the_schedule() -> None:
 
 
 @pytest.mark.parametrize("optimizer", ["foreach", "fused"])
-def test_a_checkpoint_of_the_handwritten_adamw_resumes_on_its_trajectory(world_of_one: Plan,
+def test_a_checkpoint_of_the_handwritten_adamw_resumes_on_its_trajectory(golden_plan: Plan,
                                                                          optimizer: str) -> None:
     """Resume step 2 of the old run (other init seed, overwritten by the load) and take its steps 3 and 4: the
     same losses and parameters. torch's per-parameter "step" is rebuilt from the checkpoint's step."""
     want = torch.load(GOLDEN / "continuation.pt")
-    engine = _engine(world_of_one, optimizer, seed=golden.SEED + 1)
+    engine = _engine(golden_plan, optimizer, seed=golden.SEED + 1)
     found = ckpt.latest_checkpoint(GOLDEN)
     assert found is not None and found.name == "step-000002"
     engine.load_local(lambda targets: ckpt.load_into(found, targets))
@@ -98,11 +93,11 @@ def test_a_checkpoint_of_the_handwritten_adamw_resumes_on_its_trajectory(world_o
         {f"{n}.{m}" for n in params for m in ("exp_avg", "exp_avg_sq")}
 
 
-def test_fused_and_foreach_take_the_same_steps(world_of_one: Plan) -> None:
+def test_fused_and_foreach_take_the_same_steps(golden_plan: Plan) -> None:
     batches = golden.batches()
     runs = {}
     for path in ("foreach", "fused"):
-        engine = _engine(world_of_one, path)
+        engine = _engine(golden_plan, path)
         losses = [engine.train_step(batch).loss for batch in batches]
         runs[path] = (losses, engine.gather_full_params(), engine)
     assert runs["fused"][0] == pytest.approx(runs["foreach"][0], rel=1e-6)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from flashflex_cli.errors import InputError
 from flashflex_cli.plan.schema import Plan
@@ -23,13 +20,9 @@ OPTIM = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2, total_steps=10)
 
 
 @pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[Plan]:
+def one_rank(world_of_one: None) -> Plan:
     """A one-device plan (2 micro-batches of 2 sequences) with torch.distributed initialised for it."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield make_plan("llama-tiny", [(2, 2, [(1, (0, 4))])])
-    finally:
-        dist.destroy_process_group()
+    return make_plan("llama-tiny", [(2, 2, [(1, (0, 4))])])
 
 
 def _engine(plan: Plan, seed: int = 0, **kwargs: Any) -> RankEngine:

@@ -72,7 +72,7 @@ def measure(cluster: Cluster, model: str, batch: int, sample: int) -> tuple[list
     train = TrainConfig(global_batch=batch, seq_len=4096)
     cache, cands = scored_candidates(cluster, PRESETS[model], train)
     flat = CostCache(cache.graph, cache.model, cache.train,
-                     dataclasses.replace(cache.params, dp_overlap=False, dp_hierarchical=False))
+                     dataclasses.replace(cache.params, dp_overlap=False, dp_hierarchical=False), cache.micro_batch)
     total = train.global_batch // cache.micro_batch
     truth, base, fast = [], [], []
     for cand in cands[::max(1, len(cands) // sample)][:sample]:

@@ -82,7 +82,7 @@ def test_fast_score_ranks_search_candidates_as_the_cost_model_does() -> None:
     train = TrainConfig(global_batch=64, seq_len=4096)
     cache, cands = scored_candidates(build_cluster(_eth10(32)), PRESETS["llama2-7b"], train)
     flat = CostCache(cache.graph, cache.model, cache.train,
-                     dataclasses.replace(cache.params, dp_overlap=False, dp_hierarchical=False))
+                     dataclasses.replace(cache.params, dp_overlap=False, dp_hierarchical=False), cache.micro_batch)
     errors, before = [], []
     for cand in cands:
         est = estimate(build_plan(cache, cand, "flashflex", 0, predict=False), cache.graph.cluster, cache.params)

@@ -78,8 +78,9 @@ def test_recompute_adds_a_forward_to_the_backward() -> None:
 
 
 def test_emulated_slowdown_and_measured_rates() -> None:
-    """An emulated CPU device computes its FLOPs at its measured matmul rate, moves its operations' bytes at its
-    memory bandwidth and dispatches each operation itself, one after the other; a slowdown stretches all of it."""
+    """An emulated CPU device computes its matrix FLOPs at its measured matmul rate and its fused attention's at a
+    fraction of it, moves its operations' bytes and its matrix products' operands at its memory bandwidth and
+    dispatches each operation itself, one after the other; a slowdown stretches all of it."""
     from flashflex_cli.cost.activations import PartShape
     from flashflex_cli.cost.traffic import layer_traffic
     from flashflex_cli.hardware.cluster import Cluster
@@ -95,9 +96,31 @@ def test_emulated_slowdown_and_measured_rates() -> None:
     assert two.fwd_s == pytest.approx(2 * one.fwd_s) and two.bwd_s == pytest.approx(2 * one.bwd_s)
     cost = layer_traffic(PartShape(model, 1, 1, 128, "fp32", "sdpa", on_cuda=False)).fwd
     bandwidth = c.device("host/0").memory_bandwidth * params.memory_bandwidth_efficiency
-    expected = ((cost.matmul_flops + cost.attention_flops) / (1e11 * params.measured_compute_efficiency)
-                + cost.bytes / bandwidth + cost.ops * params.cpu_op_seconds)
-    assert one.fwd_s == pytest.approx(expected)
+    rate = 1e11 * params.measured_compute_efficiency
+    expected = (cost.matmul_flops / rate + cost.attention_flops / (rate * params.cpu_attention_efficiency)
+                + (cost.bytes + cost.matmul_bytes) / bandwidth + cost.ops * params.cpu_op_seconds)
+    assert cost.matmul_bytes > 0 and one.fwd_s == pytest.approx(expected)
+
+
+def test_matrix_operands_cost_a_cpu_device_time_and_a_gpu_none() -> None:
+    """A CPU device streams a product's operands from memory between its computing (one thread does both); a GPU
+    loads them inside a compute-bound kernel, so the same pass costs it nothing more."""
+    from flashflex_cli.cost.compute import device_seconds
+    from flashflex_cli.cost.traffic import PassCost
+    from flashflex_cli.hardware.cluster import Cluster
+
+    from .cost_fixtures import device
+
+    cpu = Cluster.model_validate({"name": "cpu", "nodes": [{"name": "host", "nic": "eth", "intra_link": {"kind": "shm"},
+        "devices": [device("cpu", 1.0, source="measured", peak_flops={"fp32": 1e11}, achieved_flops={"fp32": 1e11},
+                           memory_bandwidth=2e10)]}]})
+    gpu, params = cluster(("H100-SXM", 1, "ib", "nvlink")), CostParams()
+    bare = PassCost(1e12, 0.0, 1e9, 10, 10)
+    streamed = dataclasses.replace(bare, matmul_bytes=4e9)
+    on_cpu = device_seconds(cpu, "host/0", "fp32", params)
+    assert on_cpu(streamed) - on_cpu(bare) == pytest.approx(4e9 / (2e10 * params.memory_bandwidth_efficiency))
+    on_gpu = device_seconds(gpu, "node0/0", "bf16", params)
+    assert on_gpu(streamed) == on_gpu(bare)
 
 
 def test_a_gpu_is_paced_by_the_host_for_small_micro_batches() -> None:

@@ -33,3 +33,15 @@ def test_counts_follow_the_runtimes_operations(shape: str, dtype: str, part: str
             continue
         assert got.kernels == want.kernels or part == "head"
         assert got.bytes == pytest.approx(want.bytes, rel=0.02)
+        assert got.matmul_bytes == pytest.approx(want.matmul_bytes, rel=0.02)
+
+
+def test_eager_attention_is_costed_as_matrix_products() -> None:
+    """The eager backend's score and value products are batched matrix products (run at the matmul rate); only the
+    fused kernel's FLOPs are attention FLOPs (which an emulated CPU device runs at a fraction of that rate)."""
+    spec, b, s = SHAPES["gqa"]
+    fused = T.layer_traffic(PartShape(spec, 1, b, s, "fp32", "sdpa", on_cuda=False))
+    eager = T.layer_traffic(PartShape(spec, 1, b, s, "fp32", "eager", on_cuda=False))
+    for e, f in ((eager.fwd, fused.fwd), (eager.bwd, fused.bwd)):
+        assert f.attention_flops > 0 and e.attention_flops == 0
+        assert e.matmul_flops == f.matmul_flops + f.attention_flops

@@ -151,3 +151,12 @@ def test_timeline_without_matplotlib_says_so(made: tuple[Path, Path, Path], tmp_
     assert main(["show", str(plan), "--cluster", str(cluster), "--run", str(run), "--timeline", str(out)]) == 2
     assert "--timeline needs matplotlib: pip install 'flashflex[plot]'" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_term_predicted_as_nothing_has_no_ratio() -> None:
+    """A predicted bubble of 1e-16 s is a sum that rounds, not a prediction: no ratio (a printed 1e14 helps no one)."""
+    from flashflex_cli.runs.compare import Term
+
+    assert Term("bubble", 1e-16, 0.013).ratio is None and Term("bubble", 0.0, 0.013).ratio is None
+    assert Term("forward", 0.1, 0.12).ratio == pytest.approx(1.2)
+    assert Term("memory", 0.5, 100.0, unit="B").ratio is None and Term("memory", 2.0, 3.0, unit="B").ratio == 1.5

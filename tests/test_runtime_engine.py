@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -82,9 +83,16 @@ def test_slowdown_is_applied(one_rank: Plan) -> None:
     # Run-queue delay is host contention that the slowdown absorbs (runtime/slowdown.py); on a loaded host it
     # can cover the whole stretch and leave nothing to sleep. Count none, so the check holds at any load.
     engine.slow.queue_clock = lambda: 0.0
+    phase = ["pipeline"]
+    update = engine.optimizer.step
+    engine.optimizer.step = lambda *a, **k: (phase.append("optimizer"), update(*a, **k))[1]
+    sleeps: list[tuple[str, float]] = []
+    engine.slow.sleep = lambda seconds: (sleeps.append((phase[-1], seconds)), time.sleep(seconds))
     result = engine.train_step(make_batches(one_rank, steps=1)[0])
-    compute = result.timings["forward"] + result.timings["backward"]
+    compute = result.timings["forward"] + result.timings["backward"] + result.timings["optimizer"]
     assert 0 < engine.slow.slept <= compute / 2 + 1e-3
+    # the optimizer's update is stretched too (the cost model divides the device's bandwidth by its slowdown)
+    assert [phase for phase, seconds in sleeps if seconds > 0][-1] == "optimizer"
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "fp16"])

@@ -29,13 +29,15 @@ ALLOCATING_FILLS = {"zeros", "ones_like", "zeros_like", "new_zeros", "fill_", "z
 
 class OpTraffic(TorchDispatchMode):
     """Counts of the operations run inside it: `ops` dispatched, `kernels` run, `bytes` moved by the kernels that
-    are neither matrix products nor fused attention (inputs read plus outputs written)."""
+    are neither matrix products nor fused attention (inputs read plus outputs written), and `matmul_bytes`, the
+    operands and results of the matrix products."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
         self.kernels = 0
         self.bytes = 0
+        self.matmul_bytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -44,9 +46,13 @@ class OpTraffic(TorchDispatchMode):
         if name in NO_KERNEL or name in ALLOCATING_FILLS:
             return out
         self.kernels += 1
-        if name not in MATMUL and name not in FUSED_ATTENTION:
-            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+        if name in FUSED_ATTENTION:
+            return out
+        moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor))
+        if name in MATMUL:
+            self.matmul_bytes += moved
+        else:
+            self.bytes += moved
         return out
 
 

@@ -7,7 +7,10 @@ Otherwise modelled, per micro-batch, as the runtime runs it (`device_seconds`): 
 backward of a layer, the embedding or the head) costs its matrix and attention FLOPs at the device's matmul rate,
 the bytes its other operations move at the device's memory bandwidth and a fixed device time per kernel
 (cost/traffic.py counts all three for the runtime's paths: eager or compiled, whole-vocabulary or chunked loss),
-beside the host's dispatch of each operation: on a GPU the longer of the two, on an emulated CPU device their sum.
+beside the host's dispatch of each operation: on a GPU the longer of the two, on an emulated CPU device their sum,
+with the matrix products' operands (cost/traffic.matmul_operand_bytes) at the memory bandwidth too: one thread
+streams them between its arithmetic, where a GPU's compute-bound kernels hide them; and its fused attention runs at
+`cpu_attention_efficiency` of the matmul rate (the CPU kernel's small blocked products and online softmax).
 The matmul rate is the device's measured matmul rate (`flashflex profile`) x measured_compute_efficiency, or its
 dense peak x the matrix-product efficiency derived from measured layers (cost/reference_efficiency.py); a dtype
 the device does not compute natively (Device.compute_dtype) at its fp32 peak and fp32 efficiency. Megatron-style
@@ -175,7 +178,8 @@ def device_seconds(cluster: Cluster, device: str, dtype: str, params: CostParams
     bandwidth (x memory_bandwidth_efficiency), a fixed device time per kernel, and the host's dispatch of every
     operation. A GPU runs asynchronously: the pass takes the longer of the device's work and the host's dispatch
     (the host sets the pace of small micro-batches). An emulated CPU device does both itself, one after the
-    other, stretched by its slowdown."""
+    other, streams its matrix products' operands from memory too and runs the fused attention's FLOPs at
+    `cpu_attention_efficiency` of its matmul rate, stretched by its slowdown."""
     cv = view(cluster)
     info = cv.info(device)
     rate = cv.rate(device, dtype, params)
@@ -183,10 +187,11 @@ def device_seconds(cluster: Cluster, device: str, dtype: str, params: CostParams
     slowdown = cv.device(device).slowdown
     if info.is_cpu:
         per_op = params.cpu_op_seconds * slowdown
+        attention_rate = rate * params.cpu_attention_efficiency
 
         def cpu(cost: PassCost) -> float:
-            return ((cost.matmul_flops + cost.attention_flops) / rate + cost.bytes / bandwidth
-                    + cost.ops * per_op)
+            return (cost.matmul_flops / rate + cost.attention_flops / attention_rate
+                    + (cost.bytes + cost.matmul_bytes) / bandwidth + cost.ops * per_op)
 
         return cpu
     kernel_s, host_op_s = params.kernel_seconds, params.host_op_seconds

@@ -70,7 +70,13 @@ class CostParams:
         datasheet peak): the fraction of that rate a layer's matrix products achieve (its other operations are
         counted apart). 1.0: the recorded H100 layer profile's forward and backward follow the probe's 780.9
         TFLOP/s plus the counted bytes to within 3%; on this machine's CPU the layers' matmuls run at the probe's
-        rate within 5%.
+        rate within 5% once their operands' traffic is counted apart (cost/traffic.matmul_operand_bytes).
+    cpu_attention_efficiency: on an emulated CPU device, the fraction of its matmul rate that the fused attention
+        (scaled_dot_product_attention's CPU kernel: blocks of queries against blocks of keys, an online softmax
+        between two small products per block) reaches on its FLOPs. 0.3: on this repository's 2-core VM, one pinned
+        thread, causal, sequences 128-512, it reached 0.28-0.43 of the probed rate forward and 0.24-0.33 backward
+        at head dims 32-128 (0.15-0.27 at 16); scripts/check_cpu_layer_model.py measures it. GPUs' fused
+        attention is costed at their matmul rate (the recorded H100 layers follow it within 3%).
     tp_comm_efficiency, p2p_efficiency, dp_comm_efficiency: achieved fraction of a link's bandwidth for
         TP all-reduces, pipeline sends and DP gradient all-reduces. 1.0: link classes already hold
         achieved rates (hardware/links.py).
@@ -126,8 +132,12 @@ class CostParams:
         expandable segments it can be larger (the launcher sets them).
     host_op_seconds: a GPU host's dispatch of one operation (seconds): the recorded H100 run at micro-batch 1
         dispatched 1,494 forward operations in 19.3 ms while the device kept up (at most 12.9 us each); 10 us.
-    cpu_op_seconds: an emulated CPU device's cost per operation beyond its FLOPs and bytes (seconds), fitted to a
-        measured llama-small layer profile on this machine (one pinned thread): 5 us.
+    cpu_op_seconds: an emulated CPU device's cost per operation beyond its FLOPs and bytes (seconds): 5 us, fitted
+        to a measured llama-small layer profile on this machine (one pinned thread). With the products' operands
+        and the attention's rate counted, scripts/check_cpu_layer_model.py finds a layer chain alone better fitted
+        by 2.7 us and its element-wise bytes at 1.6x the probe's copy bandwidth (its tensors stay in the caches);
+        5 us is kept because emulated devices sharing a host's cores and caches run their layers 9-15% slower
+        than alone (three on two cores), which nothing else charges (docs/cost-model.md, section 2).
     kernel_seconds: the device-side fixed time of one GPU kernel (seconds): 4 us, an assumption (launch latency
         and tail; a few percent at small micro-batches).
     memory_safety_margin: fraction of every device's memory the planner never plans into: a stage fits when its
@@ -140,6 +150,7 @@ class CostParams:
     default_compute_intercept: float = field(default_factory=_median_intercept)
     tf32_compute_efficiency: float = 0.35
     measured_compute_efficiency: float = 1.0
+    cpu_attention_efficiency: float = 0.3
     tp_comm_efficiency: float = 1.0
     p2p_efficiency: float = 1.0
     dp_comm_efficiency: float = 1.0
@@ -239,8 +250,8 @@ NOT_IN_FILES = ("layer_profiles", "runtime", "compute_dtype", "loss_chunk_tokens
 # The physical limit of each number a cost-parameter file may set (physical_limits.py gives each bound's reason).
 _LIMITS: dict[str, Limit] = {
     **dict.fromkeys(("default_compute_efficiency", "measured_compute_efficiency", "tf32_compute_efficiency",
-                     "tp_comm_efficiency", "p2p_efficiency", "dp_comm_efficiency", "memory_bandwidth_efficiency",
-                     "compute_efficiency"), EFFICIENCY),
+                     "cpu_attention_efficiency", "tp_comm_efficiency", "p2p_efficiency", "dp_comm_efficiency",
+                     "memory_bandwidth_efficiency", "compute_efficiency"), EFFICIENCY),
     **dict.fromkeys(("default_compute_intercept", "compute_intercept"), INTERCEPT),
     **dict.fromkeys(("dp_overlap_fraction", "memory_fragmentation", "memory_safety_margin"), SHARE),
     **dict.fromkeys(("host_op_seconds", "cpu_op_seconds", "kernel_seconds"), OP_SECONDS),

@@ -109,7 +109,9 @@ def _simulate(fwd: tuple[float, ...], bwd: tuple[float, ...], p2p: tuple[float, 
             clock[s] = now + bwd[s]
     total = max(clock)
     busy = tuple(m * (fwd[s] + bwd[s]) for s in range(stages))
-    bubble = 1.0 - sum(busy) / (stages * total) if total > 0 else 0.0
+    span = stages * total
+    idle = span - sum(busy)
+    bubble = idle / span if span > 0 and idle > 1e-12 * span else 0.0  # none: rounding of a sum, not idle time
     return ScheduleResult(total, bubble, busy, tuple(clock))
 
 

@@ -30,6 +30,14 @@ output, and its backward reads those and writes the gradients: bytes = the compi
 activations.py) + 2 x [N, h] fp32 + 6 W forward, twice the saved bytes + 2 x [N, h] + 18 W backward; 12 / 25
 kernels launched by one compiled call each way. An estimate from the graph's structure, not yet checked on a GPU.
 
+Matrix products' operands (`matmul_operand_bytes`): each product Y = X W^T reads X and W and writes Y; the backward
+touches each of the three twice (dX = dY W, dW = dY^T X). Per micro-batch, forward: c (N (7h + 2q + 2k + 3f) + W)
+for a layer's seven products, c (N h + N V + V h) for the head; backward twice that. The chunked loss runs three
+products per chunk in its forward (two in fp32, where the weight gradient accumulates in place with addmm_, counted
+with the other bytes), reading the head's weights once per chunk. `tests/test_cost_traffic.py` checks these counts
+too. Only an emulated CPU device pays for them (cost/compute.py): one thread streams a product's operands from
+memory between its arithmetic, while a GPU loads them inside a compute-bound kernel.
+
 Tensor parallelism splits q, k, f and V (and W) over the group; the replicated [N, h] work is done by every rank.
 """
 
@@ -54,11 +62,13 @@ class PassCost:
     bytes: float
     ops: float
     kernels: float
+    matmul_bytes: float = 0.0  # the matrix products' operands read and results written (`matmul_operand_bytes`)
 
     def plus(self, other: PassCost) -> PassCost:
         """Both passes' costs added (the backward of a recomputed layer runs its forward again)."""
         return PassCost(self.matmul_flops + other.matmul_flops, self.attention_flops + other.attention_flops,
-                        self.bytes + other.bytes, self.ops + other.ops, self.kernels + other.kernels)
+                        self.bytes + other.bytes, self.ops + other.ops, self.kernels + other.kernels,
+                        self.matmul_bytes + other.matmul_bytes)
 
 
 @dataclass(frozen=True)
@@ -79,23 +89,34 @@ def layer_traffic(p: PartShape, recompute: bool = False) -> PartTraffic:
     weights = F.layer_matmul_params(p.model) / p.tp
     matmul = 2.0 * n * weights
     attention = 4.0 * n * F.attended_keys(p.model, p.seq) * q
+    if p.attention == "eager":  # batched matrix products and a softmax, not a fused kernel
+        matmul, attention = matmul + attention, 0.0
+    # the seven products' inputs (q, k, v, gate, up: [N, h]; o: [N, q]; down: [N, f]) and outputs per token
+    operands = matmul_operand_bytes(n, 5 * h + q + f, q + 2 * k + 2 * f + 2 * h, weights, p.c)
     grouped = 1.0 if _grouped(p) else 0.0
     if compiled_layer(p):
         saved = layer_saved_bytes(p) + layer_weight_copies(p)
         boundary = 2 * n * h * FP32
-        fwd = PassCost(matmul, attention, saved + boundary + 6 * weights, 2.0, 12.0)
-        bwd = PassCost(2 * matmul, 2 * attention, 2 * saved + boundary + 18 * weights, 2.0, 25.0)
+        fwd = PassCost(matmul, attention, saved + boundary + 6 * weights, 2.0, 12.0, operands)
+        bwd = PassCost(2 * matmul, 2 * attention, 2 * saved + boundary + 18 * weights, 2.0, 25.0, 2 * operands)
     elif p.autocast:
         fwd = PassCost(matmul, attention, n * (104 * h + 45 * q + 31 * k + 3 * grouped * (q + k) + 10 * f)
-                       + 6 * weights, 84 + 8 * grouped, 48 + 2 * grouped)
+                       + 6 * weights, 84 + 8 * grouped, 48 + 2 * grouped, operands)
         bwd = PassCost(2 * matmul, 2 * attention, n * (304 * h + 59 * q + 52 * k + 3 * grouped * (q + k) + 18 * f)
-                       + 18 * weights, 156 + 6 * grouped, 95 + 2 * grouped)
+                       + 18 * weights, 156 + 6 * grouped, 95 + 2 * grouped, 2 * operands)
     else:
         fwd = PassCost(matmul, attention, n * (78 * h + 53 * q + 31 * k + 7 * grouped * (q + k) + 20 * f),
-                       70 + 8 * grouped, 34 + 2 * grouped)
+                       70 + 8 * grouped, 34 + 2 * grouped, operands)
         bwd = PassCost(2 * matmul, 2 * attention, n * (262 * h + 61 * q + 54 * k + 7 * grouped * (q + k) + 36 * f)
-                       + 12 * weights, 136 + 6 * grouped, 75 + 2 * grouped)
+                       + 12 * weights, 136 + 6 * grouped, 75 + 2 * grouped, 2 * operands)
     return PartTraffic(fwd, fwd.plus(bwd) if recompute else bwd)
+
+
+def matmul_operand_bytes(tokens: float, inputs: float, outputs: float, weights: float, c: int) -> float:
+    """Bytes the forward matrix products Y = X W^T of one micro-batch read and write: X ([tokens, inputs] summed
+    over the products), the weights (`weights` elements) and Y ([tokens, outputs]), `c` bytes each. The backward
+    touches each twice (dX = dY W reads dY and W and writes dX; dW = dY^T X reads dY and X and writes dW)."""
+    return c * (tokens * (inputs + outputs) + weights)
 
 
 def head_traffic(p: PartShape) -> PartTraffic:
@@ -107,14 +128,19 @@ def head_traffic(p: PartShape) -> PartTraffic:
         chunks = math.ceil(n / p.chunk) if p.chunk else 1
         fwd_bytes = n * h * (44 if half else 32) + n * v * (64 if half else 56) + v * h * (6 if half else 0) \
             + chunks * v * h * (10 if half else 8)
+        # each chunk's logits product and its backward's two, run inside the forward; in fp32 the weight
+        # gradient's product accumulates in place (addmm_), counted with the other operations' bytes above
+        products = 3 if half else 2
+        operands = products * (matmul_operand_bytes(n, h, v, 0.0, p.c) + chunks * v * h * p.c)
         fwd = PassCost(3 * matmul, 0.0, fwd_bytes, (15 if half else 14) + (43 if half else 38) * chunks,
-                       (10 + 30 * chunks) if half else (9 + 26 * chunks))
+                       (10 + 30 * chunks) if half else (9 + 26 * chunks), operands)
         bwd = PassCost(0.0, 0.0, 116 * n * h + 20 * v * h, 23, 14)
         return PartTraffic(fwd, bwd)
+    operands = matmul_operand_bytes(n, h, v, v * h, p.c)
     fwd = PassCost(matmul, 0.0, n * h * (34 if half else 28) + n * v * (18 if half else 12) + v * h * (6 if half else 0),
-                   22 if half else 19, 14 if half else 11)
+                   22 if half else 19, 14 if half else 11, operands)
     bwd = PassCost(2 * matmul, 0.0, n * h * (114 if half else 108) + n * v * (26 if half else 20)
-                   + v * h * (18 if half else 12), 36 if half else 33, 24 if half else 21)
+                   + v * h * (18 if half else 12), 36 if half else 33, 24 if half else 21, 2 * operands)
     return PartTraffic(fwd, bwd)
 
 

@@ -42,8 +42,9 @@ class Term:
 
     @property
     def ratio(self) -> float | None:
-        """measured / predicted, None when either is missing or the prediction is 0."""
-        if self.measured is None or self.predicted <= 0:
+        """measured / predicted, None when either is missing or nothing was predicted (below a microsecond or a
+        byte: a difference of two sums that rounds, not a prediction)."""
+        if self.measured is None or self.predicted < (1e-6 if self.unit == "s" else 1.0):
             return None
         return self.measured / self.predicted
 

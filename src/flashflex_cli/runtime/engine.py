@@ -253,11 +253,12 @@ class RankEngine:
                 poison([p.grad for _, p in self.params.values() if p.grad is not None])
             scaling = [self.scaler.unscale_and_agree(), self.scaler.current()]  # clipping sees true gradients
         grad_norm = self.sync.clip(self.optim.grad_clip)  # a device scalar: read with the loss, at the end
-        if self.scaler is not None:
-            self.scaler.step()  # skipped on every rank when any rank overflowed
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        with self.slow.op():  # an emulated slow device updates its parameters as slowly as it computes
+            if self.scaler is not None:
+                self.scaler.step()  # skipped on every rank when any rank overflowed
+                self.scaler.update()
+            else:
+                self.optimizer.step()
         t3 = timer.mark()
         if not (self.last and self.tp.rank == 0):
             loss_sum.zero_()

@@ -1,0 +1,129 @@
+"""Check the analytic model of an emulated CPU device against the runtime's own layers on this machine.
+
+Probes this host as `flashflex profile` does (one thread pinned to one core: an fp32 n x n matmul rate and a copy's
+memory bandwidth), then times forward and backward of a chain of the runtime's decoder layers
+(runtime/model.StageModule, eager, fp32, SDPA) for three shapes at micro-batches 1 to 8 (sequence 128), in the same
+pinned thread, and prints beside each the cost model's layer times (cost/compute.layer_times) for a one-device
+cluster of the probed figures, their ratio, and the per-operation time `cpu_op_seconds` that would make the model
+exact (least squares over all passes, with everything else counted). First it times the fused causal attention
+alone at each shape's heads and head size and prints its FLOP/s as a fraction of the matmul rate (the model's
+`cpu_attention_efficiency`). A chain of layers, not one layer timed
+alone: in a stage each product's weights and inputs were evicted from the caches by the layers between its uses,
+as they are here.
+
+Run: .venv/bin/python scripts/check_cpu_layer_model.py  (about 2 minutes on one core)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from flashflex_cli.cost.activations import PartShape
+from flashflex_cli.cost.compute import layer_times
+from flashflex_cli.cost.params import CostParams
+from flashflex_cli.cost.traffic import layer_traffic
+from flashflex_cli.hardware.cluster import Cluster
+from flashflex_cli.hardware.cpu_share import as_emulated_device
+from flashflex_cli.hardware.probe_local import FULL_CPU, matmul_flops, memory_bandwidth
+from flashflex_cli.model.spec import PRESETS, ModelSpec
+from flashflex_cli.plan.schema import TrainConfig
+from flashflex_cli.runtime.attention import SDPA
+from flashflex_cli.runtime.model import StageModule
+from flashflex_cli.runtime.tensor_parallel import TPContext
+
+SEQ = 128
+SHAPES = ("llama-tiny", "llama-small", "llama-100m")
+MICRO_BATCHES = (1, 2, 4, 8)
+CHAIN = 4  # layers timed together
+REPEATS = 7
+
+
+def measured_layer(spec: ModelSpec, mbs: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer: the median over REPEATS of a CHAIN-layer stage, divided."""
+    torch.manual_seed(0)
+    stage = StageModule(spec, (0, CHAIN), False, False, TPContext(None), SDPA, chunked_loss=True)
+    x = torch.randn(mbs, SEQ, spec.hidden_size, requires_grad=True)
+    forward, backward = [], []
+    for i in range(REPEATS + 2):
+        start = time.thread_time()
+        out = stage(x)
+        middle = time.thread_time()
+        out.backward(torch.ones_like(out))
+        end = time.thread_time()
+        if i >= 2:
+            forward.append(middle - start)
+            backward.append(end - middle)
+    return statistics.median(forward) / CHAIN, statistics.median(backward) / CHAIN
+
+
+def attention_efficiency(spec: ModelSpec, seq: int, rate: float) -> tuple[float, float]:
+    """(forward, backward) FLOP/s of the fused causal attention (scaled_dot_product_attention) at the model's heads
+    and head size, sequence `seq`, one sequence, as fractions of the matmul `rate`; the FLOPs counted as the cost
+    model counts them (4 x pairs x head size forward, twice that backward)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, spec.num_heads, seq, spec.head_dim, requires_grad=True) for _ in range(3))
+    forward, backward = [], []
+    for i in range(REPEATS + 2):
+        start = time.thread_time()
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        middle = time.thread_time()
+        out.backward(torch.ones_like(out))
+        end = time.thread_time()
+        if i >= 2:
+            forward.append(middle - start)
+            backward.append(end - middle)
+    flops = 4.0 * spec.num_heads * seq * (seq + 1) / 2 * spec.head_dim
+    return flops / statistics.median(forward) / rate, 2 * flops / statistics.median(backward) / rate
+
+
+def one_device(rate: float, bandwidth: float) -> Cluster:
+    """A one-device cluster of this host's probed figures (what `flashflex profile` writes)."""
+    return Cluster.model_validate({"name": "this-host", "nodes": [{
+        "name": "host", "nic": "eth", "intra_link": {"kind": "shm"},
+        "devices": [{"type": "cpu", "memory_bytes": 8 << 30, "peak_flops": {"fp32": rate}, "achieved_flops": {"fp32": rate},
+                     "memory_bandwidth": bandwidth, "source": "measured"}]}]})
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    params = CostParams()
+    rows = []
+    with as_emulated_device(0):
+        rate = matmul_flops(torch.device("cpu"), torch.float32, FULL_CPU.matmul_n, FULL_CPU.repeats)
+        bandwidth = memory_bandwidth(torch.device("cpu"), FULL_CPU.copy_bytes, FULL_CPU.repeats)
+        print(f"probe: matmul {rate / 1e9:.1f} GFLOP/s, memory bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+        cluster = one_device(rate, bandwidth)
+        for name in SHAPES:
+            spec = PRESETS[name]
+            for seq in (SEQ, 4 * SEQ):
+                fwd, bwd = attention_efficiency(spec, seq, rate)
+                print(f"{name:12s} fused attention, head size {spec.head_dim:3d}, sequence {seq}: forward {fwd:.2f}, "
+                      f"backward {bwd:.2f} of the matmul rate (the model: {params.cpu_attention_efficiency:.2f})",
+                      flush=True)
+        for name in SHAPES:
+            spec = PRESETS[name]
+            train = TrainConfig(global_batch=8, seq_len=SEQ, dtype="fp32")
+            for mbs in MICRO_BATCHES:
+                fwd, bwd = measured_layer(spec, mbs)
+                model = layer_times(cluster, ["host/0"], spec, train, params, mbs)
+                ops = layer_traffic(PartShape(spec, 1, mbs, SEQ, "fp32", "sdpa", on_cuda=False))
+                rows.append((name, mbs, fwd, model.fwd_s, ops.fwd.ops))
+                rows.append((name, mbs, bwd, model.bwd_s, ops.bwd.ops))
+                print(f"{name:12s} mbs {mbs}: forward {fwd * 1e3:7.2f} ms, model {model.fwd_s * 1e3:7.2f} "
+                      f"({model.fwd_s / fwd - 1:+6.1%});  backward {bwd * 1e3:7.2f} ms, model "
+                      f"{model.bwd_s * 1e3:7.2f} ({model.bwd_s / bwd - 1:+6.1%})", flush=True)
+    errors = [abs(model / measured - 1) for _, _, measured, model, _ in rows]
+    # the per-operation time that fits best: measured = rest + ops x t, with rest the model less its op term
+    rest = [(measured, model - ops * params.cpu_op_seconds, ops) for _, _, measured, model, ops in rows]
+    fitted = sum((m - r) * o for m, r, o in rest) / sum(o * o for _, _, o in rest)
+    print(f"cpu_op_seconds fitting these passes best: {fitted * 1e6:.1f} us (the model uses "
+          f"{params.cpu_op_seconds * 1e6:.1f})")
+    print(f"check_cpu_layer_model: {len(rows)} passes, median error {statistics.median(errors):.1%}, "
+          f"worst {max(errors):.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,15 +1,14 @@
 """Check the analytic model of an emulated CPU device against the runtime's own layers on this machine.
 
 Probes this host as `flashflex profile` does (one thread pinned to one core: an fp32 n x n matmul rate and a copy's
-memory bandwidth), then times forward and backward of a chain of the runtime's decoder layers
-(runtime/model.StageModule, eager, fp32, SDPA) for three shapes at micro-batches 1 to 8 (sequence 128), in the same
-pinned thread, and prints beside each the cost model's layer times (cost/compute.layer_times) for a one-device
-cluster of the probed figures, their ratio, and the per-operation time `cpu_op_seconds` that would make the model
-exact (least squares over all passes, with everything else counted). First it times the fused causal attention
-alone at each shape's heads and head size and prints its FLOP/s as a fraction of the matmul rate (the model's
-`cpu_attention_efficiency`). A chain of layers, not one layer timed
-alone: in a stage each product's weights and inputs were evicted from the caches by the layers between its uses,
-as they are here.
+memory bandwidth). Times the fused causal attention alone at each shape's heads and head size and prints its
+FLOP/s as a fraction of the matmul rate (the model's `cpu_attention_efficiency`). Then times forward and backward
+of a chain of the runtime's decoder layers (runtime/model.StageModule, eager, fp32, SDPA) for three shapes at
+micro-batches 1 to 8 (sequence 128) in the same pinned thread, and prints beside each the cost model's layer times
+(cost/compute.layer_times) for a one-device cluster of the probed figures and their ratio; last, the element-wise
+bytes' rate and the per-operation time (`cpu_op_seconds`) that would fit these passes best, everything else as
+modelled, and the error with them. A chain of layers, not one layer timed alone: in a stage each product's weights
+and inputs were evicted from the caches by the layers between its uses, as they are here.
 
 Run: .venv/bin/python scripts/check_cpu_layer_model.py  (about 2 minutes on one core)
 """
@@ -18,6 +17,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -41,22 +42,29 @@ CHAIN = 4  # layers timed together
 REPEATS = 7
 
 
-def measured_layer(spec: ModelSpec, mbs: int) -> tuple[float, float]:
-    """(forward, backward) seconds of one layer: the median over REPEATS of a CHAIN-layer stage, divided."""
-    torch.manual_seed(0)
-    stage = StageModule(spec, (0, CHAIN), False, False, TPContext(None), SDPA, chunked_loss=True)
-    x = torch.randn(mbs, SEQ, spec.hidden_size, requires_grad=True)
+def median_passes(forward_pass: Callable[[], torch.Tensor]) -> tuple[float, float]:
+    """(forward, backward) thread CPU seconds of `forward_pass()` and the backward of its output (all ones as the
+    gradient): medians over REPEATS after two warm-up runs."""
     forward, backward = [], []
     for i in range(REPEATS + 2):
         start = time.thread_time()
-        out = stage(x)
+        out = forward_pass()
         middle = time.thread_time()
         out.backward(torch.ones_like(out))
         end = time.thread_time()
         if i >= 2:
             forward.append(middle - start)
             backward.append(end - middle)
-    return statistics.median(forward) / CHAIN, statistics.median(backward) / CHAIN
+    return statistics.median(forward), statistics.median(backward)
+
+
+def measured_layer(spec: ModelSpec, mbs: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer: those of a CHAIN-layer stage, divided."""
+    torch.manual_seed(0)
+    stage = StageModule(spec, (0, CHAIN), False, False, TPContext(None), SDPA, chunked_loss=True)
+    x = torch.randn(mbs, SEQ, spec.hidden_size, requires_grad=True)
+    forward, backward = median_passes(lambda: stage(x))
+    return forward / CHAIN, backward / CHAIN
 
 
 def attention_efficiency(spec: ModelSpec, seq: int, rate: float) -> tuple[float, float]:
@@ -65,18 +73,37 @@ def attention_efficiency(spec: ModelSpec, seq: int, rate: float) -> tuple[float,
     model counts them (4 x pairs x head size forward, twice that backward)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, spec.num_heads, seq, spec.head_dim, requires_grad=True) for _ in range(3))
-    forward, backward = [], []
-    for i in range(REPEATS + 2):
-        start = time.thread_time()
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        middle = time.thread_time()
-        out.backward(torch.ones_like(out))
-        end = time.thread_time()
-        if i >= 2:
-            forward.append(middle - start)
-            backward.append(end - middle)
+    forward, backward = median_passes(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     flops = 4.0 * spec.num_heads * seq * (seq + 1) / 2 * spec.head_dim
-    return flops / statistics.median(forward) / rate, 2 * flops / statistics.median(backward) / rate
+    return flops / forward / rate, 2 * flops / backward / rate
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One timed pass: measured and modelled seconds, the bytes its element-wise operations move and its
+    operations, as cost/traffic.py counts them."""
+
+    measured: float
+    model: float
+    bytes: float
+    ops: float
+
+
+def refit_bytes_and_ops(rows: list[Pass], bandwidth: float, params: CostParams) -> tuple[float, float, list[float]]:
+    """The element-wise bytes' rate (as a multiple of the probe's copy `bandwidth`) and the per-operation seconds
+    that fit the passes best, everything else as modelled (least squares on relative error, two unknowns), and
+    each pass's error with them."""
+    rest = [r.model - r.bytes / (bandwidth * params.memory_bandwidth_efficiency) - r.ops * params.cpu_op_seconds
+            for r in rows]
+    a = [(r.bytes / bandwidth / r.measured, r.ops / r.measured, (r.measured - x) / r.measured)
+         for r, x in zip(rows, rest, strict=True)]
+    s11, s12, s22 = sum(u * u for u, _, _ in a), sum(u * v for u, v, _ in a), sum(v * v for _, v, _ in a)
+    b1, b2 = sum(u * y for u, _, y in a), sum(v * y for _, v, y in a)
+    det = s11 * s22 - s12 * s12
+    inverse_factor, per_op = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+    errors = [abs((x + r.bytes / bandwidth * inverse_factor + r.ops * per_op) / r.measured - 1)
+              for r, x in zip(rows, rest, strict=True)]
+    return 1.0 / inverse_factor, per_op, errors
 
 
 def one_device(rate: float, bandwidth: float) -> Cluster:
@@ -90,7 +117,7 @@ def one_device(rate: float, bandwidth: float) -> Cluster:
 def main() -> None:
     torch.set_num_threads(1)
     params = CostParams()
-    rows = []
+    rows: list[Pass] = []
     with as_emulated_device(0):
         rate = matmul_flops(torch.device("cpu"), torch.float32, FULL_CPU.matmul_n, FULL_CPU.repeats)
         bandwidth = memory_bandwidth(torch.device("cpu"), FULL_CPU.copy_bytes, FULL_CPU.repeats)
@@ -109,18 +136,17 @@ def main() -> None:
             for mbs in MICRO_BATCHES:
                 fwd, bwd = measured_layer(spec, mbs)
                 model = layer_times(cluster, ["host/0"], spec, train, params, mbs)
-                ops = layer_traffic(PartShape(spec, 1, mbs, SEQ, "fp32", "sdpa", on_cuda=False))
-                rows.append((name, mbs, fwd, model.fwd_s, ops.fwd.ops))
-                rows.append((name, mbs, bwd, model.bwd_s, ops.bwd.ops))
+                counted = layer_traffic(PartShape(spec, 1, mbs, SEQ, "fp32", "sdpa", on_cuda=False))
+                rows.append(Pass(fwd, model.fwd_s, counted.fwd.bytes, counted.fwd.ops))
+                rows.append(Pass(bwd, model.bwd_s, counted.bwd.bytes, counted.bwd.ops))
                 print(f"{name:12s} mbs {mbs}: forward {fwd * 1e3:7.2f} ms, model {model.fwd_s * 1e3:7.2f} "
                       f"({model.fwd_s / fwd - 1:+6.1%});  backward {bwd * 1e3:7.2f} ms, model "
                       f"{model.bwd_s * 1e3:7.2f} ({model.bwd_s / bwd - 1:+6.1%})", flush=True)
-    errors = [abs(model / measured - 1) for _, _, measured, model, _ in rows]
-    # the per-operation time that fits best: measured = rest + ops x t, with rest the model less its op term
-    rest = [(measured, model - ops * params.cpu_op_seconds, ops) for _, _, measured, model, ops in rows]
-    fitted = sum((m - r) * o for m, r, o in rest) / sum(o * o for _, _, o in rest)
-    print(f"cpu_op_seconds fitting these passes best: {fitted * 1e6:.1f} us (the model uses "
-          f"{params.cpu_op_seconds * 1e6:.1f})")
+    errors = [abs(row.model / row.measured - 1) for row in rows]
+    factor, per_op, refit = refit_bytes_and_ops(rows, bandwidth, params)
+    print(f"refitted: element-wise bytes at {factor:.2f}x the probe's copy bandwidth (the model: "
+          f"{params.memory_bandwidth_efficiency:.2f}x) and {per_op * 1e6:.1f} us per operation (the model: "
+          f"{params.cpu_op_seconds * 1e6:.1f}): median error {statistics.median(refit):.1%}, worst {max(refit):.1%}")
     print(f"check_cpu_layer_model: {len(rows)} passes, median error {statistics.median(errors):.1%}, "
           f"worst {max(errors):.1%}")
 

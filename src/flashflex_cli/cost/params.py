@@ -74,8 +74,8 @@ class CostParams:
     cpu_attention_efficiency: on an emulated CPU device, the fraction of its matmul rate that the fused attention
         (scaled_dot_product_attention's CPU kernel: blocks of queries against blocks of keys, an online softmax
         between two small products per block) reaches on its FLOPs. 0.3: on this repository's 2-core VM, one pinned
-        thread, causal, sequences 128-512, it reached 0.28-0.43 of the probed rate forward and 0.24-0.33 backward
-        at head dims 32-128 (0.15-0.27 at 16); scripts/check_cpu_layer_model.py measures it. GPUs' fused
+        thread, causal, sequences 128-512, it reached 0.27-0.43 of the probed rate forward and 0.23-0.33 backward
+        at head dims 32-128 (0.13-0.27 at 16); scripts/check_cpu_layer_model.py measures it. GPUs' fused
         attention is costed at their matmul rate (the recorded H100 layers follow it within 3%).
     tp_comm_efficiency, p2p_efficiency, dp_comm_efficiency: achieved fraction of a link's bandwidth for
         TP all-reduces, pipeline sends and DP gradient all-reduces. 1.0: link classes already hold
@@ -134,8 +134,8 @@ class CostParams:
         dispatched 1,494 forward operations in 19.3 ms while the device kept up (at most 12.9 us each); 10 us.
     cpu_op_seconds: an emulated CPU device's cost per operation beyond its FLOPs and bytes (seconds): 5 us, fitted
         to a measured llama-small layer profile on this machine (one pinned thread). With the products' operands
-        and the attention's rate counted, scripts/check_cpu_layer_model.py finds a layer chain alone better fitted
-        by 2.7 us and its element-wise bytes at 1.6x the probe's copy bandwidth (its tensors stay in the caches);
+        and the attention's rate counted, scripts/check_cpu_layer_model.py fits a layer chain alone with its
+        element-wise bytes at 1.6x the probe's copy bandwidth (its tensors stay in the caches) and 2.7-7 us;
         5 us is kept because emulated devices sharing a host's cores and caches run their layers 9-15% slower
         than alone (three on two cores), which nothing else charges (docs/cost-model.md, section 2).
     kernel_seconds: the device-side fixed time of one GPU kernel (seconds): 4 us, an assumption (launch latency

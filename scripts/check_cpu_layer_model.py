@@ -28,7 +28,15 @@ from flashflex_cli.cost.params import CostParams
 from flashflex_cli.cost.traffic import layer_traffic
 from flashflex_cli.hardware.cluster import Cluster
 from flashflex_cli.hardware.cpu_share import as_emulated_device
-from flashflex_cli.hardware.probe_local import FULL_CPU, matmul_flops, memory_bandwidth
+from flashflex_cli.hardware.probe_local import (
+    FULL_CPU,
+    DeviceProbe,
+    NodeProbe,
+    host_memory_bytes,
+    matmul_flops,
+    memory_bandwidth,
+    node_from_probe,
+)
 from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import TrainConfig
 from flashflex_cli.runtime.attention import SDPA
@@ -106,12 +114,10 @@ def refit_bytes_and_ops(rows: list[Pass], bandwidth: float, params: CostParams) 
     return 1.0 / inverse_factor, per_op, errors
 
 
-def one_device(rate: float, bandwidth: float) -> Cluster:
-    """A one-device cluster of this host's probed figures (what `flashflex profile` writes)."""
-    return Cluster.model_validate({"name": "this-host", "nodes": [{
-        "name": "host", "nic": "eth", "intra_link": {"kind": "shm"},
-        "devices": [{"type": "cpu", "memory_bytes": 8 << 30, "peak_flops": {"fp32": rate}, "achieved_flops": {"fp32": rate},
-                     "memory_bandwidth": bandwidth, "source": "measured"}]}]})
+def this_host(rate: float, bandwidth: float) -> Cluster:
+    """A one-device cluster of this host's probed figures, written as `flashflex profile` writes them."""
+    probe = DeviceProbe(0, "cpu", "fp32", rate, host_memory_bytes(), bandwidth)
+    return Cluster(name="this-host", nodes=[node_from_probe(NodeProbe("host", "cpu", [probe]), node_name="host")])
 
 
 def main() -> None:
@@ -122,7 +128,7 @@ def main() -> None:
         rate = matmul_flops(torch.device("cpu"), torch.float32, FULL_CPU.matmul_n, FULL_CPU.repeats)
         bandwidth = memory_bandwidth(torch.device("cpu"), FULL_CPU.copy_bytes, FULL_CPU.repeats)
         print(f"probe: matmul {rate / 1e9:.1f} GFLOP/s, memory bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
-        cluster = one_device(rate, bandwidth)
+        cluster = this_host(rate, bandwidth)
         for name in SHAPES:
             spec = PRESETS[name]
             for seq in (SEQ, 4 * SEQ):

@@ -4,6 +4,7 @@ exact amortised time, and the best-first bounded search picks exactly what the p
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -87,6 +88,16 @@ def _random_trial(rng: random.Random, cache: CostCache, blocks: list) -> tuple[d
     order = list(range(len(blocks)))
     rng.shuffle(order)
     return sizes, tuple(order)
+
+
+def _assembled_trials(rng: random.Random, trials: Trials, blocks: list, count: int) -> Iterator[tuple[list, list]]:
+    """Of `count` random trials, the (pieces, assembled stages) of each that `Trials._assemble` keeps whole."""
+    for _ in range(count):
+        sizes, order = _random_trial(rng, trials.cache, blocks)
+        pieces = trials._pieces_of(sizes, order)
+        stages, keep = trials._assemble(pieces)
+        if keep is None:
+            yield pieces, stages
 
 
 @pytest.mark.parametrize("model", ["llama2-7b", "llama-small", "llama-tiny"])
@@ -231,12 +242,7 @@ def test_a_trials_stage_terms_from_its_pieces_equal_the_pipelines() -> None:
         cache = _cache(_cluster(rng, rng.randint(1, 6), 8), rng.choice(["llama2-7b", "llama-small"]))
         blocks = st.node_blocks(cache, range(cache.graph.size))
         trials = Trials(cache, blocks, 8, 64)
-        for _ in range(10):
-            sizes, order = _random_trial(rng, cache, blocks)
-            pieces = trials._pieces_of(sizes, order)
-            stages, keep = trials._assemble(pieces)
-            if keep is not None:
-                continue
+        for pieces, stages in _assembled_trials(rng, trials, blocks, 10):
             assert trials._terms(pieces, len(stages)) == _terms(cache, stages)
             compared += 1
     assert compared > 60
@@ -256,12 +262,7 @@ def test_a_trial_fits_exactly_when_its_layer_split_does() -> None:
         cache = _cache(_cluster(rng, rng.randint(1, 6), 8), model, seq=4096)
         blocks = st.node_blocks(cache, range(cache.graph.size))
         trials = Trials(cache, blocks, 8, 64)
-        for _ in range(40):
-            sizes, order = _random_trial(rng, cache, blocks)
-            pieces = trials._pieces_of(sizes, order)
-            stages, keep = trials._assemble(pieces)
-            if keep is not None:
-                continue
+        for pieces, stages in _assembled_trials(rng, trials, blocks, 40):
             split = split_layers(*trials._terms(pieces, len(stages)), cache.model.num_layers)
             assert trials.fits(pieces) == (split is not None)
             assert trials._shape(pieces) == shape_key(cache, stages)

@@ -16,14 +16,22 @@ from flashflex_cli.planner.space.batch_split import micro_batches, split_batch
 from flashflex_cli.planner.space.layer_split import split_layers, split_layers_dp, stage_times
 
 
+def _random_stage_terms(rng: random.Random, max_stages: int, max_layers: int
+                        ) -> tuple[int, list[float], list[float], list[int]]:
+    """Random inputs of a layer split: (layers, per-layer seconds, extra seconds, layer cap) of 1..max_stages
+    stages, at least one layer each."""
+    stages = rng.randint(1, max_stages)
+    layers = rng.randint(stages, max_layers)
+    t = [rng.uniform(0.01, 3.0) for _ in range(stages)]
+    e = [rng.choice([0.0, 0.0, rng.uniform(0, 2)]) for _ in range(stages)]
+    caps = [rng.randint(1, layers) for _ in range(stages)]
+    return layers, t, e, caps
+
+
 def test_layer_split_matches_the_reference_dynamic_programme() -> None:
     rng = random.Random(7)
     for _ in range(1500):
-        stages = rng.randint(1, 7)
-        layers = rng.randint(stages, 36)
-        t = [rng.uniform(0.01, 3.0) for _ in range(stages)]
-        e = [rng.choice([0.0, 0.0, rng.uniform(0, 2)]) for _ in range(stages)]
-        caps = [rng.randint(1, layers) for _ in range(stages)]
+        layers, t, e, caps = _random_stage_terms(rng, 7, 36)
         got = split_layers(t, e, caps, layers)
         best = split_layers_dp(t, e, caps, layers)
         if got is None:
@@ -107,11 +115,8 @@ def test_a_pace_some_split_keeps_is_one_the_layers_fit_within() -> None:
     rng = random.Random(13)
     tight = 0
     for _ in range(3000):
-        stages = rng.randint(1, 9)
-        layers = rng.randint(stages, 40)
-        t = [rng.uniform(0.01, 3.0) for _ in range(stages)]
-        e = [rng.choice([0.0, 0.0, rng.uniform(0, 2)]) for _ in range(stages)]
-        caps = [rng.randint(1, layers) for _ in range(stages)]
+        layers, t, e, caps = _random_stage_terms(rng, 9, 40)
+        stages = len(t)
         links = [rng.choice([0.0, rng.uniform(0.0, 2.0)]) for _ in range(stages - 1)]
         split = split_layers(t, e, caps, layers)
         if split is None:

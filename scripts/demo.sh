@@ -41,9 +41,8 @@ say "5/9 Prepare data: data/lighthouse.txt -> $OUT/data.bin (byte-level tokens)"
 "$FLASHFLEX" data prepare data/lighthouse.txt --out "$OUT/data.bin"
 
 say "6/9 Launch: one process per emulated device, $STEPS steps"
-rm -rf "$OUT/ckpt"
 "$FLASHFLEX" launch "$OUT/plan.json" --cluster "$CLUSTER" --data "$OUT/data.bin" --steps "$STEPS" \
-    --out "$OUT/run" --checkpoint-dir "$OUT/ckpt" --checkpoint-every 10
+    --out "$OUT/run" --checkpoint-every 10 --overwrite
 
 "$PYTHON" - "$OUT/run/metrics.jsonl" <<'EOF' >&2
 import json, sys
@@ -89,4 +88,4 @@ grep -E "^(elastic:|flashflex: resumed)" "$OUT/elastic.log" >&2
 echo "event: $(tail -n 1 "$OUT/elastic-run/events.jsonl")" >&2
 
 say "Done in $(( $(date +%s) - start )) s. Metrics: $OUT/run/metrics.jsonl (one JSON object per step);" \
-    "checkpoints: $OUT/ckpt; plan: $OUT/plan.json"
+    "checkpoints: $OUT/run/checkpoints; plan: $OUT/plan.json"

@@ -37,10 +37,10 @@ say "3/6 Prepare data: data/lighthouse.txt -> $OUT/data.bin (byte-level tokens)"
 
 say "4/6 Fine-tune $STEPS steps from the checkpoint (--init-from)"
 "$FLASHFLEX" launch "$OUT/plan.json" --cluster "$CLUSTER" --data "$OUT/data.bin" --steps "$STEPS" \
-    --init-from "$OUT/hf-base" --lr 3e-3 --out "$OUT/run" --checkpoint-dir "$OUT/ckpt"
+    --init-from "$OUT/hf-base" --lr 3e-3 --out "$OUT/run"
 
 say "5/6 Export the fine-tuned weights: $OUT/hf-finetuned"
-"$FLASHFLEX" export "$OUT/ckpt" --hf "$OUT/hf-finetuned"
+"$FLASHFLEX" export "$OUT/run" --hf "$OUT/hf-finetuned"
 
 say "6/6 Check the export"
 "$PYTHON" - "$OUT" <<'PYEOF' >&2

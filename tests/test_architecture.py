@@ -25,7 +25,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "semantics": frozenset({"model"}),
     "hardware": frozenset({"model"}),
     "data": frozenset(),
-    "plan": frozenset({"hardware", "model"}),
+    "plan": frozenset({"hardware", "model", "semantics"}),
     "layers": frozenset({"model", "plan"}),
     "hf": frozenset({"model", "semantics"}),
     "run_config": frozenset({"semantics"}),

@@ -78,7 +78,7 @@ def test_bad_inputs_exit_2_and_write_nothing(made: tuple[Path, Path, Path], tmp_
     out = tmp_path / "out" / "p.json"
     empty = tmp_path / "empty"
     empty.mkdir()
-    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     cases = [
         [str(tmp_path / "missing"), "--out", str(out)],
         [str(empty), "--out", str(out)],
@@ -92,7 +92,7 @@ def test_bad_inputs_exit_2_and_write_nothing(made: tuple[Path, Path, Path], tmp_
         lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: "), lines
     assert not out.exists() and not out.parent.exists()
-    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
 
 
 def test_a_measured_profile_is_scaled_by_what_the_run_measured_against_it(

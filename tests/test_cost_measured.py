@@ -195,10 +195,10 @@ def test_plan_show_and_diff_take_layer_profiles(files: dict[str, Path], capsys: 
     assert all(s["source"].startswith("measured") for s in load_plan(measured).predicted["stages"])
     capsys.readouterr()
     assert main(["show", str(measured), "--cluster", str(files["cluster"]), "--layers", str(files["layers"])]) == 0
-    err = capsys.readouterr().err
-    assert "measured" in err and sha[:12] in err
+    out = capsys.readouterr().out
+    assert "measured" in out and sha[:12] in out
     assert main(["show", str(measured), "--cluster", str(files["cluster"])]) == 0
-    assert "every stage modelled" in capsys.readouterr().err
+    assert "every stage modelled" in capsys.readouterr().out
     assert main(["diff", str(modelled), str(measured), "--json"]) == 0
     assert f"layer profile {sha[:12]}: now used" in json.loads(capsys.readouterr().out)["changes"]
 

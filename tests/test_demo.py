@@ -21,6 +21,6 @@ def test_demo_script_runs_end_to_end(tmp_path: Path) -> None:
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "demo" / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(6))  # 0-based index of the global batch
+    assert [row["step"] for row in rows] == list(range(1, 7))  # as the screen numbers them
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert (tmp_path / "demo" / "plan.json").exists() and (tmp_path / "demo" / "local.json").exists()

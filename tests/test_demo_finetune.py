@@ -22,8 +22,8 @@ def test_demo_finetune_script_runs_end_to_end(tmp_path: Path) -> None:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(4))
-    manifest = json.loads(next((out / "ckpt").glob("step-*/manifest.json")).read_text())
+    assert [row["step"] for row in rows] == list(range(1, 5))
+    manifest = json.loads(next((out / "run" / "checkpoints").glob("step-*/manifest.json")).read_text())
     assert manifest["init_from"] == os.path.abspath(out / "hf-base")
     config = json.loads((out / "hf-finetuned" / "config.json").read_text())
     base = json.loads((out / "hf-base" / "config.json").read_text())

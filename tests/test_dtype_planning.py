@@ -122,11 +122,11 @@ def test_auto_picks_fp16_on_a100_and_v100_nodes_and_uses_the_v100s(files: dict[s
     figures = {d: float(n.replace(",", "")) for d, n in re.findall(r"(fp16|bf16): ([\d,]+) tokens/s", reason)}
     fp16, bf16 = figures["fp16"], figures["bf16"]
     assert fp16 == pytest.approx(plan.predicted["tokens_per_s"], rel=1e-5) and fp16 > bf16
-    err = capsys.readouterr().err
-    assert "dtype fp16 (chosen by --dtype auto): V100-16G lacks bf16" in err
+    out = capsys.readouterr().out
+    assert "dtype fp16 (chosen by --dtype auto): V100-16G lacks bf16" in out
     # show prints the dtype and why, from the plan file alone
     assert main(["show", str(tmp_path / "auto.json")]) == 0
-    assert "dtype fp16 (chosen by --dtype auto)" in capsys.readouterr().err
+    assert "dtype fp16 (chosen by --dtype auto)" in capsys.readouterr().out
 
 
 def test_auto_picks_bf16_when_every_device_computes_it_and_plans_once(files: dict[str, Path], tmp_path: Path,

@@ -37,6 +37,7 @@ from flashflex_cli.launch.options import launch_config
 from flashflex_cli.plan.schema import Plan, load_plan
 from flashflex_cli.run_config import load_run_config
 from flashflex_cli.runtime import checkpoint as ckpt
+from flashflex_cli.semantics.run_folder import latest_rows
 from tests.conftest import FLASHFLEX
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -63,7 +64,9 @@ def _plan(cluster: Path, out: Path, *args: str) -> Path:
 
 
 def _rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    """The metrics rows, one per step: the last written (a step redone after a relaunch is appended again)."""
+    return latest_rows([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                        if line.strip()])
 
 
 def _events(run: Path) -> list[dict]:
@@ -76,7 +79,7 @@ def _launch(plan: Path, out: Path, ck: Path, *extra: str, steps: int = STEPS) ->
 
 
 def _wait_for_step(proc: subprocess.Popen, run: Path, step: int) -> None:
-    """Until metrics.jsonl holds step `step` (0-based) of the current attempt."""
+    """Until metrics.jsonl holds step `step` (1-based, as rows number steps) of the current attempt."""
     deadline = time.monotonic() + HANG_GUARD_S
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the job ended before the step"
@@ -127,7 +130,7 @@ def test_a_killed_worker_is_replanned_away_and_the_losses_match(plans: dict[str,
     run, ck, err = tmp_path / "run", tmp_path / "ck", tmp_path / "err.txt"
     # no --cluster: the plan's recorded cluster file is used (and its sha256 checked)
     proc = _start(_launch(plans["plan4"], run, ck, "--elastic"), err)
-    _wait_for_step(proc, run, 4)  # step 5 of 20 is done: kill one worker for real, from outside
+    _wait_for_step(proc, run, 5)  # step 5 of 20 is done: kill one worker for real, from outside
     workers = json.loads((run / "workers.json").read_text())["workers"]
     os.kill(next(w["pid"] for w in workers if w["device"] == LOST), signal.SIGKILL)
     stderr = _finish(proc, err)
@@ -147,7 +150,7 @@ def test_a_killed_worker_is_replanned_away_and_the_losses_match(plans: dict[str,
     assert (config.plan, config.cluster, config.resume) == (event["new_plan"], event["new_cluster"], True)
     assert config.optimizer.total_steps == STEPS and config.steps == STEPS
     rows = _rows(run)
-    assert [row["step"] for row in rows] == list(range(STEPS))
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert ckpt.latest_checkpoint(ck).name == f"step-{STEPS:06d}"
 
     # reference: the 4-device plan up to the same checkpoint, then --resume under the 3-device plan by hand
@@ -159,7 +162,7 @@ def test_a_killed_worker_is_replanned_away_and_the_losses_match(plans: dict[str,
                                     event["new_cluster"]), capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert second.returncode == 0, second.stderr[-3000:]
     reference = _rows(ref)
-    assert [row["step"] for row in reference] == list(range(STEPS))
+    assert [row["step"] for row in reference] == list(range(1, STEPS + 1))
     for mine, theirs in zip(rows, reference, strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=REL), mine["step"]
 
@@ -176,7 +179,7 @@ def test_a_device_added_back_through_cluster_watch_returns_to_the_larger_plan(pl
     assert after >= 1.02 * before  # the premise: re-planning for the 4th device pays by --replan-gain
     proc = _start(_launch(plans["watch3"], run, ck, "--cluster", str(plans["cluster3"]), "--elastic",
                           "--cluster-watch", str(watched), "--replan-gain", "2", steps=WATCH_STEPS), err)
-    _wait_for_step(proc, run, 1)
+    _wait_for_step(proc, run, 2)
     shutil.copy(plans["cluster4"], tmp_path / "fleet.tmp")
     os.replace(tmp_path / "fleet.tmp", watched)  # the device is back: the fleet file is rewritten atomically
     stderr = _finish(proc, err)
@@ -188,7 +191,7 @@ def test_a_device_added_back_through_cluster_watch_returns_to_the_larger_plan(pl
     assert 2 <= event["step"] < WATCH_STEPS  # stopped at a step boundary, with a checkpoint
     assert load_plan(event["new_plan"]).world_size == 4
     assert load_plan(run / "plan.json").world_size == 4
-    assert [row["step"] for row in _rows(run)] == list(range(WATCH_STEPS))
+    assert [row["step"] for row in _rows(run)] == list(range(1, WATCH_STEPS + 1))
 
 
 # ---- the policy, without processes -----------------------------------------------------------------------------
@@ -298,7 +301,7 @@ def test_elastic_options_are_refused_without_elastic_or_a_checkpoint_dir(plans: 
                                                                         capsys: pytest.CaptureFixture[str]) -> None:
     base = ["launch", str(plans["plan4"]), "--out", str(tmp_path / "run")]
     for extra, text in ((["--max-restarts", "2"], "need(s) --elastic"),
-                        (["--elastic"], "--elastic needs --checkpoint-dir"),
+                        (["--elastic", "--no-checkpoint"], "--elastic needs checkpoints"),
                         (["--elastic", "--launcher", "slurm", "--checkpoint-dir", str(tmp_path / "ck")],
                          "not supported"),
                         (["--elastic", "--checkpoint-dir", str(tmp_path / "ck"), "--cluster-watch",

@@ -30,6 +30,7 @@ from flashflex_cli.launch.lock import run_lock
 from flashflex_cli.plan.schema import load_plan
 from flashflex_cli.runtime import checkpoint as ckpt
 from flashflex_cli.runtime.data import TokenFileSource
+from flashflex_cli.semantics.run_folder import CHECKPOINT_SCHEMA
 from tests.conftest import FLASHFLEX
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -191,7 +192,8 @@ def test_sigterm_to_every_process_checkpoints_and_the_run_folder_is_locked(plan2
     saved = ckpt.latest_checkpoint(ck)
     assert saved is not None
     step = ckpt.read_manifest(saved)["step"]
-    assert job.last_line() == f"stopped by SIGTERM: checkpoint written at step {step} ({saved}); continue with --resume"
+    assert job.last_line() == (f"stopped by SIGTERM: checkpoint written at step {step} ({saved}); the same command "
+                               "continues from it (--resume under another plan or settings)")
     assert len((run / "metrics.jsonl").read_text().splitlines()) == step
     resumed = subprocess.run([FLASHFLEX, "launch", str(plan2), "--cluster", CLUSTER, "--out", str(run), "--steps",
                               str(step + 1), "--schedule-steps", "20", "--checkpoint-dir", str(ck), "--resume"],
@@ -201,13 +203,13 @@ def test_sigterm_to_every_process_checkpoints_and_the_run_folder_is_locked(plan2
 
 
 def test_ctrl_c_prints_one_line_and_no_traceback(plan2: Path, tmp_path: Path, jobs: list[Job]) -> None:
-    job = Job(tmp_path, plan2, tmp_path / "run", "--steps", LONG)
+    job = Job(tmp_path, plan2, tmp_path / "run", "--steps", LONG, "--no-checkpoint")
     jobs.append(job)
     job.wait_for_step()
     os.killpg(job.proc.pid, signal.SIGINT)  # what a terminal sends the foreground process group
     assert job.wait() == 128 + signal.SIGINT
     _no_traceback(job.stderr)
-    assert job.last_line() == "interrupted: no checkpoint was written (no --checkpoint-dir)"
+    assert job.last_line() == "interrupted: no checkpoint was written (--no-checkpoint)"
     assert not [line for line in job.stderr.splitlines() if line.startswith(("error", "flashflex worker"))]
 
 
@@ -265,15 +267,16 @@ def test_run_lock_names_the_holder_and_is_freed_on_release(tmp_path: Path) -> No
 
 def test_checkpoint_note_tells_only_what_was_written(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
-    assert checkpoint_note(None, None) == "no checkpoint was written (no --checkpoint-dir)"
+    assert checkpoint_note(None, None) == "no checkpoint was written (--no-checkpoint)"
     assert checkpoint_note(str(ck), None) == "no checkpoint was written (interrupted before a step boundary)"
     folder = ck / "step-000004"
     folder.mkdir(parents=True)
-    (folder / ckpt.MANIFEST).write_text(json.dumps({"schema": ckpt.SCHEMA, "step": 4}))
+    (folder / ckpt.MANIFEST).write_text(json.dumps({"schema": CHECKPOINT_SCHEMA, "step": 4}))
     (ck / ckpt.LATEST).write_text("step-000004\n")
     before = checkpoint_stamp(str(ck))
     assert checkpoint_note(str(ck), before).startswith("no checkpoint was written")  # it was there before
-    assert checkpoint_note(str(ck), None) == f"checkpoint written at step 4 ({folder}); continue with --resume"
+    assert checkpoint_note(str(ck), None) == (f"checkpoint written at step 4 ({folder}); the same command continues "
+                                              "from it (--resume under another plan or settings)")
 
 
 def test_root_cause_is_the_frozen_rank_not_those_the_launcher_killed() -> None:

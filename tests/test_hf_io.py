@@ -30,6 +30,7 @@ from flashflex_cli.runtime.hf_export import export_hf, parse_size, plan_shards, 
 from flashflex_cli.runtime.model import StageModule
 from flashflex_cli.runtime.tensor_parallel import TPContext
 from flashflex_cli.semantics.parameters import model_params
+from flashflex_cli.semantics.run_folder import CHECKPOINT_SCHEMA
 from tests.test_parity import make_plan
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -222,7 +223,7 @@ def test_init_from_any_plan_then_export_round_trip(tmp_path: Path) -> None:
 def test_export_refuses_bad_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "ckpt").mkdir()
     cases = [
-        (["export", str(tmp_path / "nothing"), "--hf", str(tmp_path / "o")], "no such checkpoint folder"),
+        (["export", str(tmp_path / "nothing"), "--hf", str(tmp_path / "o")], "no such checkpoint or run folder"),
         (["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "o")], "no complete flashflex checkpoint"),
         (["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "o"), "--max-shard-size", "lots"],
          "--max-shard-size"),
@@ -240,7 +241,7 @@ def test_export_refuses_its_input_and_a_full_folder(tmp_path: Path) -> None:
 
     step = tmp_path / "ckpt" / "step-000000"
     step.mkdir(parents=True)
-    (step / ckpt.MANIFEST).write_text(json.dumps({"schema": ckpt.SCHEMA, "step": 0, "tensors": {},
+    (step / ckpt.MANIFEST).write_text(json.dumps({"schema": CHECKPOINT_SCHEMA, "step": 0, "tensors": {},
                                                    "model": TINY.model_dump(mode="json")}))
     for out in (tmp_path / "ckpt", step, step / "hf"):
         with pytest.raises(InputError, match="overlaps the checkpoint"):

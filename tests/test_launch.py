@@ -16,6 +16,7 @@ from flashflex_cli.launch.failures import describe_failure, exit_text, root_caus
 from flashflex_cli.plan.schema import load_plan
 from flashflex_cli.runtime import checkpoint as ckpt
 from flashflex_cli.runtime.worker import plan_rank
+from flashflex_cli.semantics.run_folder import CHECKPOINT_SCHEMA, latest_rows
 from tests.conftest import FLASHFLEX
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -40,13 +41,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("ref")
     result = _launch("plan-4rank.json", out, "--steps", str(STEPS))
     assert result.returncode == 0, result.stderr
-    assert "measured iteration time" in result.stderr and "metrics.jsonl" in result.stderr
+    assert f"done: steps 1-{STEPS} of {STEPS}" in result.stdout and "step time" in result.stdout
+    assert result.stdout.count("metrics.jsonl") == 1 and "checkpoint: " in result.stdout
     return _rows(out)
 
 
 @pytest.mark.slow
 def test_four_cpu_ranks_train_and_write_metrics(reference: list[dict]) -> None:
-    assert [row["step"] for row in reference] == list(range(STEPS))
+    assert [row["step"] for row in reference] == list(range(1, STEPS + 1))
     for row in reference:
         for key in ("loss", "tokens_per_s", "mfu", "step_time_s", "lr", "grad_norm", "memory_bytes"):
             assert isinstance(row[key], int | float) and row[key] >= 0, key
@@ -85,8 +87,10 @@ def test_killed_rank_ends_the_job_and_resume_under_another_plan(reference: list[
     resumed = _launch("plan-4rank.json", run, "--steps", str(STEPS), "--checkpoint-dir", str(ck), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr and "at step 3" in resumed.stderr
-    rows = _rows(run)
-    assert [row["step"] for row in rows] == list(range(STEPS))
+    appended = _rows(run)  # step 4 ran before the crash and again after the resume: appended, never cut
+    assert [row["step"] for row in appended] == [1, 2, 3, 4, *range(4, STEPS + 1)]
+    rows = latest_rows(appended)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     for mine, ref in zip(rows, reference, strict=True):
         assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-5), mine["step"]
 
@@ -141,11 +145,11 @@ def test_preflight_refuses_mismatches_before_starting(tmp_path: Path, capsys: py
     write_token_file(tokens, torch.arange(2000).numpy() % 1000, vocab_size=1000)
     bad_data = launch(plan, "--cluster", CLUSTER, "--data", str(tokens))
     assert bad_data.returncode == 2 and "exceeds the model's vocab_size 256" in bad_data.stderr
-    no_dir = launch(plan, "--cluster", CLUSTER, "--resume")
-    assert no_dir.returncode == 2 and "need --checkpoint-dir" in no_dir.stderr
+    no_dir = launch(plan, "--cluster", CLUSTER, "--resume", "--no-checkpoint")
+    assert no_dir.returncode == 2 and "--no-checkpoint contradicts --resume" in no_dir.stderr
     ck = tmp_path / "ck" / "step-000002"
     ck.mkdir(parents=True)
-    (ck / "manifest.json").write_text(json.dumps({"schema": ckpt.SCHEMA, "step": 2, "tensors": {},
+    (ck / "manifest.json").write_text(json.dumps({"schema": CHECKPOINT_SCHEMA, "step": 2, "tensors": {},
                                                   "model": {"name": "llama-other"}, "train": {}}))
     other_model = launch(plan, "--cluster", CLUSTER, "--checkpoint-dir", str(tmp_path / "ck"), "--resume")
     assert other_model.returncode == 1 and "resume needs the same model" in other_model.stderr

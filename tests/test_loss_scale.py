@@ -265,10 +265,10 @@ def test_launch_skips_an_injected_overflow_and_resumes_the_scale_under_another_p
     alone = _launch(plan1, solo, "--steps", "5", env={INJECT_ENV: "rank=0,step=1"})
     assert alone.returncode == 0, alone.stderr
     rows, want = _rows(run), _rows(solo)
-    assert [r["step"] for r in rows] == list(range(5))
-    for row in (*rows, *want):
-        assert row["loss_scale"] == (2.0**16 if row["step"] < 2 else 2.0**15)
-        assert row["skipped"] == (row["step"] == 1)
+    assert [r["step"] for r in rows] == list(range(1, 6))
+    for row in (*rows, *want):  # the overflow was injected at step index 1: the second step, row 2
+        assert row["loss_scale"] == (2.0**16 if row["step"] <= 2 else 2.0**15)
+        assert row["skipped"] == (row["step"] == 2)
     for mine, ref in zip(rows, want, strict=True):
         assert mine["loss"] == pytest.approx(ref["loss"], rel=LOSS_RTOL), mine["step"]
     capsys.readouterr()
@@ -276,7 +276,7 @@ def test_launch_skips_an_injected_overflow_and_resumes_the_scale_under_another_p
     shown = json.loads(capsys.readouterr().out)["run_comparison"]
     assert shown["loss_scaling"] == {"steps": 5, "skipped_steps": 1, "last_scale": 32768.0}
     assert main(["show", str(plan3), "--run", str(run)]) == 0
-    assert "fp16 loss scaling: 1 of 5 steps skipped (inf/NaN gradients), last scale 32768" in capsys.readouterr().err
+    assert "fp16 loss scaling: 1 of 5 steps skipped (inf/NaN gradients), last scale 32768" in capsys.readouterr().out
     old = [{k: v for k, v in row.items() if k not in ("loss_scale", "skipped")} for row in rows]
     (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in old))
     assert load_run(run).loss_scaling() is None

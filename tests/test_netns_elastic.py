@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from flashflex_cli.plan.schema import load_plan
+from flashflex_cli.semantics.run_folder import latest_rows
 from tests.conftest import FLASHFLEX
 from tests.infra.netns import NetnsHosts
 
@@ -28,8 +29,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.root]
 
 
 def _rows(run: Path) -> list[dict]:
+    """The metrics rows, one per step: the last written (a step redone after a restart is appended again)."""
     try:
-        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        return latest_rows([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+                            if line.strip()])
     except (OSError, ValueError):
         return []
 
@@ -67,7 +70,7 @@ def test_killing_one_host_the_job_continues_on_the_other(net: NetnsHosts, tmp_pa
                                           env={**os.environ, "OMP_NUM_THREADS": "1"}))
     try:
         deadline = time.monotonic() + HANG_GUARD_S
-        while not any(row["step"] >= 3 for row in _rows(run)):
+        while not any(row["step"] >= 4 for row in _rows(run)):
             assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()[-3000:]
             time.sleep(0.05)
         _kill_host(net, 1)  # the second host is gone: agent and workers
@@ -84,5 +87,5 @@ def test_killing_one_host_the_job_continues_on_the_other(net: NetnsHosts, tmp_pa
     new_plan = load_plan(events[-1]["new_plan"])
     assert {info.device.rpartition("/")[0] for info in new_plan.ranks()} == {"node0"}
     assert "re-planned 4 ->" in text
-    assert [row["step"] for row in _rows(run)] == list(range(STEPS))
+    assert [row["step"] for row in _rows(run)] == list(range(1, STEPS + 1))
     assert load_plan(run / "plan.json") == new_plan

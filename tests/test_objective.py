@@ -112,8 +112,8 @@ def test_explain_prints_what_each_node_group_adds_and_whether_it_pays(files: dic
                                                                       capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     _plan(files, "explained", "--explain")
-    err = capsys.readouterr().err
-    lines = {line.strip().split(" ")[0]: line for line in err.splitlines() if "/M tokens with it" in line}
+    out = capsys.readouterr().out
+    lines = {line.strip().split(" ")[0]: line for line in out.splitlines() if "/M tokens with it" in line}
     assert "does not pay for itself" in lines["dear0"] and "(4 x A100-80G-SXM), USD 80.00/h: adds" in lines["dear0"]
     assert "pays for itself" in lines["cheap0"] and "does not" not in lines["cheap0"]
 

@@ -40,7 +40,7 @@ def test_show_and_show_with_cluster(cluster_file: Path, tmp_path: Path, capsys: 
     assert main(["plan", str(cluster_file), *PLAN_ARGS, "--out", str(out), "--no-baseline"]) == 0
     capsys.readouterr()
     assert main(["show", str(out)]) == 0
-    assert "predicted:" in capsys.readouterr().err
+    assert "predicted:" in capsys.readouterr().out
     assert main(["show", str(out), "--cluster", str(cluster_file), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(out.read_text())  # fresh estimate, same figures
     # a hand edit: put every layer of pipeline 0 on its first stage's devices -> re-estimated, different figures
@@ -76,6 +76,7 @@ def test_diff_and_fail_on_regression(cluster_file: Path, tmp_path: Path, capsys:
     capsys.readouterr()
     assert main(["diff", str(ours), str(ours), "--fail-on-regression", "0"]) == 0
     assert main(["diff", str(base), str(ours), "--fail-on-regression", "0"]) == 0  # an improvement passes
+    assert "diff " in capsys.readouterr().out  # the human diff on stdout
     assert main(["diff", str(ours), str(base), "--fail-on-regression", "5", "--json"]) == 1
     captured = capsys.readouterr()
     report = json.loads(captured.out)

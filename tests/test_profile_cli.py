@@ -37,8 +37,8 @@ def test_synthetic_writes_a_valid_cluster_and_a_summary(tmp_path, capsys):
     assert cluster.name == "c" and cluster.description == "demo"
     assert len(cluster.device_ids) == 32 and [n.nic for n in cluster.nodes] == ["ib", "eth", "eth", "eth"]
     captured = capsys.readouterr()
-    assert captured.out == ""  # human output goes to stderr only
-    assert "RTX-4090" in captured.err and "wrote" in captured.err
+    assert captured.err == ""  # the summary is the result: on stdout, so that it pipes
+    assert "RTX-4090" in captured.out and "wrote" in captured.out
 
 
 def test_bundled_profiles_regenerate_byte_for_byte(repo, tmp_path, capsys):

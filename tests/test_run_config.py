@@ -224,7 +224,7 @@ def test_a_worker_given_a_bad_config_exits_2_in_one_line(tmp_path: Path) -> None
     ["--lr", "0"],  # an impossible number
     ["--steps", "3", "--optimizer", "adam"],  # an unknown switch value
     ["--data", "{d}/none.bin"],  # missing data
-    ["--checkpoint-every", "2"],  # no --checkpoint-dir
+    ["--checkpoint-every", "2", "--no-checkpoint"],  # options that contradict each other
 ])
 def test_a_launch_given_bad_input_writes_no_config(tmp_path: Path, argv: list[str]) -> None:
     for launcher in ("local", "torchrun"):
@@ -298,7 +298,7 @@ def test_a_launched_run_trains_with_the_saved_config(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert load_run_config(run / "config.json") == config  # the launcher saved it before the workers started
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(STEPS))
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert [row["lr"] for row in rows] == pytest.approx([lr_at(step, OPTIM) for step in range(STEPS)], rel=1e-6)
     assert [row["lr"] for row in rows] != pytest.approx([lr_at(s, base.optimizer) for s in range(STEPS)], rel=1e-3)
     runtime = json.loads((run / "runtime.json").read_text())

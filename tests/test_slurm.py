@@ -64,5 +64,5 @@ def test_rendered_sbatch_scripts_complete_on_a_real_slurm(tmp_path: Path) -> Non
             assert f"job {job}, rendezvous at 127.0.0.1:" in log
     for name in jobs:
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-        assert [row["step"] for row in rows] == [0, 1, 2]
+        assert [row["step"] for row in rows] == [1, 2, 3]
         assert {(s["pipeline"], s["stage"]) for s in rows[0]["stages"]} == {(0, 0), (0, 1), (1, 0)}

@@ -44,8 +44,8 @@ def planned(skewed: dict[str, Path]) -> tuple[Plan, str]:
     import contextlib
     import io
 
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    err = io.StringIO()  # the summary goes to stdout
+    with contextlib.redirect_stdout(err):
         code = main(["plan", str(skewed["cluster"]), "--model", "llama2-13b", "--global-batch", "32", "--seq-len",
                      "4096", "--time-budget", "30", "--prices", str(skewed["prices"]), "--out", str(out)])
     assert code == 0
@@ -166,7 +166,7 @@ def test_old_plans_without_the_new_fields_load_and_bad_new_fields_are_refused(
     old.write_text(json.dumps(data))
     capsys.readouterr()
     assert main(["show", str(old)]) == 0
-    assert re.search(r"MFU [0-9.]+%, iteration", capsys.readouterr().err)
+    assert re.search(r"MFU [0-9.]+%, iteration", capsys.readouterr().out)
     assert [m.name for m in diff_plans(Plan.model_validate(data), Plan.model_validate(data)).metrics] == [
         "tokens_per_s", "mfu", "iteration_time_s"]
     data["predicted"]["dollars"] = {"currency": "USD", "per_hour_used": "cheap"}

@@ -25,6 +25,12 @@ def _umask() -> int:
     return mask
 
 
+def give_usual_mode(path: str | os.PathLike[str], mode: int = 0o666) -> None:
+    """Set `path`'s permissions to `mode` less the umask, as a plain `open` would have made them (for files that
+    a library wrote through a private temporary file, 0600)."""
+    os.chmod(path, mode & ~_umask())
+
+
 NAME_MAX = 255  # bytes in one file name on the usual Linux file systems, when pathconf cannot say
 _TEMP_STEM = 40  # characters of the target's name kept in its temporary file's name
 

@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from .consoles import results
 
 
 def _targets(profiles: list, out: Path | None, out_dir: Path | None) -> list[Path]:
@@ -59,7 +60,7 @@ def calibrate_command(
         base = load_layer_profile(layers)
         scaled, r_fwd, r_bwd, fits = scale_profile(base, plan, cluster, run, params)
         profiles = [scaled]
-        Console(stderr=True, highlight=False).print(
+        results(json_out).print(
             f"  {base.device_type}: the run measured forward x{r_fwd:.3f}, backward x{r_bwd:.3f} the profile")
     else:
         profiles, fits = fit_profiles(plan, cluster, run, params)
@@ -71,7 +72,7 @@ def calibrate_command(
             raise InputError(f"{target}: is an input of this command; choose another output")
     for target, profile in zip(targets, profiles, strict=True):
         save_layer_profile(target, profile)
-    console = Console(stderr=True, highlight=False)
+    console = results(json_out)
     table = Table(title=f"per-layer fit from {run_dir} ({len(run.used_rows)} steps, warm-up left out)",
                   title_justify="left")
     for name in ("stage", "type", "mbs", "tp", "layers", "slowdown", "fwd/mb measured", "layer fwd", "layer bwd"):

@@ -1,4 +1,4 @@
-"""CLI commands: `flashflex data prepare` (.txt / .jsonl / .parquet files -> token file)."""
+"""CLI commands: `flashflex data prepare` (text / .jsonl / .parquet files -> token file)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from .consoles import diagnostics, results
+
 data_app = typer.Typer(help="Prepare training data (token files).", no_args_is_help=True)
 
 
 @data_app.command("prepare")
 def prepare_command(
     text_files: list[str] = typer.Argument(..., metavar="FILES...",
-                                           help="Input files or glob patterns, in order: .txt (one document per "
-                                           "file), .jsonl (one per line), .parquet (one per row)."),
+                                           help="Input files or glob patterns, in order: plain text .txt/.md/.rst "
+                                           "(one document per file), .jsonl (one per line), .parquet (one per row)."),
     out: Path = typer.Option(..., "--out", "-o", help="Token file to write (e.g. data.bin)."),
     tokenizer: Path | None = typer.Option(None, "--tokenizer",
                                           help="A Hugging Face tokenizer.json; default: byte-level (vocab 256)."),
@@ -34,8 +36,7 @@ def prepare_command(
 
     check_writable_output(out)
     refuse_same_path(out, [*text_files, tokenizer])
-    console = Console(stderr=True)
-    with _progress(console) as report:
+    with _progress(diagnostics()) as report:
         summary = prepare_files(text_files, out, tokenizer, field=field, column=column, append=append, eot=eot,
                                 progress=report)
     result = {"out": str(out), "tokens": summary.tokens, "added_tokens": summary.added,
@@ -44,7 +45,7 @@ def prepare_command(
     if as_json:
         typer.echo(json.dumps(result))
     else:
-        console.print(f"wrote [bold]{out}[/]: {summary.tokens:,} tokens ({summary.documents:,} document(s) from "
+        results().print(f"wrote [bold]{out}[/]: {summary.tokens:,} tokens ({summary.documents:,} document(s) from "
                       f"{summary.files} file(s)), vocab {summary.vocab_size} ({result['tokenizer']} tokenizer)")
 
 

@@ -1,4 +1,5 @@
-"""CLI command: `flashflex export CHECKPOINT_DIR --hf OUT_DIR` (a flashflex checkpoint -> Hugging Face folder)."""
+"""CLI command: `flashflex export RUN --hf OUT_DIR` (a run's newest flashflex checkpoint, or any checkpoint
+folder, -> Hugging Face folder)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
+
+from .consoles import results
 
 
 def export_command(
-    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT_DIR",
-                                      help="A --checkpoint-dir of a run (its newest checkpoint) or one step-N folder."),
+    checkpoint: Path = typer.Argument(..., metavar="RUN",
+                                      help="A run folder (its newest checkpoint), a checkpoint folder, or one "
+                                      "step-N folder."),
     hf: Path = typer.Option(..., "--hf", help="Hugging Face folder to write (config.json, *.safetensors)."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size",
                                        help="Largest weight file (e.g. 5GB, 500MB, 2GiB); above it the weights "
@@ -30,8 +33,8 @@ def export_command(
         typer.echo(json.dumps({"out": str(summary.out), "files": list(summary.files), "tensors": summary.tensors,
                                "bytes": summary.total_bytes, "copied": list(summary.copied)}))
         return
-    tok = f", copied {', '.join(summary.copied)}" if summary.copied else ", no tokenizer"
-    Console(stderr=True, highlight=False).print(
+    tok = f", {summary.tokenizer_note}"
+    results().print(
         f"wrote {summary.out}: {summary.tensors} tensors, {summary.total_bytes / 2**20:.1f} MiB in "
         f"{len(summary.files)} file(s){tok}", markup=False)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,10 +15,11 @@ from rich.console import Console
 from ..errors import InputError
 from ..fileio import atomic_write_text, check_writable_dir, check_writable_output, refuse_same_path
 from ..launch.elastic_options import ElasticSettings, check_elastic_plan, elastic_options
-from ..launch.options import DEFAULT_LR, launch_config
-from ..launch.preflight import check_run_dirs
+from ..launch.options import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LR, checkpoint_folder, launch_config
+from ..launch.preflight import check_run_dirs, start_decision
 from ..launch.recorded_cluster import recorded_cluster_path
 from ..run_config import RunConfig, save_run_config
+from ..semantics.run_folder import METRICS, RUNTIME_RECORD, clear_progress, latest_rows, launch_index
 from ..validate_numbers import port as port_number
 
 if TYPE_CHECKING:
@@ -95,6 +98,49 @@ def _run_here(plan: Plan, plan_path: Path, options: RunConfig, lock_fds: tuple[i
         raise typer.Exit(exc.exit_code) from None
 
 
+def _print_result(as_json: bool, summary: dict[str, object], lines: list[str]) -> None:
+    """The launch's result on stdout: its JSON summary with --json (the lines then on stderr), else the lines;
+    warnings on stderr."""
+    if as_json:
+        typer.echo(json.dumps(summary))
+    for line in lines:
+        typer.echo(line, err=as_json or line.startswith("warning:"))
+
+
+def local_run_summary(plan: Plan, options: RunConfig, first_launch: int,
+                      wall_s: float) -> tuple[dict[str, object], list[str]]:
+    """After a local launch: its JSON summary and the lines of runtime/metrics.run_summary, from the metrics rows
+    the launch wrote (launch index `first_launch` on: an elastic launch restarts its workers) and the run folder."""
+    from ..runtime.metrics import predicted_step_seconds, run_summary
+    from ..semantics.run_folder import latest_checkpoint
+
+    metrics = Path(options.out) / METRICS
+    rows = []
+    for line in metrics.read_text(encoding="utf-8").splitlines() if metrics.is_file() else ():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row.get("launch", 0) >= first_launch:
+            rows.append(row)
+    rows = latest_rows(rows)
+    found = latest_checkpoint(options.checkpoint_dir) if options.checkpoint_dir else None
+    compile_s = None
+    try:
+        compile_s = json.loads((Path(options.out) / RUNTIME_RECORD).read_text(encoding="utf-8")).get(
+            "compile_warmup_s")
+    except (OSError, ValueError, AttributeError):
+        pass
+    lines = run_summary(rows, options.steps, wall_s, predicted_step_seconds(plan.predicted), compile_s,
+                        None if found is None else str(found), metrics)
+    summary: dict[str, object] = {"launcher": "local", "run_dir": options.out, "metrics": str(metrics),
+                                  "steps_trained": len(rows), "wall_s": round(wall_s, 3),
+                                  "checkpoint": None if found is None else str(found)}
+    if rows:
+        summary["final_loss"] = rows[-1]["loss"]
+    return summary, lines
+
+
 def launch_command(
     plan_path: Path = typer.Argument(..., metavar="PLAN.json", help="A plan made by `flashflex plan`."),
     cluster_path: Path | None = typer.Option(None, "--cluster", "-c", help="The cluster file the plan was made "
@@ -106,9 +152,17 @@ def launch_command(
                                               "schedule (default: --steps); keep it fixed across stops and resumes."),
     seed: int = typer.Option(0, "--seed", help="Seed of the initial weights and of the data order."),
     lr: float = typer.Option(DEFAULT_LR, "--lr", help="Peak learning rate (AdamW, warm-up then cosine)."),
-    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder of checkpoints."),
-    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="Save every K steps (0: only at the end and on SIGTERM)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint (any plan)."),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder of checkpoints (default: "
+                                               "RUN/checkpoints)."),
+    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", help="Save every K steps, and at the "
+                                                f"end and on a stop signal (default {DEFAULT_CHECKPOINT_EVERY}; 0: "
+                                                "only at the end and on a stop signal)."),
+    no_checkpoint: bool = typer.Option(False, "--no-checkpoint", help="Save no checkpoint at all (a stopped run "
+                                       "cannot be continued)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint, whatever plan and "
+                                "settings wrote it (the same plan and settings continue without it)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start again in a run folder that holds progress: "
+                                   "its metrics and checkpoints are removed first."),
     init_from: Path | None = typer.Option(None, "--init-from", help="Initial weights from a local Hugging Face "
                                           "checkpoint folder (config.json + *.safetensors) of the plan's model."),
     timeout: float = typer.Option(60.0, "--timeout", help="Collective timeout in seconds: survivors of a dead "
@@ -168,13 +222,15 @@ def launch_command(
     if launcher not in LAUNCHERS:
         raise InputError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     host_list, ifnames = _host_addresses(_split(hosts, "--hosts")), _split(ifname, "--ifname") or ()
+    checkpoints = checkpoint_folder(out, checkpoint_dir, checkpoint_every, no_checkpoint, resume, overwrite)
     elastic_settings = elastic_options(elastic, launcher, max_restarts, min_devices, cluster_watch, replan_gain,
-                                       layers, checkpoint_dir)
+                                       layers, checkpoints)
     if cluster_path is None:
         cluster_path = recorded_cluster_path(plan_path)
+    every = DEFAULT_CHECKPOINT_EVERY if checkpoint_every is None else checkpoint_every
     options = launch_config(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
-                            seed=seed, lr=lr, checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
-                            checkpoint_every=checkpoint_every, resume=resume, timeout_s=timeout,
+                            seed=seed, lr=lr, checkpoint_dir=checkpoints, checkpoint_every=every if checkpoints
+                            else 0, resume=resume, timeout_s=timeout,
                             schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None,
                             runtime={"lean_p2p": not no_lean_p2p, "overlap_dp": not no_overlap_dp,
                                      "hierarchical_dp": not no_hierarchical_dp, "compile": compile_,
@@ -185,7 +241,7 @@ def launch_command(
     plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
     check_plan_cluster(plan, cluster, str(cluster_path))
     check_elastic_plan(plan, elastic_settings)
-    warnings = check_run(plan, data, steps, options.checkpoint_dir, checkpoint_every, resume,
+    warnings = check_run(plan, data, steps, options.checkpoint_dir, options.checkpoint_every, resume,
                          options.optimizer.total_steps)
     warnings += check_init_from(plan, options.init_from, here=launcher == "local")
     if launcher == "local":
@@ -198,15 +254,26 @@ def launch_command(
         with nullcontext(None) if dry_run else run_lock(options.out, options.checkpoint_dir) as lock:
             for line in warnings:
                 console.print(f"[yellow]warning:[/] {line}")
+            # continue, start again or refuse, now that no other launch can write into the folders
+            decision = start_decision(plan, options, overwrite)
             if dry_run or lock is None:
+                if decision.line:
+                    console.print(f"would start: {decision.line}", markup=False)
                 text = dry_run_text(plan, options)
                 typer.echo(json.dumps({"launcher": "local", "commands": [text]}) if as_json else text)
                 return
+            if decision.line:
+                console.print(decision.line, markup=False)
+            if decision.nothing_left:
+                _print_result(as_json, {"launcher": "local", "run_dir": str(out), "steps_trained": 0}, [])
+                return
+            if overwrite:
+                clear_progress(options.out, options.checkpoint_dir)
+            options = dataclasses.replace(options, resume=decision.resume)
+            first_launch, started = launch_index(Path(out) / METRICS), time.monotonic()
             _run_here(plan, plan_path, options, lock.fds, console, elastic_settings)
-        summary = {"launcher": "local", "run_dir": str(out), "metrics": str(out / "metrics.jsonl")}
-        if as_json:
-            typer.echo(json.dumps(summary))
-        console.print(f"done: metrics in [bold]{out / 'metrics.jsonl'}[/]")
+        summary, lines = local_run_summary(plan, options, first_launch, time.monotonic() - started)
+        _print_result(as_json, summary, lines)
         return
     from ..launch.slurm import SlurmSettings, render_slurm
     from ..launch.torchrun import ElasticRender, RenderSettings, command_lines, render_torchrun
@@ -224,7 +291,12 @@ def launch_command(
         from ..launch.lock import run_lock
 
         with run_lock(options.out, None):
-            save_run_config(options)
+            decision = start_decision(plan, options, overwrite)
+            if overwrite:
+                clear_progress(options.out, options.checkpoint_dir)
+            save_run_config(dataclasses.replace(options, resume=decision.resume))
+        if decision.line:
+            console.print(decision.line, markup=False)
         console.print(f"wrote {options.path}")
     if script is not None:
         atomic_write_text(script, text, mode=0o777)

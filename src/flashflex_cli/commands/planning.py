@@ -6,7 +6,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from .. import validate_numbers
 from ..cost.estimate import estimate
@@ -22,12 +21,8 @@ from ..plan.render import render_baseline, render_diff, render_plan
 from ..plan.schema import Plan, TrainConfig, load_plan
 from ..planner.fleet.economics import annotated
 from ..planner.fleet.precision import AUTO, AUTO_DTYPES, DTYPE_CHOICES, DtypeTrial, choose_dtype
+from .consoles import diagnostics, results
 from .plan_objective import PRICES_HELP, Fleet, device_prices
-
-
-def _stderr() -> Console:
-    return Console(stderr=True)
-
 
 LAYERS_HELP = "Measured layer profile (flashflex.layers/1); repeatable. Stages it matches are costed from it."
 
@@ -154,9 +149,9 @@ def plan_command(
         atomic_write_text(out, plan.to_json())
     if json_out:
         typer.echo(plan.to_json(), nl=False)
-    console = _stderr()
+    console, warn = results(json_out), diagnostics()
     for line in unmatched_profiles(estimate(plan, cluster, params), params) if params.layer_profiles else ():
-        console.print(f"[yellow]warning[/yellow]: {line}")
+        warn.print(f"[yellow]warning[/yellow]: {line}")
     render_plan(console, plan)
     uniform, why = None, ""
     if baseline and strategy != "uniform":
@@ -176,7 +171,8 @@ def plan_command(
 
 
 def show_command(
-    plan_file: Path = typer.Argument(..., metavar="PLAN.json", help="Plan file (flashflex.plan/1)."),
+    plan_file: Path | None = typer.Argument(None, metavar="PLAN.json|RUN", help="Plan file (flashflex.plan/1), or "
+                                            "a run folder: its own plan against its measurements (as --run RUN)."),
     cluster_file: Path | None = typer.Option(None, "--cluster", "-c",
                                              help="Validate against this cluster and re-estimate."),
     json_out: bool = typer.Option(False, "--json", help="Print the plan (re-estimated with --cluster) as JSON."),
@@ -188,12 +184,14 @@ def show_command(
                                          "measured with --run) to this PNG (needs matplotlib)."),
     prices_file: Path | None = typer.Option(None, "--prices", help="With --cluster: " + PRICES_HELP),
 ) -> None:
-    """Render a plan; with --cluster, validate it there and predict it afresh (exit 1 if it cannot run)."""
+    """Render a plan; with --cluster, validate it there and predict it afresh (exit 1 if it cannot run); with
+    --run, side by side with what a run of it measured."""
+    plan_file, run_dir = _plan_and_run(plan_file, run_dir)
     if prices_file is not None and cluster_file is None and run_dir is None:
         raise InputError("--prices needs --cluster (prices are per device type; the cluster names the types)")
     plan = load_plan(plan_file)
     params = _cost_params(cost_params, layers, plan)  # read and checked with or without --cluster, as plan does
-    console = _stderr()
+    console, warn = results(json_out), diagnostics()
     if run_dir is not None or timeline is not None:
         from ..runs.show import cluster_for_run
 
@@ -208,7 +206,7 @@ def show_command(
             params = params_for_run(params, run_dir, plan, cluster)
         result = validate_plan(plan, cluster, params)
         for line in result.warnings:
-            console.print(f"[yellow]warning[/yellow]: {line}")
+            warn.print(f"[yellow]warning[/yellow]: {line}")
         if result.estimate is not None:
             plan = annotated(reestimated(plan, result.estimate), cluster, prices)
         compared = None
@@ -227,6 +225,26 @@ def show_command(
     if json_out:
         typer.echo(plan.to_json(), nl=False)
     render_plan(console, plan)
+
+
+def _plan_and_run(plan_file: Path | None, run_dir: Path | None) -> tuple[Path, Path | None]:
+    """`show`'s plan file and run folder: a run folder given as PLAN is --run RUN with RUN/plan.json; --run
+    alone shows RUN/plan.json (InputError when neither names a plan)."""
+    from ..semantics.run_folder import PLAN_COPY, is_run_folder
+
+    if plan_file is not None and plan_file.is_dir() and is_run_folder(plan_file):
+        if run_dir is not None and run_dir.resolve() != plan_file.resolve():
+            raise InputError(f"{plan_file} is a run folder and --run names another one ({run_dir})")
+        run_dir = plan_file
+        plan_file = None
+    if plan_file is None:
+        if run_dir is None:
+            raise InputError("show needs PLAN.json or a run folder (flashflex show RUN, or show PLAN.json --run RUN)")
+        plan_file = run_dir / PLAN_COPY
+        if not plan_file.is_file():
+            raise InputError(f"{run_dir}: no {PLAN_COPY} (a run folder of `flashflex launch`?); name the plan: "
+                             f"flashflex show PLAN.json --run {run_dir}")
+    return plan_file, run_dir
 
 
 def _predicted_on(plan: Plan, cluster: Cluster, cost_params: Path | None, layers: list[Path] | None) -> Plan:
@@ -269,7 +287,7 @@ def diff_command(
     result = diff_plans(a, b)
     if json_out:
         typer.echo(json.dumps(result.to_json(), indent=2))
-    render_diff(_stderr(), result, str(plan_a), str(plan_b))
+    render_diff(results(json_out), result, str(plan_a), str(plan_b))
     if fail_on_regression is not None:
         drop = result.regression_pct()
         if drop is None:

@@ -15,16 +15,13 @@ from ..fileio import check_writable_output, refuse_same_path
 from ..hardware.cluster import Cluster, load_cluster, save_cluster
 from ..units import byte_size
 from ..validate_numbers import MAX_DEVICES_PER_NODE, int_in_range
+from .consoles import diagnostics, results
 
 profile_app = typer.Typer(
     help="Describe the hardware as a cluster file (flashflex.cluster/1).",
     no_args_is_help=False,
     add_completion=False,
 )
-
-
-def _stderr() -> Console:
-    return Console(stderr=True)
 
 
 def _fmt_rate(bytes_per_s: float, bits: bool = False) -> str:
@@ -35,8 +32,8 @@ def _fmt_rate(bytes_per_s: float, bits: bool = False) -> str:
 
 
 def render_summary(cluster: Cluster, console: Console | None = None) -> None:
-    """A rich table of the cluster on stderr: per node devices, memory, TFLOP/s, links."""
-    console = console or _stderr()
+    """A rich table of the cluster (on stdout by default): per node devices, memory, TFLOP/s, links."""
+    console = console or results()
     table = Table(title=f"cluster {cluster.name}: {len(cluster.device_ids)} devices on {len(cluster.nodes)} nodes")
     for column in ("node", "devices", "memory", "TFLOP/s (bf16)", "slowdown", "intra", "nic"):
         table.add_column(column)
@@ -142,7 +139,7 @@ def profile(
         cluster = cluster_of_nodes([node], name=cluster_name, description=description)
     save_cluster(out, cluster)
     render_summary(cluster)
-    _stderr().print(f"wrote {out}")
+    results().print(f"wrote {out}")
 
 
 @dataclass(frozen=True)
@@ -228,10 +225,10 @@ def profile_layers(request: LayerRequest, out: Path) -> None:
     config = _layer_config(request, kind)
     tps = parse_int_list(request.tp, "--tp")
     check_request(config, tps, kind, count)
-    console = _stderr()
+    console = results()
 
     def report(skip) -> None:  # noqa: ANN001 - a layer_bench.Skipped
-        console.print(f"skipped micro-batch {skip.micro_batch_size} at tp {skip.tp}: {skip.reason}")
+        diagnostics().print(f"skipped micro-batch {skip.micro_batch_size} at tp {skip.tp}: {skip.reason}")
 
     entries, _skipped = measure(config, tps, kind, progress=True, on_skip=report)
     if not entries:
@@ -259,7 +256,7 @@ def merge(
                             sources=[str(p) for p in files])
     save_cluster(out, merged)
     render_summary(merged)
-    _stderr().print(f"wrote {out}")
+    results().print(f"wrote {out}")
 
 
 def register(app: typer.Typer) -> None:

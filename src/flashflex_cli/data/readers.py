@@ -1,5 +1,6 @@
-"""Documents from the files people have: `.txt` (one document per file), `.jsonl` (one per line, a string
-field) and `.parquet` (one per row, a string column), named directly or by glob patterns.
+"""Documents from the files people have: plain text (`.txt`, `.md`, `.markdown`, `.rst`, `.text`: one document per
+file), `.jsonl` (one per line, a string field) and `.parquet` (one per row, a string column), named directly or
+by glob patterns.
 
 Each reader yields (text, bytes) pairs: a document and how many bytes of its file it advanced (for a
 progress bar). A bad line or file is one InputError naming the file (and the line of a .jsonl).
@@ -15,7 +16,8 @@ from pathlib import Path
 
 from ..errors import InputError
 
-SUFFIXES = (".txt", ".jsonl", ".parquet")
+TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
+SUFFIXES = (*TEXT_SUFFIXES, ".jsonl", ".parquet")
 _GLOB_CHARS = set("*?[")
 PARQUET_BATCH_ROWS = 1024
 

@@ -86,6 +86,22 @@ def _read_header(path: Path) -> tuple[int, int, int]:
     return itemsize, int(vocab), int(count)
 
 
+def vocabulary_advice(data_vocab: int) -> str:
+    """What to do when a token file's ids do not fit the model's vocabulary: the end of a one-line error."""
+    return ("prepare the data with the model's tokenizer, or plan a model whose vocabulary holds the data's "
+            f"({data_vocab:,} ids): a config.json with \"vocab_size\": {data_vocab} as --model (docs/models.md; the "
+            "small presets have 256)")
+
+
+def token_file_vocab(path: str | os.PathLike[str]) -> int | None:
+    """The vocab_size a token file's header records (BYTE_VOCAB for byte-level data); None when `path` is no
+    readable token file."""
+    try:
+        return _read_header(Path(path))[1]
+    except InputError:
+        return None
+
+
 class TokenFile:
     """A memory-mapped token file: `.tokens` (numpy view), `.vocab_size`, `len()` tokens; `read` for training.
 

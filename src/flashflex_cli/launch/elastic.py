@@ -171,7 +171,7 @@ def latest_step(checkpoint_dir: str | None) -> int:
     """The step of the newest complete checkpoint (0: none)."""
     if checkpoint_dir is None:
         return 0
-    from ..runtime.checkpoint import latest_checkpoint, read_manifest
+    from ..semantics.run_folder import latest_checkpoint, read_manifest
 
     found = latest_checkpoint(checkpoint_dir)
     if found is None:
@@ -263,7 +263,8 @@ class ElasticRun:
     def __init__(self, layout: Layout, options: RunConfig, settings: ElasticSettings,
                  inherit_fds: tuple[int, ...], say: Callable[[str], None]) -> None:
         if options.checkpoint_dir is None:
-            raise InputError("--elastic needs --checkpoint-dir (a lost device is survived from the last checkpoint)")
+            raise InputError("--elastic needs checkpoints, not --no-checkpoint (a lost device is survived from the "
+                             "last checkpoint)")
         self.layout, self.options, self.settings = layout, options, settings
         self.inherit_fds, self.say = inherit_fds, say
         self.params = cost_params(layout.plan, settings.layers)
@@ -283,9 +284,10 @@ class ElasticRun:
             outcome = run_job(self.layout.plan, options, inherit_fds=self.inherit_fds, hook=hook)
             if outcome.signals:
                 raise interrupted(outcome, options, before)
-            wrote = checkpoint_stamp(options.checkpoint_dir) != before  # this launch saved one
-            resume = self.options.resume or wrote
-            step = latest_step(options.checkpoint_dir) if resume else 0
+            # the next attempt continues this launch: from the newest checkpoint, or from step 0 when there is
+            # none (a checkpoint the folders held before this launch was continued by it or cleared by --overwrite)
+            resume = True
+            step = latest_step(options.checkpoint_dir)
             if outcome.failures:
                 change = self._after_failure(outcome)
             elif outcome.stopped and hook is not None and hook.pending is not None and step < options.steps:

@@ -31,9 +31,9 @@ class ElasticSettings:
 
 
 def elastic_options(elastic: bool, launcher: str, max_restarts: int, min_devices: int, cluster_watch: Path | None,
-                    replan_gain: float, layers: list[Path] | None, checkpoint_dir: Path | None) -> ElasticSettings | None:
+                    replan_gain: float, layers: list[Path] | None, checkpoint_dir: str | None) -> ElasticSettings | None:
     """The settings of an elastic launch (None without --elastic); InputError for an elastic option without
-    --elastic, a launcher that cannot re-plan, a missing --checkpoint-dir or a number out of range."""
+    --elastic, a launcher that cannot re-plan, no checkpoint folder (--no-checkpoint) or a number out of range."""
     if not elastic:
         given = [name for name, value in (("--cluster-watch", cluster_watch), ("--layers", layers)) if value]
         given += [name for name, value, default in (("--max-restarts", max_restarts, 3), ("--min-devices",
@@ -46,7 +46,8 @@ def elastic_options(elastic: bool, launcher: str, max_restarts: int, min_devices
     if launcher != "local" and (cluster_watch is not None or layers):
         raise InputError("--cluster-watch and --layers work with the local launcher only")
     if checkpoint_dir is None:
-        raise InputError("--elastic needs --checkpoint-dir (a lost device is survived from the last checkpoint)")
+        raise InputError("--elastic needs checkpoints, not --no-checkpoint (a lost device is survived from the last "
+                         "checkpoint)")
     validate_numbers.int_in_range(max_restarts, "--max-restarts", 0, MAX_RESTARTS)
     validate_numbers.int_in_range(min_devices, "--min-devices", 1, 1_000_000)
     validate_numbers.non_negative(replan_gain, "--replan-gain")

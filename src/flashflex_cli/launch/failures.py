@@ -99,7 +99,7 @@ def checkpoint_stamp(checkpoint_dir: str | None) -> CheckpointStamp | None:
     a launch to tell a checkpoint it writes from one that was there already."""
     if checkpoint_dir is None or not os.path.isdir(checkpoint_dir):
         return None
-    from ..runtime.checkpoint import MANIFEST, latest_checkpoint
+    from ..semantics.run_folder import MANIFEST, latest_checkpoint
 
     found = latest_checkpoint(checkpoint_dir)
     if found is None:
@@ -114,14 +114,15 @@ def checkpoint_note(checkpoint_dir: str | None, before: CheckpointStamp | None) 
     """What a stopped launch left: "checkpoint written at step N (FOLDER)" when the checkpoint folder holds a
     complete checkpoint that was not there before the launch, else why none was written."""
     if checkpoint_dir is None:
-        return "no checkpoint was written (no --checkpoint-dir)"
+        return "no checkpoint was written (--no-checkpoint)"
     now = checkpoint_stamp(checkpoint_dir)
     if now is None or now == before:
         return "no checkpoint was written (interrupted before a step boundary)"
-    from ..runtime.checkpoint import read_manifest
+    from ..semantics.run_folder import read_manifest
 
     try:
         step = read_manifest(now[0])["step"]
     except FlashflexError:
         return f"checkpoint folder {now[0]} was written but its manifest is unreadable"
-    return f"checkpoint written at step {step} ({now[0]}); continue with --resume"
+    return (f"checkpoint written at step {step} ({now[0]}); the same command continues from it (--resume under "
+            "another plan or settings)")

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..run_config import DEFAULT_STEPS, FieldError, LossScaling, RunConfig, build_checked, default_optimizer
+from ..semantics.run_folder import default_checkpoint_dir, recorded_checkpoint_dir
 from ..semantics.runtime_paths import RuntimeOptions
 
 WORKER_MODULE = "flashflex_cli.runtime.worker"
@@ -33,6 +34,27 @@ def worker_argv(config: str | os.PathLike[str], node: str | None = None) -> list
 
 
 DEFAULT_LR = 1e-3  # `flashflex launch --lr`
+# `flashflex launch --checkpoint-every`: as torchtitan's and Hugging Face Trainer's default interval; a run also
+# saves at its end and on a stop signal, so a short run has its checkpoint whatever the interval.
+DEFAULT_CHECKPOINT_EVERY = 500
+
+
+def checkpoint_folder(out: str | os.PathLike[str], checkpoint_dir: str | os.PathLike[str] | None,
+                      checkpoint_every: int | None, no_checkpoint: bool, resume: bool, overwrite: bool) -> str | None:
+    """The checkpoint folder of a launch: --checkpoint-dir, else the one the run folder's config.json names (an
+    earlier launch's --checkpoint-dir: the run's checkpoints stay where they are), else RUN/checkpoints; None with
+    --no-checkpoint. InputError for options that contradict each other."""
+    if resume and overwrite:
+        raise InputError("--resume and --overwrite contradict each other: continue the run, or start it again")
+    if not no_checkpoint:
+        if checkpoint_dir is not None:
+            return os.fspath(checkpoint_dir)
+        return recorded_checkpoint_dir(out) or default_checkpoint_dir(out)
+    given = [name for name, value in (("--checkpoint-dir", checkpoint_dir), ("--checkpoint-every", checkpoint_every),
+                                      ("--resume", resume or None)) if value is not None]
+    if given:
+        raise InputError(f"--no-checkpoint contradicts {', '.join(given)}")
+    return None
 # The `flashflex launch` option that sets each field (a field error of a launch names the option).
 LAUNCH_OPTIONS: dict[str, str] = {
     "plan": "PLAN", "cluster": "--cluster", "out": "--out", "data": "--data", "steps": "--steps", "seed": "--seed",

@@ -8,7 +8,6 @@ or inconsistent inputs are input errors (exit code 2).
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,9 @@ from ..units import byte_size
 from .layout import node_layouts
 
 if TYPE_CHECKING:
+    from ..run_config import RunConfig
     from ..runtime.data import BatchSource
+    from ..semantics.run_folder import StartDecision
 
 CHECKPOINT_BYTES_PER_PARAM = 16  # fp32 weights and two AdamW moments (12 bytes), plus headroom
 PROCESS_OVERHEAD_BYTES = 400 * 1024**2  # a Python process with torch imported, measured ~350 MiB on CPU
@@ -96,9 +97,8 @@ def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | 
         if have is not None and need > have:
             raise CheckFailed(f"the plan's {len(ranks)} CPU ranks need about {byte_size(need)}, this machine "
                               f"has {byte_size(have)} available")
-        cores = os.cpu_count() or 1
-        if len(ranks) > 4 * cores:
-            report.warnings.append(f"{len(ranks)} processes on {cores} cores: expect slow steps")
+        if (line := core_share_warning(plan, cluster)) is not None:
+            report.warnings.append(line)
         return report
     layouts = node_layouts(plan, cluster)
     if len(layouts) > 1:
@@ -125,6 +125,25 @@ def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | 
     return report
 
 
+def core_share_warning(plan: Plan, cluster: Cluster, cores: list[int] | None = None) -> str | None:
+    """One line when the plan's emulated CPU devices need more of some host core than it has: each device is
+    pinned to one core (hardware/cpu_share.py) and computes 1/slowdown of the time, so a core whose devices add
+    up to more than 1 runs them that many times slower than the plan predicts. None when every core suffices."""
+    from ..hardware.cpu_share import core_loads, usable_cores
+
+    found = cores if cores is not None else usable_cores()
+    devices = [info.device for info in plan.ranks()]
+    loads = core_loads([(cluster.device_ids.index(d), cluster.device(d).slowdown) for d in devices], found)
+    worst = max(loads.values(), default=0.0)
+    if worst <= 1.0:
+        return None
+    need = sum(loads.values())
+    return (f"the plan's {len(devices)} emulated devices need {need:.1f} cores' worth of compute at their slowdowns "
+            f"(the sum of 1/slowdown), this host gives them {len(found)}: the busiest core carries {worst:.1f}, so "
+            f"expect steps up to {worst:.1f}x slower than predicted; emulate fewer devices or larger slowdowns "
+            "(`flashflex profile --synthetic \"1xNxcpu:slowdown=...\"`)")
+
+
 def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, checkpoint_every: int,
               resume: bool, schedule_steps: int | None = None) -> list[str]:
     """The model, training configuration, data and checkpoint options fit together; returns warnings.
@@ -135,12 +154,12 @@ def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, che
 
     warnings: list[str] = []
     if (checkpoint_every or resume) and not checkpoint_dir:
-        raise InputError("--checkpoint-every and --resume need --checkpoint-dir")
+        raise InputError("--checkpoint-every and --resume need checkpoints (not --no-checkpoint)")
     train, model = plan.inputs.train, plan.inputs.model
     source = open_source(data, model.vocab_size, train.global_batch, train.seq_len)  # a bad or oversized vocab
     check_token_ids(source, model.vocab_size)
     if resume and checkpoint_dir:
-        from ..runtime.checkpoint import latest_checkpoint, read_manifest
+        from ..semantics.run_folder import latest_checkpoint, read_manifest
 
         found = latest_checkpoint(checkpoint_dir)
         if found is None:
@@ -157,9 +176,21 @@ def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, che
             if manifest.get("steps", schedule) != schedule:
                 warnings.append(f"{found} comes from a learning-rate schedule of {manifest['steps']} steps, this run's "
                                 f"spans {schedule} (--schedule-steps, default --steps): the loss trajectory will differ")
-            if manifest["step"] >= steps:
-                warnings.append(f"{found} is at step {manifest['step']}, --steps is {steps}: nothing to train")
     return warnings
+
+
+def start_decision(plan: Plan, options: RunConfig, overwrite: bool) -> StartDecision:
+    """Whether the launch continues the progress its run and checkpoint folders hold, starts again or is refused
+    (InputError, one line naming --resume and --overwrite): semantics/run_folder.decide_start, with the identity
+    the workers record in their checkpoints."""
+    from ..semantics.run_folder import decide_start, folder_progress, run_identity
+
+    identity = run_identity(plan_text=plan.to_json(), model=plan.inputs.model.model_dump(mode="json"),
+                            train=plan.inputs.train.model_dump(mode="json"), data=options.data, seed=options.seed,
+                            schedule_steps=options.optimizer.total_steps, lr=options.optimizer.lr,
+                            init_from=options.init_from)
+    return decide_start(folder_progress(options.out, options.checkpoint_dir), resume=options.resume,
+                        overwrite=overwrite, steps=options.steps, identity=identity)
 
 
 def check_init_from(plan: Plan, init_from: str | None, here: bool = True) -> list[str]:
@@ -188,6 +219,7 @@ def _checked_manifest(found: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
 def check_token_ids(source: BatchSource, vocab_size: int) -> None:
     """Every id of a token file lies below the model's vocabulary (a chunked scan of the memory map)."""
+    from ..data.token_file import vocabulary_advice
     from ..runtime.data import TokenFileSource
 
     if not isinstance(source, TokenFileSource):
@@ -195,7 +227,7 @@ def check_token_ids(source: BatchSource, vocab_size: int) -> None:
     largest = source.file.max_token()
     if largest >= vocab_size:
         raise InputError(f"{source.file.path}: largest token id {largest} is not below the model's vocab_size "
-                         f"{vocab_size}; prepare the data with the model's tokenizer")
+                         f"{vocab_size}; {vocabulary_advice(source.file.vocab_size)}")
 
 
 def check_run_dirs(out: str, checkpoint_dir: str | None) -> None:

@@ -169,6 +169,22 @@ def _window(path: str | os.PathLike[str], data: dict[str, Any], family: str, lay
     return window if sliding == {True} else None
 
 
+def config_name(data: dict[str, Any], source: str | os.PathLike[str]) -> str:
+    """The model's name: the config's `_name_or_path`, else its file's name ("qwen-small" for qwen-small.json,
+    the folder's for a config.json in a folder), else its architecture and shape ("llama-h2048-l16"), so that
+    two configs of different shapes never share a name."""
+    named = data.get("_name_or_path")
+    if isinstance(named, str) and named.strip():
+        return named.strip()
+    path = Path(source)
+    if path.stem and path.stem != "config":
+        return path.stem
+    if path.parent.name:
+        return path.parent.name
+    kind = data.get("model_type") or "hf"
+    return f"{kind}-h{data.get('hidden_size')}-l{data.get('num_hidden_layers')}"
+
+
 def spec_from_hf_dict(data: Any, source: str | os.PathLike[str] = "config.json") -> ModelSpec:
     """A ModelSpec from the parsed contents of a config.json (`source` names it in messages)."""
     if not isinstance(data, dict):
@@ -186,7 +202,7 @@ def spec_from_hf_dict(data: Any, source: str | os.PathLike[str] = "config.json")
     layers = data["num_hidden_layers"]
     eps = data.get("rms_norm_eps", DEFAULT_EPS)
     fields: dict[str, Any] = {
-        "name": str(data.get("_name_or_path") or Path(source).parent.name or "hf-model"),
+        "name": config_name(data, source),
         "hidden_size": data["hidden_size"], "num_layers": layers, "num_heads": heads,
         "num_kv_heads": heads if kv is None else kv, "intermediate_size": data["intermediate_size"],
         "vocab_size": data["vocab_size"], "rope_theta": theta, "norm_eps": eps,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .schema import Plan
+from .text import compact_devices, layer_text
 
 METRICS = ("tokens_per_s", "mfu", "iteration_time_s")
 # compared when either plan's prediction has them: MFU over every device of the cluster (from
@@ -73,7 +74,7 @@ def _json_number(value: float | None) -> float | None:
 
 
 def _stage_text(stage: Any) -> str:
-    return f"devices {','.join(stage.devices)} tp {stage.tp} layers [{stage.layers[0]}, {stage.layers[1]})"
+    return f"devices {compact_devices(stage.devices)} tp {stage.tp} layers {layer_text(stage.layers)}"
 
 
 def diff_plans(a: Plan, b: Plan) -> PlanDiff:
@@ -125,17 +126,18 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
             else:
                 parts = []
                 if sa.devices != sb.devices:
-                    parts.append(f"devices {','.join(sa.devices)} -> {','.join(sb.devices)}")
+                    parts.append(f"devices {compact_devices(sa.devices)} -> {compact_devices(sb.devices)}")
                 if sa.tp != sb.tp:
                     parts.append(f"tp {sa.tp} -> {sb.tp}")
                 if sa.layers != sb.layers:
-                    parts.append(f"layers [{sa.layers[0]}, {sa.layers[1]}) -> [{sb.layers[0]}, {sb.layers[1]})")
+                    parts.append(f"layers {layer_text(sa.layers)} -> {layer_text(sb.layers)}")
                 out.changes.append(f"pipeline {p} stage {s}: " + "; ".join(parts))
-    ua, ub = {u.device for u in a.unused_devices}, {u.device for u in b.unused_devices}
-    for device in sorted(ub - ua):
-        out.changes.append(f"unused: {device} now idle")
-    for device in sorted(ua - ub):
-        out.changes.append(f"unused: {device} now used")
+    ua, ub = [u.device for u in a.unused_devices], [u.device for u in b.unused_devices]
+    idle, used = [d for d in ub if d not in ua], [d for d in ua if d not in ub]
+    if idle:
+        out.changes.append(f"unused: {compact_devices(idle)} now idle")
+    if used:
+        out.changes.append(f"unused: {compact_devices(used)} now used")
     pa_, pb_ = a.predicted or {}, b.predicted or {}
     for name in METRICS:
         va, vb = pa_.get(name), pb_.get(name)

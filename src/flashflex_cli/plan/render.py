@@ -1,4 +1,4 @@
-"""Rich rendering of plans, baselines and diffs for humans (stderr); units for humans: GiB, ms, TFLOP/s."""
+"""Rich rendering of plans, baselines and diffs for humans; units for humans: GiB, ms, TFLOP/s."""
 
 from __future__ import annotations
 
@@ -8,31 +8,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ..hardware.catalog import GIB
+from ..semantics.stated_error import MEDIAN_STEP_ERROR, mfu_advice
 from .diff import PlanDiff
 from .schema import Plan
-
-
-def compact_devices(devices: list[str]) -> str:
-    """"node0/0,node0/1,node0/2" -> "node0/0-2"; runs of consecutive indices per node."""
-    out: list[str] = []
-    node, run = None, []  # type: ignore[var-annotated]
-
-    def flush() -> None:
-        if node is None:
-            return
-        text = f"{run[0]}" if len(run) == 1 else f"{run[0]}-{run[-1]}"
-        out.append(f"{node}/{text}")
-
-    for device in devices:
-        name, _, index = device.rpartition("/")
-        value = int(index) if index.isdigit() else index
-        if name == node and isinstance(value, int) and run and isinstance(run[-1], int) and value == run[-1] + 1:
-            run.append(value)
-            continue
-        flush()
-        node, run = name, [value]
-    flush()
-    return ",".join(out)
+from .text import compact_devices, layer_text
 
 
 def mfu_text(predicted: dict[str, Any], used_devices: int | None = None) -> str:
@@ -118,7 +97,7 @@ def plan_table(plan: Plan, title: str | None = None) -> Table:
             if "memory_bytes" in info:
                 memory = f"{info['memory_bytes'] / GIB:.1f} / {info.get('memory_capacity_bytes', 0) / GIB:.1f}"
             table.add_row(str(p) if s == 0 else "", str(s), compact_devices(stage.devices), str(stage.tp),
-                          f"{stage.layers[0]}-{stage.layers[1] - 1} ({stage.num_layers})",
+                          layer_text(stage.layers),
                           f"{pipe.num_micro_batches}x{pipe.micro_batch_size}" if s == 0 else "",
                           f"{info['time_s'] * 1e3:,.1f}" if "time_s" in info else "", memory,
                           *((str(info.get("source", "modelled")),) if sources else ()),
@@ -150,8 +129,11 @@ def dtype_lines(plan: Plan) -> list[str]:
 
 
 def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
-    """Print a plan: stage table, unused devices, predicted figures."""
+    """Print a plan: stage table and its legend, unused devices, predicted figures."""
     console.print(plan_table(plan, title))
+    console.print("  busy ms: a stage's compute and transfers per iteration; memory GiB: its predicted peak per device "
+                  "(tensors as the runtime allocates them, the allocator's slack, a margin) / the device's memory",
+                  markup=False, highlight=False, soft_wrap=True)
     for line in unused_lines(plan):
         console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     train = plan.inputs.train
@@ -161,6 +143,10 @@ def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
     for line in dtype_lines(plan):
         console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"  predicted: {summary_line(plan.predicted, plan.world_size)}", soft_wrap=True)
+    mfu = float((plan.predicted or {}).get("mfu") or 0.0)
+    if mfu > 1.0:
+        console.print(f"  [yellow]warning[/yellow]: predicted {mfu_advice(mfu, on_cpu=False)} (a layer profile "
+                      "measured faster than that peak)", soft_wrap=True)
     stages = (plan.predicted or {}).get("stages", [])
     if (line := dp_line(plan.predicted)) is not None:
         console.print(f"  {line}", soft_wrap=True)
@@ -183,7 +169,18 @@ def render_baseline(console: Console, plan: Plan, baseline: Plan | None, reason:
                   soft_wrap=True)
     a, b = (plan.predicted or {}).get("tokens_per_s"), (baseline.predicted or {}).get("tokens_per_s")
     if a and b:
-        console.print(f"  ratio {plan.inputs.strategy} / uniform: {a / b:.2f}x tokens/s")
+        console.print(f"  {gain_line(plan.inputs.strategy, a / b)}", markup=False, highlight=False, soft_wrap=True)
+
+
+def gain_line(strategy: str, ratio: float) -> str:
+    """The predicted tokens/s ratio of a plan to the best symmetric layout, beside the cost model's stated error
+    (semantics/stated_error.py): a gain within it is flagged as one the model cannot tell from none."""
+    error = MEDIAN_STEP_ERROR
+    line = f"ratio {strategy} / uniform: {ratio:.2f}x tokens/s"
+    if abs(ratio - 1.0) <= error:
+        return (line + f", within the cost model's stated error (median {100 * error:.0f}%, docs/cost-model.md "
+                "section 8): the two may run alike; launch both and compare with `flashflex show --run`")
+    return line + f" (the cost model's stated error: median {100 * error:.0f}%)"
 
 
 def render_diff(console: Console, diff: PlanDiff, name_a: str, name_b: str) -> None:

@@ -64,6 +64,7 @@ class StageComparison:
     devices: tuple[str, ...]
     num_micro_batches: int
     terms: tuple[Term, ...]
+    on_cuda: bool = False  # its "memory" measured is then the allocator's peak, else the process's resident peak
 
     def term(self, name: str) -> Term:
         """The term called `name`."""
@@ -151,7 +152,7 @@ def compare_run(plan: Plan, estimate: Estimate, run: RunRecord) -> RunComparison
             st = by_key[(p, s)]
             prev = by_key[(p, s - 1)].p2p_s if s > 0 else 0.0
             terms = _stage_terms(st, prev, estimate.pipelines[p].time_s, run)
-            out.append(StageComparison(p, s, st.devices, pipe.num_micro_batches, terms))
+            out.append(StageComparison(p, s, st.devices, pipe.num_micro_batches, terms, st.on_cuda))
             for t in terms:
                 if t.name in STEP_TERMS and t.measured is not None:
                     diff = t.measured - t.predicted

@@ -1,8 +1,9 @@
 """Load and check a run folder written by `flashflex launch --out RUN_DIR`.
 
-RUN_DIR holds metrics.jsonl (one JSON object per step, runtime/metrics.py), and from runs made by this version
-on, plan.json and cluster.json (copies of what the workers ran) and timeline.jsonl (per-op times of the last
-step). Measured values are medians over the steps, leaving out the first (the warm-up) when there are more.
+RUN_DIR holds metrics.jsonl (one JSON object per step, runtime/metrics.py; a step redone after a resume counts by
+its last row), plan.json and cluster.json (copies of what the workers ran) and timeline.jsonl (per-op times of the
+last step). Measured values are medians over the steps, leaving out each launch's first (its warm-up) when there
+are more.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 from ..errors import InputError
 from ..hardware.cluster import Cluster, load_cluster
 from ..plan.schema import Plan, load_plan
-
-METRICS, PLAN, CLUSTER, TIMELINE = "metrics.jsonl", "plan.json", "cluster.json", "timeline.jsonl"
+from ..semantics.run_folder import CLUSTER_COPY as CLUSTER
+from ..semantics.run_folder import METRICS, TIMELINE, latest_rows
+from ..semantics.run_folder import PLAN_COPY as PLAN
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,14 @@ class RunRecord:
 
     @property
     def used_rows(self) -> tuple[dict[str, Any], ...]:
-        """The steps measured values are taken from: all but the first (warm-up) when there are several."""
-        return self.rows[1:] if len(self.rows) > 1 else self.rows
+        """The steps measured values are taken from: all but each launch's first (its warm-up: a resumed run
+        compiles and fills its caches again) when that leaves any."""
+        first: dict[int, int] = {}
+        for row in self.rows:
+            launch = int(row.get("launch", 0))
+            first[launch] = min(first.get(launch, row["step"]), row["step"])
+        kept = tuple(r for r in self.rows if r["step"] != first[int(r.get("launch", 0))])
+        return kept or self.rows
 
     def step_time_s(self) -> float:
         """Median step time (seconds)."""
@@ -99,27 +107,41 @@ def load_run(run_dir: str | Path, plan: Plan | None = None, cluster: Cluster | N
     if not rows:
         raise InputError(f"{metrics}: holds no steps")
     for row in rows:
+        if not isinstance(row.get("step"), int) or isinstance(row.get("step"), bool):
+            raise InputError(f"{metrics}: a row without an integer step")
         stages = row.get("stages")
         if not isinstance(stages, list) or not stages or "step_time_s" not in row:
             raise InputError(f"{metrics}: step {row.get('step', '?')} has no per-stage times")
         if any("forward_s" not in s or "backward_s" not in s for s in stages):
             raise InputError(f"{metrics}: step {row.get('step', '?')} has stages without forward_s/backward_s")
-    if plan is None and (path / PLAN).is_file():
-        plan = load_plan(path / PLAN)
+    own = load_plan(path / PLAN) if (path / PLAN).is_file() else None
+    if plan is not None and own is not None:
+        check_same_plan(path, own, plan)
     if cluster is None and (path / CLUSTER).is_file():
         cluster = load_cluster(path / CLUSTER)
     timeline = _json_lines(path / TIMELINE) if (path / TIMELINE).is_file() else []
-    record = RunRecord(path, tuple(rows), plan, cluster, tuple(timeline))
-    if plan is not None:
-        check_matches(record, plan)
+    record = RunRecord(path, tuple(latest_rows(rows)), plan or own, cluster, tuple(timeline))
+    if record.plan is not None:
+        check_matches(record, record.plan)
     return record
 
 
+def check_same_plan(run_dir: Path, ran: Plan, plan: Plan) -> None:
+    """InputError unless `plan` lays out the same pipelines for the same model and training configuration as the
+    plan the run's workers ran (`ran`, RUN/plan.json): measurements of another plan say nothing about this one."""
+    for what, field in (("another layout", "pipelines"), ("another model", "model"),
+                        ("another training configuration", "train")):
+        mine = plan.model_dump(mode="json")["pipelines"] if field == "pipelines" else \
+            getattr(plan.inputs, field).model_dump(mode="json")
+        theirs = ran.model_dump(mode="json")["pipelines"] if field == "pipelines" else \
+            getattr(ran.inputs, field).model_dump(mode="json")
+        if mine != theirs:
+            raise InputError(f"{run_dir} ran {what} than this plan (its own plan is {run_dir / PLAN}: compare "
+                             f"with `flashflex show {run_dir / PLAN} --run {run_dir}`)")
+
+
 def check_matches(run: RunRecord, plan: Plan) -> None:
-    """InputError unless every stage of `plan` has measured times in `run` and the run's own plan copy (when
-    it has one) lays out the same pipelines."""
-    if run.plan is not None and run.plan.model_dump()["pipelines"] != plan.model_dump()["pipelines"]:
-        raise InputError(f"{run.path}: the run used another layout than this plan ({run.path / PLAN})")
+    """InputError unless every stage of `plan` has measured times in `run`."""
     seen = {(s.get("pipeline"), s.get("stage")) for s in run.rows[-1]["stages"]}
     for p, pipe in enumerate(plan.pipelines):
         for s in range(len(pipe.stages)):

@@ -1,4 +1,4 @@
-"""Rich rendering of a RunComparison (stderr): one table, predicted and measured side by side."""
+"""Rich rendering of a RunComparison: one table, predicted and measured side by side, and a legend."""
 
 from __future__ import annotations
 
@@ -35,9 +35,16 @@ def render_comparison(console: Console, cmp: RunComparison) -> None:
     for sc in cmp.stages:
         for i, term in enumerate(sc.terms):
             label = f"p{sc.pipeline}.s{sc.stage} ({','.join(sc.devices)})" if i == 0 else ""
-            table.add_row(label, term.name, _fmt(term, term.predicted), _fmt(term, term.measured), _ratio(term),
+            name = term.name
+            if name == "memory":
+                name = "memory, peak allocated" if sc.on_cuda else "memory, peak resident"
+            table.add_row(label, name, _fmt(term, term.predicted), _fmt(term, term.measured), _ratio(term),
                           end_section=i == len(sc.terms) - 1)
     console.print(table)
+    console.print("  memory: predicted, the stage's peak per device (tensors as the runtime allocates them, the "
+                  "allocator's slack); measured, the CUDA allocator's peak on GPUs, the process's peak resident set "
+                  "on CPU (the interpreter and torch's libraries included, about 0.4 GiB: compare memory growth, "
+                  "the peak above what the rank held before its first step)", soft_wrap=True)
     ratio = cmp.measured_step_s / cmp.predicted_step_s if cmp.predicted_step_s > 0 else float("nan")
     console.print(f"  step time: predicted {1e3 * cmp.predicted_step_s:.1f} ms, measured "
                   f"{1e3 * cmp.measured_step_s:.1f} ms (measured/predicted {ratio:.2f})")

@@ -31,10 +31,8 @@ naming the folder and the OS error; one that a rank's out-of-memory stopped rais
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
-import re
 import shutil
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -52,14 +50,19 @@ from torch.futures import Future
 
 from ..errors import InputError, RuntimeFailure
 from ..fileio import atomic_write_text, dumps_json
+from ..semantics.run_folder import (
+    CHECKPOINT_SCHEMA,
+    LATEST,
+    MANIFEST,
+    STEP_DIR,
+    latest_checkpoint,
+    read_manifest,
+    step_dir,
+)
 from .oom import classify
 from .shards import ShardSpec
 
-MANIFEST = "manifest.json"
-LATEST = "latest"
-SCHEMA = "flashflex.checkpoint/1"
 KEEP = 2
-_DIR = re.compile(r"^step-(\d{6,})$")
 
 
 def shards_for(state: Mapping[str, torch.Tensor], specs: Iterable[Any], rank: int) -> dict[str, ShardSpec]:
@@ -75,38 +78,6 @@ def shards_for(state: Mapping[str, torch.Tensor], specs: Iterable[Any], rank: in
         else:
             out[key] = ShardSpec(key, tuple(base.full_shape), base.dim, base.start, base.stop, base.owner)
     return out
-
-
-def step_dir(root: str | os.PathLike[str], step: int) -> Path:
-    """The folder of the checkpoint taken after `step` optimizer steps."""
-    return Path(root) / f"step-{step:06d}"
-
-
-def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under `root`: the one `latest` names, else the highest complete step."""
-    folder = Path(root)
-    pointer = folder / LATEST
-    if pointer.is_file():
-        candidate = folder / pointer.read_text(encoding="utf-8").strip()
-        if (candidate / MANIFEST).is_file():
-            return candidate
-    complete = sorted((p for p in folder.glob("step-*") if _DIR.match(p.name) and (p / MANIFEST).is_file()),
-                      key=lambda p: int(_DIR.match(p.name).group(1)))  # type: ignore[union-attr]
-    return complete[-1] if complete else None
-
-
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest of one checkpoint folder."""
-    target = Path(path) / MANIFEST
-    try:
-        data = json.loads(target.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"{target}: unreadable checkpoint manifest: {exc}") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{target}: a checkpoint manifest must be a JSON object")
-    if data.get("schema") != SCHEMA:
-        raise InputError(f"{target}: unknown checkpoint schema {data.get('schema')!r}")
-    return data
 
 
 class CheckpointWriteError(RuntimeFailure):
@@ -200,6 +171,10 @@ def save(root: str | os.PathLike[str], step: int, tensors: Mapping[str, torch.Te
     manifest: extra fields for manifest.json (model, train, plan hash, ...), written by rank 0.
     """
     rank = dist.get_rank(group)
+    newest = latest_checkpoint(root)
+    if newest is not None and int(STEP_DIR.match(newest.name).group(1)) > step:  # type: ignore[union-attr]
+        raise RuntimeFailure(f"checkpoint of step {step} not saved: {newest} is newer and `latest` never moves "
+                             "back (start again with --overwrite)")
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
@@ -222,7 +197,7 @@ def save(root: str | os.PathLike[str], step: int, tensors: Mapping[str, torch.Te
                 item["shards"].append([dim, start, stop])
         for item in table.values():
             item["shards"].sort(key=lambda s: (-1 if s[0] is None else s[0], s[1]))
-        body = {"schema": SCHEMA, "step": step, **manifest, "tensors": dict(sorted(table.items()))}
+        body = {"schema": CHECKPOINT_SCHEMA, "step": step, **manifest, "tensors": dict(sorted(table.items()))}
         atomic_write_text(tmp / MANIFEST, dumps_json(body))
         if final.exists():  # the same step saved before: keep it until the new one is in place
             replaced = final.with_name(final.name + ".replaced")
@@ -233,7 +208,7 @@ def save(root: str | os.PathLike[str], step: int, tensors: Mapping[str, torch.Te
         else:
             os.replace(tmp, final)
         atomic_write_text(Path(root) / LATEST, final.name)
-        complete = sorted(p for p in Path(root).glob("step-*") if _DIR.match(p.name))
+        complete = sorted(p for p in Path(root).glob("step-*") if STEP_DIR.match(p.name))
         for old in complete[:-KEEP]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..data.token_file import TokenFile
+from ..data.token_file import TokenFile, vocabulary_advice
 from ..errors import InputError
 
 SYNTHETIC = "synthetic"
@@ -114,7 +114,7 @@ def open_source(data: str, vocab_size: int, global_batch: int, seq_len: int, see
     source = TokenFileSource(data, global_batch, seq_len, seed)
     if source.vocab_size > vocab_size:
         raise InputError(f"{data}: token vocabulary {source.vocab_size} exceeds the model's vocab_size "
-                         f"{vocab_size}")
+                         f"{vocab_size}; {vocabulary_advice(source.vocab_size)}")
     return source
 
 

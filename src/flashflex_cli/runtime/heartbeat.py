@@ -113,6 +113,11 @@ def _beat(path: Path, interval: float, parent_pid: int) -> None:
         time.sleep(interval)
 
 
+def under_local_launcher() -> bool:
+    """True in a worker that `flashflex launch` started on this host (which prints the run's summary itself)."""
+    return bool(os.environ.get(JOB_DIR_ENV) and os.environ.get(LAUNCHER_PID_ENV))
+
+
 def start() -> None:
     """Tie this worker to the local launcher that started it (see the module docstring); else do nothing."""
     job_dir, parent = os.environ.get(JOB_DIR_ENV), os.environ.get(LAUNCHER_PID_ENV)

@@ -21,7 +21,14 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from ..fileio import atomic_write_text, dumps_json, read_json
+from ..fileio import atomic_write_text, dumps_json, give_usual_mode, read_json
+from ..hf.byte_tokenizer import (
+    BYTE_VOCAB,
+    TOKENIZER_CONFIG,
+    TOKENIZER_FILE,
+    byte_tokenizer_config,
+    byte_tokenizer_json,
+)
 from ..hf.config import HF_DTYPES, hf_config
 from ..hf.files import CONFIG, INDEX, WEIGHTS
 from ..hf.names import HEAD, to_hf
@@ -57,17 +64,24 @@ class ExportSummary:
     tensors: int
     total_bytes: int
     copied: tuple[str, ...]
+    tokenizer_note: str = ""
 
 
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
-    """A checkpoint step folder (holding manifest.json), or a checkpoint root's newest complete one."""
-    from .checkpoint import MANIFEST, latest_checkpoint
+    """A checkpoint step folder (holding manifest.json), a checkpoint root's newest complete one, or a run
+    folder's (its config.json's checkpoint folder, else RUN/checkpoints)."""
+    from ..semantics.run_folder import MANIFEST, is_run_folder, latest_checkpoint, run_checkpoint_dir
 
     folder = Path(path)
     if not folder.is_dir():
-        raise InputError(f"{folder}: no such checkpoint folder")
+        raise InputError(f"{folder}: no such checkpoint or run folder")
     if (folder / MANIFEST).is_file():
         return folder
+    if is_run_folder(folder) and latest_checkpoint(folder) is None:
+        root = run_checkpoint_dir(folder)
+        if root is None:
+            raise InputError(f"{folder}: a run folder without checkpoints (launched with --no-checkpoint?)")
+        folder = root
     found = latest_checkpoint(folder)
     if found is None:
         raise InputError(f"{folder}: no complete flashflex checkpoint (a step-N folder with {MANIFEST})")
@@ -138,7 +152,8 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], m
     from safetensors.torch import save_file
 
     from ..semantics.parameters import model_params
-    from .checkpoint import load_full, read_manifest
+    from ..semantics.run_folder import read_manifest
+    from .checkpoint import load_full
 
     if dtype not in TORCH_DTYPES:
         raise InputError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
@@ -159,6 +174,7 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], m
             raise InputError(f"{step_dir}: parameter {info.name} has shape {table[info.name].get('shape')}, the "
                              f"model needs {list(info.shape)}")
     tokenizer_files = _tokenizer_sources(manifest, Path(tokenizer) if tokenizer else None)
+    byte_level = not tokenizer_files and spec.vocab_size >= BYTE_VOCAB and _byte_level_data(manifest)
     item = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
     sizes = {info.name: item * int(torch.Size(info.shape).numel()) for info in infos}
     groups = plan_shards([info.name for info in infos], sizes, max_shard_bytes)
@@ -176,6 +192,7 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], m
                 full = load_full(step_dir, names)
             tensors = {to_hf(name): full.pop(name).to(TORCH_DTYPES[dtype]).contiguous() for name in names}
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+            give_usual_mode(tmp / file)  # safetensors writes through a private (0600) temporary file
             weight_map.update(dict.fromkeys(tensors, file))
             del tensors
         if len(files) > 1:
@@ -184,6 +201,9 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], m
         atomic_write_text(tmp / CONFIG, dumps_json(hf_config(spec, dtype, seq_len)))
         for source in tokenizer_files:
             shutil.copyfile(source, tmp / (source.name if tokenizer is None else "tokenizer.json"))
+        if byte_level:
+            atomic_write_text(tmp / TOKENIZER_FILE, byte_tokenizer_json())
+            atomic_write_text(tmp / TOKENIZER_CONFIG, byte_tokenizer_config(seq_len))
         _replace_dir(tmp, out_dir)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -192,7 +212,28 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], m
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportSummary(out_dir, tuple(files), len(infos), sum(sizes.values()),
-                         tuple(p.name for p in tokenizer_files))
+                         tuple(p.name for p in tokenizer_files), _tokenizer_note(manifest, tokenizer_files, byte_level))
+
+
+def _byte_level_data(manifest: dict[str, Any]) -> bool:
+    """True when the run trained on a byte-level token file (`data prepare` without --tokenizer) that is still
+    where the run read it."""
+    from ..data.token_file import token_file_vocab
+
+    data = manifest.get("data")
+    return isinstance(data, str) and data != "synthetic" and token_file_vocab(data) == BYTE_VOCAB
+
+
+def _tokenizer_note(manifest: dict[str, Any], copied: list[Path], byte_level: bool) -> str:
+    """What the export's tokenizer is, in words for the summary line."""
+    if copied:
+        return f"copied {', '.join(p.name for p in copied)}"
+    if byte_level:
+        return "a byte-level tokenizer (token id = UTF-8 byte) as the run's data was prepared"
+    if manifest.get("data") == "synthetic":
+        return "no tokenizer (trained on synthetic tokens)"
+    return ("no tokenizer: pass --tokenizer with the tokenizer.json that `flashflex data prepare --tokenizer` used "
+            "(a byte-level run's data file was not found to tell)")
 
 
 def _replace_dir(new: Path, target: Path) -> None:

@@ -1,8 +1,10 @@
-"""Per-step metrics on rank 0: a rich line per step on stderr (with a live progress line below it on a
-terminal) and `RUN_DIR/metrics.jsonl`.
+"""Per-step metrics on rank 0: a line per step on stderr (loss, throughput, MFU, memory, elapsed time and ETA:
+plain text, so a SLURM log has them too), `RUN_DIR/metrics.jsonl`, and the run's summary at its end.
 
-Each JSON line holds at least: step, loss, tokens_per_s, mfu, step_time_s, lr, grad_norm,
-memory_bytes (largest over ranks), and `stages`: per pipeline stage (from its TP rank 0) the
+Each JSON line holds at least: step (1-based, as the screen numbers it), launch (which launch into the folder
+wrote it), loss, tokens_per_s, mfu, step_time_s, lr, grad_norm, tokens, memory_bytes (largest over ranks; what
+`memory_kind` says: "allocated", the CUDA allocator's peak, or "resident", the process's peak resident set on
+CPU), and `stages`: per pipeline stage (from its TP rank 0) the
 forward_s, backward_s, comm_s (pipeline p2p + gradient sync), optimizer_s and, on CPU, tp_comm_s (the
 tensor-parallel all-reduces, included in forward_s and backward_s) of that step; comm_s split into p2p_s and
 dp_s, pipeline_s (the whole 1F1B schedule: compute, transfers and waits) and memory_bytes (largest over the
@@ -21,14 +23,16 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ..fileio import atomic_write_text
 from ..hardware.catalog import GIB
+from ..semantics.run_folder import METRICS, launch_index
+from ..semantics.stated_error import mfu_advice
 
 
 def rank_memory_bytes(device_type: str) -> int:
@@ -132,54 +136,62 @@ def write_timeline(run_dir: str | os.PathLike[str], rows: list[dict[str, Any]]) 
     return atomic_write_text(Path(run_dir) / "timeline.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
+def memory_label(device_type: str) -> str:
+    """What a rank's `memory_bytes` measures on this device type: the CUDA allocator's peak of allocated tensors
+    on GPUs, the process's peak resident set size (tensors, the allocator's cache, torch's libraries) on CPU."""
+    return "peak allocated" if device_type == "cuda" else "peak resident"
+
+
+def duration_text(seconds: float) -> str:
+    """"42s", "3m05s", "2h07m" (rounded down)."""
+    whole = max(0, int(seconds))
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+
+
 class MetricsLog:
-    """Rank 0's metrics: appends one JSON object per step to `run_dir/metrics.jsonl` and prints a line."""
+    """Rank 0's metrics: appends one JSON object per step to `run_dir/metrics.jsonl` and prints a line.
+
+    Rows are numbered as the screen numbers steps: row `"step": k` is the k-th optimizer step, after which a
+    checkpoint is `step-00000k`. The file is only ever appended to: a resumed launch adds its rows after the
+    earlier ones (steps redone after a crash appear twice; readers keep the last), each row carrying the launch
+    it came from (`"launch"`: 0, 1, ... in the folder) so that every launch's first, warm-up step is known."""
 
     def __init__(self, run_dir: str | os.PathLike[str], total_steps: int, flops_per_token: float,
-                 peak_flops: float, start_step: int = 0, quiet: bool = False) -> None:
-        """start_step: the first step this run trains; rows of later steps left by an earlier run that
-        crashed after its last checkpoint are dropped, so the file holds each step once."""
-        self.path = Path(run_dir) / "metrics.jsonl"
+                 peak_flops: float, start_step: int = 0, quiet: bool = False, device_type: str = "cpu") -> None:
+        """start_step: optimizer steps done before this launch (its first row is step start_step + 1)."""
+        self.path = Path(run_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept: list[str] = []
-        if start_step > 0 and self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    if json.loads(line)["step"] < start_step:
-                        kept.append(line)
-                except (ValueError, KeyError, TypeError):
-                    continue
-        if kept:
-            atomic_write_text(self.path, "\n".join(kept))
-        else:
-            self.path.write_text("", encoding="utf-8")
+        self.launch = launch_index(self.path)
         self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self.total_steps = total_steps
+        self.start_step = start_step
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
+        self.device_type = device_type
         self.console = Console(stderr=True, highlight=False, soft_wrap=True)
         self.quiet = quiet
         self.step_times: list[float] = []
-        self._live: Progress | None = None
-        if self.console.is_terminal and not quiet:  # a live status line under the per-step lines
-            self._live = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                                  console=self.console, transient=True)
-            self._task = self._live.add_task("train", total=total_steps, completed=start_step, status="")
-            self._live.start()
+        self.rows: list[dict[str, Any]] = []
+        self.started = time.monotonic()
+        self._mfu_flagged = False
 
     def record(self, step: int, loss: float, tokens: int, step_time_s: float, lr: float, grad_norm: float,
                memory_bytes: int, stages: list[dict[str, Any]],
                memory_growth_bytes: int | None = None, loss_scale: float | None = None,
                skipped: bool = False) -> dict[str, Any]:
-        """Write and show one step (`tokens` processed in `step_time_s` seconds); returns the record.
-        `memory_growth_bytes`: the largest rank's peak memory above what it held before the first step;
+        """Write and show optimizer step `step` (1-based: `tokens` processed in `step_time_s` seconds); returns the
+        record. `memory_growth_bytes`: the largest rank's peak memory above what it held before the first step;
         `loss_scale` (fp16 runs, else None) and `skipped`: the step's loss scale and whether it was skipped."""
         tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
         mfu = self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops > 0 else 0.0
-        row = {"step": step, "loss": round(loss, 6), "tokens_per_s": round(tokens_per_s, 3), "mfu": round(mfu, 6),
-               "step_time_s": round(step_time_s, 6), "lr": lr, "grad_norm": round(grad_norm, 6),
-               "memory_bytes": memory_bytes, "stages": stages}
+        row = {"step": step, "launch": self.launch, "loss": round(loss, 6), "tokens_per_s": round(tokens_per_s, 3),
+               "mfu": round(mfu, 6), "step_time_s": round(step_time_s, 6), "lr": lr,
+               "grad_norm": round(grad_norm, 6), "tokens": tokens, "memory_bytes": memory_bytes,
+               "memory_kind": "allocated" if self.device_type == "cuda" else "resident", "stages": stages}
         if memory_growth_bytes is not None:
             row["memory_growth_bytes"] = memory_growth_bytes
         if loss_scale is not None:
@@ -187,51 +199,63 @@ class MetricsLog:
         self._handle.write(json.dumps(row) + "\n")
         self._handle.flush()
         self.step_times.append(step_time_s)
-        if not self.quiet:
-            self.console.print(
-                f"[bold]step {step + 1:>4}/{self.total_steps}[/]  loss [cyan]{loss:7.4f}[/]  "
-                f"{tokens_per_s:9,.0f} tok/s  MFU {100 * mfu:5.2f}%  step {1e3 * step_time_s:7.1f} ms  "
-                f"mem {memory_bytes / GIB:5.2f} GiB"
-                + (f"  scale {loss_scale:g}" if loss_scale is not None else "")
-                + ("  [yellow]skipped (inf/NaN gradients)[/]" if skipped else ""))
-        if self._live is not None:
-            self._live.update(self._task, completed=step + 1, status=f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s")
+        self.rows.append(row)
+        if self.quiet:
+            return row
+        elapsed = time.monotonic() - self.started
+        typical = statistics.median(self.step_times[1:] if len(self.step_times) > 1 else self.step_times)
+        eta = typical * max(0, self.total_steps - step)
+        self.console.print(
+            f"[bold]step {step:>4}/{self.total_steps}[/]  loss [cyan]{loss:7.4f}[/]  "
+            f"{tokens_per_s:9,.0f} tok/s  MFU {100 * mfu:5.2f}%  step {1e3 * step_time_s:7.1f} ms  "
+            f"mem {memory_bytes / GIB:5.2f} GiB {memory_label(self.device_type).split()[1]}  "
+            f"elapsed {duration_text(elapsed)}  eta {duration_text(eta)}"
+            + (f"  scale {loss_scale:g}" if loss_scale is not None else "")
+            + ("  [yellow]skipped (inf/NaN gradients)[/]" if skipped else ""))
+        if mfu > 1.0 and not self._mfu_flagged:
+            self._mfu_flagged = True
+            self.console.print(f"[yellow]warning:[/] {mfu_advice(mfu, self.device_type != 'cuda')}")
         return row
 
-    def summary(self, predicted_step_s: float | None, compile_s: float | None = None) -> dict[str, Any]:
-        """Measured median step time (first step, the warm-up, left out when there are more) against the plan's
-        predicted one, and the seconds the compile warm-up took before step 0 (`compile_s`, None when nothing
-        was compiled; never part of a step's time); printed and returned."""
-        self._stop_live()
-        times = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
-        measured = statistics.median(times) if times else None
-        out: dict[str, Any] = {"measured_step_s": measured, "predicted_step_s": predicted_step_s}
-        if compile_s is not None:
-            out["compile_s"] = compile_s
-        if measured is not None and not self.quiet:
-            line = f"measured iteration time {1e3 * measured:.1f} ms (median of {len(times)} steps)"
-            if predicted_step_s:
-                out["measured_over_predicted"] = measured / predicted_step_s
-                line += (f", predicted {1e3 * predicted_step_s:.1f} ms: measured/predicted "
-                         f"{measured / predicted_step_s:.2f}")
-            else:
-                line += ", the plan carries no prediction"
-            if compile_s is not None:
-                line += f"; compile warm-up {compile_s:.1f} s before step 0"
-            self.console.print(line)
-        if not self.quiet:
-            self.console.print(f"metrics: {self.path}")
-        return out
-
-    def _stop_live(self) -> None:
-        if self._live is not None:
-            self._live.stop()
-            self._live = None
-
     def close(self) -> None:
-        """Stop the live line and close the JSONL file."""
-        self._stop_live()
+        """Close the JSONL file."""
         self._handle.close()
+
+
+def run_summary(rows: list[dict[str, Any]], total_steps: int, wall_s: float, predicted_step_s: float | None,
+                compile_s: float | None, checkpoint: str | None, metrics_path: str | os.PathLike[str]) -> list[str]:
+    """The end of a run in plain lines: steps trained, wall time (seconds, the launch's), tokens, loss from first
+    to last, the median step time against the prediction (flagged when outside the stated band), peak memory,
+    the newest checkpoint and the metrics file. `rows`: this launch's metrics rows (each step once)."""
+    from ..semantics.stated_error import ratio_is_suspect, suspect_ratio_advice
+
+    if not rows:
+        return [f"done: no step trained in {duration_text(wall_s)}"
+                + (f"; checkpoint {checkpoint}" if checkpoint else ""), f"metrics: {metrics_path}"]
+    first, last = rows[0], rows[-1]
+    tokens = sum(int(r.get("tokens", 0)) for r in rows)
+    lines = [f"done: steps {first['step']}-{last['step']} of {total_steps} in {duration_text(wall_s)} wall"
+             + (f", {tokens:,} tokens" if tokens else "")
+             + f", loss {float(first['loss']):.4f} -> {float(last['loss']):.4f}"]
+    times = [float(r["step_time_s"]) for r in (rows[1:] if len(rows) > 1 else rows)]
+    measured = statistics.median(times)
+    line = f"step time {1e3 * measured:.1f} ms (median of {len(times)} steps)"
+    ratio = None
+    if predicted_step_s:
+        ratio = measured / predicted_step_s
+        line += f", predicted {1e3 * predicted_step_s:.1f} ms: measured/predicted {ratio:.2f}"
+    if compile_s is not None:
+        line += f"; compile warm-up {compile_s:.1f} s before the first step"
+    lines.append(line)
+    kind = str(last.get("memory_kind", "resident"))
+    device = "cuda" if kind == "allocated" else "cpu"
+    lines.append(f"memory: {max(int(r['memory_bytes']) for r in rows) / GIB:.2f} GiB {memory_label(device)} "
+                 "(largest rank)")
+    if ratio is not None and ratio_is_suspect(ratio):
+        lines.append(f"warning: {suspect_ratio_advice(ratio, device == 'cpu')}")
+    lines.append(f"checkpoint: {checkpoint}" if checkpoint else "checkpoint: none (--no-checkpoint)")
+    lines.append(f"metrics: {metrics_path}")
+    return lines
 
 
 def predicted_step_seconds(predicted: dict[str, Any] | None) -> float | None:

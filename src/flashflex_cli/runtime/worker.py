@@ -28,7 +28,6 @@ its buffers are taken before the model's tensors.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -171,6 +170,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     from ..hardware.cluster import load_cluster
     from ..model.flops import model_flops_per_token
     from ..plan.schema import load_plan
+    from ..semantics.run_folder import decide_start, folder_progress, run_identity
     from . import checkpoint as ckpt
     from .data import open_source, stage_tokens
     from .engine import RankEngine
@@ -182,14 +182,26 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
         peak_since_reset,
         predicted_step_seconds,
         rank_memory_bytes,
+        run_summary,
         stage_ops,
         stage_times,
         write_timeline,
     )
 
+    started = time.monotonic()
     plan, cluster = load_plan(config.plan), load_cluster(config.cluster)
     if plan.inputs.cluster_sha256 != cluster.sha256():
         raise ValueError(f"{config.cluster} is not the cluster plan {config.plan} was made for (sha256 differs)")
+    train, model = plan.inputs.train, plan.inputs.model
+    # what this run's checkpoints record of it, and what an automatic resume must find equal
+    manifest = run_identity(plan_text=plan.to_json(), model=model.model_dump(mode="json"),
+                            train=train.model_dump(mode="json"), data=config.data, seed=config.seed,
+                            schedule_steps=config.optimizer.total_steps, lr=config.optimizer.lr,
+                            init_from=config.init_from)
+    # continue, start or refuse by what the folders hold (the local launcher decided the same before starting
+    # the workers; under torchrun or SLURM, a requeued job continues from its own checkpoints here)
+    decision = decide_start(folder_progress(config.out, config.checkpoint_dir), resume=config.resume,
+                            overwrite=False, steps=config.steps, identity=manifest)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     rank = plan_rank(plan, node, local_rank)
     world = plan.world_size
@@ -213,7 +225,6 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     _init_process_group(rank, world, "gloo" if on_cpu else "nccl", config.timeout_s, None if on_cpu else device)
 
     stop = StopRequest()
-    train, model = plan.inputs.train, plan.inputs.model
     groups = build_groups(plan, rank, timeout=timedelta(seconds=config.timeout_s))
     phases.enter("setup")
     initial = None
@@ -229,28 +240,24 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
               file=sys.stderr, flush=True)
     source = open_source(config.data, model.vocab_size, train.global_batch, train.seq_len, seed=config.seed)
     shards = ckpt.shards_for(engine.state_for_checkpoint(), engine.shard_specs(), rank)
-    manifest = {"model": model.model_dump(mode="json"), "train": train.model_dump(mode="json"),
-                "plan_sha256": hashlib.sha256(plan.to_json().encode()).hexdigest(),
-                "data": config.data, "seed": config.seed, "steps": config.optimizer.total_steps,
-                "lr": config.optimizer.lr,
-                **({"init_from": os.path.abspath(config.init_from)} if config.init_from else {})}
 
     start = 0
-    if config.resume and config.checkpoint_dir:
-        found = ckpt.latest_checkpoint(config.checkpoint_dir)
-        if found is not None:
-            # each rank reads only the saved pieces overlapping its own shards, whatever plan saved them
-            engine.load_local(lambda targets: ckpt.load_into(found, targets))
-            start = engine.step
-            if rank == 0:
-                scale = f" (loss scale {engine.scaler.state()['loss_scale'].item():g})" if engine.scaler else ""
-                print(f"flashflex: resumed from {found} at step {start}{scale}", file=sys.stderr, flush=True)
+    found = ckpt.latest_checkpoint(config.checkpoint_dir) if decision.resume and config.checkpoint_dir else None
+    if found is not None:
+        # each rank reads only the saved pieces overlapping its own shards, whatever plan saved them
+        engine.load_local(lambda targets: ckpt.load_into(found, targets))
+        start = engine.step
+        if rank == 0:
+            scale = f" (loss scale {engine.scaler.state()['loss_scale'].item():g})" if engine.scaler else ""
+            print(f"flashflex: resumed from {found} at step {start}{scale}", file=sys.stderr, flush=True)
+    elif rank == 0 and decision.line:
+        print(f"flashflex: {decision.line}", file=sys.stderr, flush=True)
 
     log = None
     if rank == 0:
         peak = sum(cluster.device(info.device).flops(train.dtype) for info in ranks)
         log = MetricsLog(config.out, config.steps, model_flops_per_token(model, train.seq_len), peak,
-                         start_step=start)
+                         start_step=start, device_type=device.type)
         # what `flashflex show --run` and `flashflex calibrate` read back next to metrics.jsonl
         atomic_write_text(os.path.join(config.out, "plan.json"), plan.to_json())
         atomic_write_text(os.path.join(config.out, "cluster.json"), cluster.to_json())
@@ -281,13 +288,13 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
         flag.fill_(1.0 if stop.requested else 0.0)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if log is not None and gathered is not None:
-            log.record(step, result.loss, train.tokens_per_step, step_time, result.lr, result.grad_norm,
+            log.record(step + 1, result.loss, train.tokens_per_step, step_time, result.lr, result.grad_norm,
                        max(int(g[1]) for g in gathered),
                        stage_times(ranks, [g[0] for g in gathered], [int(g[1]) for g in gathered],
                                    [int(g[3]) for g in gathered]),
                        memory_growth_bytes=max(int(g[3]) for g in gathered),
                        loss_scale=result.loss_scale, skipped=result.skipped)
-            timeline = stage_ops(ranks, [g[2] for g in gathered], step)
+            timeline = stage_ops(ranks, [g[2] for g in gathered], step + 1)
         done = step + 1
         stopping = flag.item() > 0
         due = done == config.steps or (config.checkpoint_every > 0 and done % config.checkpoint_every == 0)
@@ -295,6 +302,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
             phases.enter("checkpoint")
             with ckpt.one_line_save_errors(config.checkpoint_dir):
                 path = ckpt.save(config.checkpoint_dir, done, engine.state_for_checkpoint(), shards, manifest)
+            found = path
             if rank == 0:
                 print(f"flashflex: checkpoint {path}", file=sys.stderr, flush=True)
         if stopping:
@@ -304,8 +312,12 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     if log is not None:
         if timeline:
             write_timeline(config.out, timeline)
-        log.summary(predicted_step_seconds(plan.predicted), compile_s=engine.compile_seconds)
         log.close()
+        if not heartbeat.under_local_launcher():  # the local launcher prints the same summary on its stdout
+            for line in run_summary(log.rows, config.steps, time.monotonic() - started,
+                                    predicted_step_seconds(plan.predicted), engine.compile_seconds,
+                                    None if found is None else str(found), log.path):
+                print(f"flashflex: {line}", file=sys.stderr, flush=True)
     dist.barrier()
     heartbeat.mark_done()
     dist.destroy_process_group()

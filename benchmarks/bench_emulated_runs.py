@@ -66,7 +66,7 @@ def run(cluster: Path, strategy: str, steps: int, work: Path) -> dict[str, float
                    check=True, capture_output=True)
     out = work / f"run-{cluster.stem}-{strategy}"
     launch = timed_launch([FLASHFLEX, "launch", str(plan), "--cluster", str(cluster), "--steps", str(steps),
-                           "--out", str(out)])
+                           "--out", str(out), "--overwrite", "--no-checkpoint"])
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     step_s = statistics.median(row["step_time_s"] for row in rows[1:])  # the first step is warm-up
     predicted = json.loads(plan.read_text())["predicted"]

@@ -245,7 +245,7 @@ class Bench:
         steps = self.args.warmup + self.args.steps
         command = [sys.executable, "-m", "flashflex_cli.cli", "launch", str(folder / "plan.json"),
                    "--cluster", str(folder / "cluster.json"), "--steps", str(steps), "--out", str(folder / "run"),
-                   "--lr", "1e-4", "--timeout", "900"]
+                   "--lr", "1e-4", "--timeout", "900", "--overwrite", "--no-checkpoint"]
         wall, cpu = time.perf_counter(), _cpu_s()
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:

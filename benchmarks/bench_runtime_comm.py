@@ -243,7 +243,7 @@ def launch(net: Any, plan: Path, cluster: Path, out: Path, steps: int, flags: li
     rendered = run([FLASHFLEX, "launch", str(plan), "--cluster", str(cluster), "--steps", str(steps),
                     "--out", str(out), "--launcher", "torchrun", "--hosts", ",".join(h.addr for h in net.hosts),
                     "--ifname", ",".join(h.ifname for h in net.hosts), "--run-id", run_id, "--port", str(port),
-                    "--timeout", "120", "--torchrun", str(BIN / "torchrun"), *flags])
+                    "--timeout", "120", "--torchrun", str(BIN / "torchrun"), "--overwrite", "--no-checkpoint", *flags])
     lines = [x for x in rendered.stdout.splitlines() if x.strip() and not x.startswith("#")]
     if len(lines) != len(net.hosts):
         raise BenchError(f"flashflex launch rendered {len(lines)} command lines for {len(net.hosts)} hosts")

@@ -67,7 +67,7 @@ launch_plan() {
   if ! ff 300 plan "$WORK/node.json" --global-batch "$BATCH" --seq-len "$SEQ" --no-baseline --out "$plan" "$@"; then
     say "$name: refused by the planner (predicted not to fit)"; return
   fi
-  if ! ff 420 launch "$plan" --cluster "$WORK/node.json" --steps "$STEPS" --out "$run"; then
+  if ! ff 420 launch "$plan" --cluster "$WORK/node.json" --steps "$STEPS" --out "$run" --overwrite --no-checkpoint; then
     mkdir -p "$run"; cp "$plan" "$run/plan.json"; cp "$WORK/node.json" "$run/cluster.json"
     tail -n 3 "$LOG" >"$run/FAILED.txt"; say "$name: the run failed (FAILED.txt)"
   else

@@ -198,7 +198,7 @@ def launch_local(plan: Path, cluster: Path, out: Path, steps: int) -> dict[str, 
     """`flashflex launch` on this host; wall and CPU seconds, load before and after."""
     with usage() as figures:
         run([FLASHFLEX, "launch", str(plan), "--cluster", str(cluster), "--out", str(out), "--steps", str(steps),
-             "--timeout", "120"], timeout=900)
+             "--timeout", "120", "--overwrite", "--no-checkpoint"], timeout=900)
     return figures
 
 
@@ -207,7 +207,7 @@ def launch_hosts(net: Any, plan: Path, cluster: Path, out: Path, steps: int, run
     rendered = run([FLASHFLEX, "launch", str(plan), "--cluster", str(cluster), "--steps", str(steps),
                     "--out", str(out), "--launcher", "torchrun", "--hosts", ",".join(h.addr for h in net.hosts),
                     "--ifname", ",".join(h.ifname for h in net.hosts), "--run-id", run_id, "--timeout", "120",
-                    "--torchrun", str(BIN / "torchrun")])
+                    "--torchrun", str(BIN / "torchrun"), "--overwrite", "--no-checkpoint"])
     lines = [x for x in rendered.stdout.splitlines() if x.strip() and not x.startswith("#")]
     with usage() as figures:
         run_all([([*net.prefix_cmd(i), *shlex.split(line)], None) for i, line in enumerate(lines)], 900)
@@ -316,7 +316,7 @@ def calibrated_profile(work: Path, cluster: Path, steps: int) -> Path:
     launch_local(plan, cluster, work / "run-calibration", steps)
     done = run([FLASHFLEX, "calibrate", str(work / "run-calibration"), "--layers", str(measured_layers),
                 "--out", str(layers)])
-    print("calibration run" + next((line for line in done.stderr.splitlines() if "measured forward" in line), ""),
+    print("calibration run" + next((line for line in done.stdout.splitlines() if "measured forward" in line), ""),
           flush=True)
     return layers
 

@@ -107,6 +107,19 @@ def test_exhaustive_refuses_large_clusters_and_bounds_flashflex() -> None:
     assert ours.predicted["tokens_per_s"] >= best.predicted["tokens_per_s"] * 0.90
 
 
+def test_a_pipeline_that_fits_only_with_unlike_group_sizes_is_found() -> None:
+    """Six devices that fit llama2-7b only as one pipeline whose A100 node has a TP-2 and a TP-1 stage and whose
+    RTX 4090 node three TP-1 stages: no start of the structure search (one degree per node) fits, and the descent
+    from them finds the layout exhaustive search finds (before, flashflex planned "no layout fits")."""
+    cluster = build_cluster("1x3xA100-40G-SXM:nic=roce:bw=200,1x3xRTX-4090:nic=eth:bw=25")
+    train = TrainConfig(global_batch=32, seq_len=2048)
+    best = plan_layout(cluster, PRESETS["llama2-7b"], train, strategy="exhaustive")
+    ours = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=60)
+    _check_not_degenerate(ours, cluster)
+    assert sorted(stage.tp for stage in ours.pipelines[0].stages) == [1, 1, 1, 1, 2]
+    assert ours.predicted["tokens_per_s"] >= best.predicted["tokens_per_s"] * 0.99
+
+
 def test_a_zero_time_budget_still_gives_a_valid_plan_and_says_it_was_cut() -> None:
     from flashflex_cli.planner.search import SearchStats
 

@@ -13,6 +13,7 @@ from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import TrainConfig
 from flashflex_cli.planner.scoring.cost_cache import CostCache
+from flashflex_cli.planner.scoring.feasibility import holds_model_state
 from flashflex_cli.planner.space.graph import DeviceGraph
 from flashflex_cli.planner.structure import stage_search as st
 from flashflex_cli.planner.structure.bounds import SAFETY, stages_lower_bound
@@ -54,8 +55,13 @@ def _sequential(cache: CostCache, blocks: list, micro: int, max_stages: int) -> 
             value = cost(sizes, order)
             if value < float("inf"):
                 starts.append((value, len(starts), sizes, order))
-    if not starts:
-        return None
+    if not starts:  # as the search: every start, where the devices can hold the model's state
+        if not holds_model_state(cache, [i for _, devs in blocks for i in devs]):
+            return None
+        starts = [(float("inf"), n, sizes, order) for n, (sizes, order) in enumerate(
+            (sizes, order) for sizes in [{b: tuple(st.chunk_sizes(len(devs), degree, degrees))
+                                          for b, (_, devs) in enumerate(blocks)} for degree in degrees]
+            for order in orders)]
     starts.sort(key=lambda item: item[:2])
     g = cache.graph
     classes = sorted({g.node_class[node] for node, _ in blocks})
@@ -79,7 +85,7 @@ def _sequential(cache: CostCache, blocks: list, micro: int, max_stages: int) -> 
                 break
         if best is None or current[0] < best[0]:
             best = current
-    return best[1], best[2]
+    return None if best[0] == float("inf") else (best[1], best[2])
 
 
 def _random_trial(rng: random.Random, cache: CostCache, blocks: list) -> tuple[dict, tuple]:

@@ -134,8 +134,9 @@ def _job(rank: int, world: int, plan_json: str, init_file: str, out_dir: str, na
                 engine.train_step(tokens.clone())
                 peaks.append(accounting.peak_bytes)
         # Every steady step runs the same operations; gloo frees some transfer buffers late, from its own threads
-        # (CPU only), which lifts a step's peak now and then (on a TP-2 stage of "bf16-window", by one of its
-        # boundary tensors: 262 KB, 1.5%, in 2 of 240 steps): the lowest steady step is the step's own peak.
+        # (CPU only), which lifts a step's peak now and then: by up to 262 KB (a [tokens, hidden] fp32 tensor, 1.5%)
+        # on the TP-2 first stage of "bf16-window" in 2 of its 96 steps measured (and on other TP-2 stages under
+        # heavy load). The lowest steady step never varied: it is the step's own peak.
         torch.save({"peak": min(peaks)}, Path(out_dir) / f"rank{rank}.pt")
 
 

@@ -48,28 +48,22 @@ def _sequential(cache: CostCache, blocks: list, micro: int, max_stages: int) -> 
     def cost(sizes: dict, order: tuple) -> float:
         return trials.cost(sizes, order)[0]
 
-    starts = []
-    for degree in degrees:
-        sizes = {b: tuple(st.chunk_sizes(len(devs), degree, degrees)) for b, (_, devs) in enumerate(blocks)}
-        for order in orders:
-            value = cost(sizes, order)
-            if value < float("inf"):
-                starts.append((value, len(starts), sizes, order))
+    inf = float("inf")
+    tried = [({b: tuple(st.chunk_sizes(len(devs), degree, degrees)) for b, (_, devs) in enumerate(blocks)}, order)
+             for degree in degrees for order in orders]
+    starts = sorted((value, n, sizes, order) for n, (sizes, order) in enumerate(tried)
+                    if (value := cost(sizes, order)) < inf)[:st.STARTS if thorough and len(blocks) <= 4 else 1]
     if not starts:  # as the search: every start, where the devices can hold the model's state
         if not holds_model_state(cache, [i for _, devs in blocks for i in devs]):
             return None
-        starts = [(float("inf"), n, sizes, order) for n, (sizes, order) in enumerate(
-            (sizes, order) for sizes in [{b: tuple(st.chunk_sizes(len(devs), degree, degrees))
-                                          for b, (_, devs) in enumerate(blocks)} for degree in degrees]
-            for order in orders)]
-    starts.sort(key=lambda item: item[:2])
+        starts = [(inf, n, sizes, order) for n, (sizes, order) in enumerate(tried)]
     g = cache.graph
     classes = sorted({g.node_class[node] for node, _ in blocks})
     units = [[b] for b in range(len(blocks))] if len(blocks) <= st.MAX_BLOCK_DESCENT else \
         [[b for b, (node, _) in enumerate(blocks) if g.node_class[node] == c] for c in classes]
     units = [u for u in units if all(len(blocks[b][1]) == len(blocks[u[0]][1]) for b in u)]
     best = None
-    for value, _, sizes, order in starts[:st.STARTS if thorough and len(blocks) <= 4 else 1]:
+    for value, _, sizes, order in starts:
         current = (value, sizes, order)
         for _ in range(st.MAX_ROUNDS):
             before = current[0]
@@ -85,7 +79,7 @@ def _sequential(cache: CostCache, blocks: list, micro: int, max_stages: int) -> 
                 break
         if best is None or current[0] < best[0]:
             best = current
-    return None if best[0] == float("inf") else (best[1], best[2])
+    return None if best[0] == inf else (best[1], best[2])
 
 
 def _random_trial(rng: random.Random, cache: CostCache, blocks: list) -> tuple[dict, tuple]:
@@ -269,6 +263,16 @@ def test_the_bounded_search_picks_what_the_unbounded_descent_picks(model: str, d
     assert compared > 10
     assert sweeps.skipped >= 0.05 * sweeps.trials  # the bounds prune
     assert sweeps.close_calls >= close_calls  # where an over-estimate would have changed a result
+
+
+def test_a_descent_from_starts_that_do_not_fit_picks_what_the_plain_descent_picks() -> None:
+    """llama2-7b fits these six devices only as A100s at TP 2 + TP 1 and RTX 4090s at TP 1 (tests/test_planner.py):
+    no start fits, both searches descend from all of them and find the same structure."""
+    cache = _cache("1x3xA100-40G-SXM:nic=roce:bw=200,1x3xRTX-4090:nic=eth:bw=25", "llama2-7b", batch=32)
+    blocks = st.node_blocks(cache, range(cache.graph.size))
+    got = st._search_structure(cache, blocks, 32, 32)
+    assert got is not None and got[1] == _sequential(cache, blocks, 32, 32)
+    assert sorted(len(stage) for stage in got[0].stages) == [1, 1, 1, 1, 2]
 
 
 def test_a_trials_stage_terms_from_its_pieces_equal_the_pipelines() -> None:

@@ -53,8 +53,8 @@ def _sequential(cache: CostCache, blocks: list, micro: int, max_stages: int) -> 
              for degree in degrees for order in orders]
     starts = sorted((value, n, sizes, order) for n, (sizes, order) in enumerate(tried)
                     if (value := cost(sizes, order)) < inf)[:st.STARTS if thorough and len(blocks) <= 4 else 1]
-    if not starts:  # as the search: every start, where the devices can hold the model's state
-        if not holds_model_state(cache, [i for _, devs in blocks for i in devs]):
+    if not starts:  # as the search: every start, on a small cluster whose devices can hold the model's state
+        if not thorough or not holds_model_state(cache, [i for _, devs in blocks for i in devs]):
             return None
         starts = [(inf, n, sizes, order) for n, (sizes, order) in enumerate(tried)]
     g = cache.graph

@@ -11,8 +11,8 @@ blocks, else four (node order, memory descending -- stage 0 keeps the most micro
 embedding --, speed descending and ascending); then coordinate descent lets each block pick its own mix of group
 sizes (any partition of its devices into supported degrees, e.g. TP 1 + TP 2 + TP 1) and re-tries the block orders
 (every permutation up to 4 blocks), until no change helps (at most 3 rounds). Where no starting point fits in
-memory, the descent starts from every one of them (when the devices can hold the model's state at all): a node at
-TP 1 beside one at TP 2 may fit where one degree per class does not. Clusters of at most 32 devices get a
+memory on a cluster of at most 32 devices, the descent starts from every one of them (when the devices can hold the
+model's state at all): a node at TP 1 beside one at TP 2 may fit where one degree per class does not. Clusters of at most 32 devices get a
 more thorough search: every order of a block's group sizes, and descent from the 3 best starting points (pipelines
 of up to 4 blocks). A structure is scored by its time per micro-batch at the pipeline's expected share of the
 batch; the structure found for a group is memoised per cache (`StructureMemo`) for every group of equal shape. A
@@ -155,8 +155,9 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
     starts = [(cost, *tried[j]) for cost, j in trials.ranked(tried, used, inf)]
     if not starts:
         # no start fits in memory; one that gives each block its own group sizes may (a node at TP 1 beside one
-        # at TP 2), so where the devices can hold the model's state the descent starts from every one of them
-        if not holds_model_state(cache, [i for _, devs in blocks for i in devs]):
+        # at TP 2), so on a small cluster whose devices can hold the model's state the descent starts from every
+        # one of them (on a large one, many groups fit no start, and the other groups' candidates stand in)
+        if not thorough or not holds_model_state(cache, [i for _, devs in blocks for i in devs]):
             return None
         starts = [(inf, *trial) for trial in tried]
     # 2. from the best few starts, coordinate descent: each block (or each class, for long pipelines) picks

@@ -1,5 +1,5 @@
-"""Elastic local runs (docs/elastic.md): a worker killed from outside is survived by re-planning on the rest;
-a device added back through --cluster-watch returns the job to the larger plan; `launch` finds the plan's
+"""Elastic local runs (docs/elastic.md): a worker killed from outside is survived by re-planning on the rest, and
+its losses are an uninterrupted run's (at the parity tolerance); a device added back through --cluster-watch returns the job to the larger plan; `launch` finds the plan's
 recorded cluster file.
 
 Real launches of llama-tiny (4 layers, hidden 64, global batch 32 x 32 tokens) on an emulated CPU cluster of
@@ -49,8 +49,8 @@ PLAN_ARGS = ["--model", "llama-tiny", "--global-batch", "32", "--seq-len", "32",
              "--dtype", "fp32", "--seed", "0", "--time-budget", "20", "--no-baseline"]
 LOST = "node0/1"  # the worker killed in the first test (node0/2 is then renumbered node0/1)
 
-# Loss tolerance: each loss is an fp32 sum over the 1024 tokens of one global batch divided by 1024. A plan changes
-# only the summation order (batch split over pipelines, tensor-parallel partial sums, gradient all-reduce order):
+# Loss tolerance (the parity tests' 1e-5): each loss is an fp32 sum over the 1024 tokens of one global batch divided
+# by 1024. A plan changes only the summation order (batch split over pipelines, tensor-parallel partial sums, gradient all-reduce order):
 # fp32 rounding of ~6e-8 per add over about a thousand terms (growing as their square root: ~2e-6), carried
 # through 20 AdamW steps, stays below ~2e-6 relative; metrics.jsonl rounds losses (~5.5) to 6 decimals (~2e-7
 # relative). 1e-5 leaves a margin of 5.
@@ -153,16 +153,17 @@ def test_a_killed_worker_is_replanned_away_and_the_losses_match(plans: dict[str,
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert ckpt.latest_checkpoint(ck).name == f"step-{STEPS:06d}"
 
-    # reference: the 4-device plan up to the same checkpoint, then --resume under the 3-device plan by hand
-    ref, ref_ck = tmp_path / "ref", tmp_path / "ref-ck"
-    first = subprocess.run(_launch(plans["plan4"], ref, ref_ck, steps=event["step"]), capture_output=True,
-                           text=True, timeout=HANG_GUARD_S)
-    assert first.returncode == 0, first.stderr[-3000:]
-    second = subprocess.run(_launch(Path(event["new_plan"]), ref, ref_ck, "--resume", "--cluster",
-                                    event["new_cluster"]), capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert second.returncode == 0, second.stderr[-3000:]
+    # reference: the same 4 devices and data for all 20 steps, uninterrupted (no checkpoint is written or read), so
+    # a fault of the save, the load or the re-planned run's data position shows (a resume by hand would share it)
+    ref = tmp_path / "ref"
+    uninterrupted = subprocess.run([FLASHFLEX, "launch", str(plans["plan4"]), "--out", str(ref), "--steps", str(STEPS),
+                                    "--schedule-steps", str(STEPS), "--timeout", "20", "--no-checkpoint"],
+                                   capture_output=True, text=True,
+                                   timeout=HANG_GUARD_S)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
     reference = _rows(ref)
     assert [row["step"] for row in reference] == list(range(1, STEPS + 1))
+    assert reference[0]["loss"] != reference[-1]["loss"]  # (it trains: the comparison is not vacuous)
     for mine, theirs in zip(rows, reference, strict=True):
         assert mine["loss"] == pytest.approx(theirs["loss"], rel=REL), mine["step"]
 

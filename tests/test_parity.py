@@ -1,10 +1,11 @@
 """Parity: a plan's run (several gloo processes on CPU, fp32) equals single-process training of the same model
 from the same seed on the same global batches.
 
-For each plan: the first step's gradients of every parameter (gathered to full tensors on every rank that holds
-them) and the global losses of 3 optimizer steps match the reference within 1e-5 relative, with an absolute floor
-for the gradients justified in `grad_atol`; the parameters after 3 steps match within the bound justified in
-`_assert_params`.
+The plans change TP degree at stage boundaries 1 <-> 2, 2 -> 1, 4 -> 1 and 4 -> 3 (where each receiver of the lean
+transfer takes several chunks). For each plan: the first step's gradients of every parameter (gathered to full
+tensors on every rank that holds them) and the global losses of 3 optimizer steps match the reference within 1e-5
+relative, with an absolute floor for the gradients justified in `grad_atol`; the parameters after 3 steps match
+within the bound justified in `_assert_params`.
 """
 
 from __future__ import annotations
@@ -201,6 +202,22 @@ def test_gqa_tp2(tmp_path: Path, pool: WorkerPool) -> None:
 def test_tp4_to_tp1_to_tp2(tmp_path: Path, pool: WorkerPool) -> None:
     """TP 4 -> 1 -> 2 boundaries in one pipeline (7 ranks)."""
     plan = make_plan("llama-tiny", [(1, 3, [(4, (0, 1)), (1, (1, 2)), (2, (2, 4))])])
+    check_parity(plan, tmp_path, pool)
+
+
+# 12 heads of 8, a feed-forward of 192: shardable at TP 1, 2, 3 and 4
+TINY12 = PRESETS["llama-tiny"].model_copy(update={"name": "tiny-tp12", "hidden_size": 96, "num_heads": 12,
+                                                  "num_kv_heads": 12, "intermediate_size": 192})
+
+
+@pytest.mark.slow
+def test_tp4_to_tp3_receivers_take_several_chunks(tmp_path: Path, pool: WorkerPool) -> None:
+    """A TP 4 -> 3 boundary (7 ranks): the lean transfer cuts the boundary tensor into lcm(4, 3) = 12 chunks, so
+    each forward receiver takes 4 chunks (from all four senders) and each backward receiver 3, and every receiver
+    all-gathers its chunks with its TP group's and must put them back in order (where a receiver takes one
+    chunk, or its stage has TP 1, any order of the gathered chunks reads right). The vocabulary of 256 splits
+    86/85/85 at TP 3."""
+    plan = make_plan(TINY12, [(1, 3, [(4, (0, 2)), (3, (2, 4))])])
     check_parity(plan, tmp_path, pool)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from flashflex_cli.cost.estimate import estimate
@@ -104,7 +106,58 @@ def test_exhaustive_refuses_large_clusters_and_bounds_flashflex() -> None:
     ours = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=30)
     _check_not_degenerate(best, cluster)
     assert ours.predicted["tokens_per_s"] <= best.predicted["tokens_per_s"] * 1.0001
-    assert ours.predicted["tokens_per_s"] >= best.predicted["tokens_per_s"] * 0.90
+    assert ours.predicted["tokens_per_s"] >= best.predicted["tokens_per_s"] * 0.99  # observed: 0.997
+
+
+SMALL_TYPES = ("A100-80G-SXM", "A100-40G-SXM", "H100-SXM", "L40S", "RTX-4090", "RTX-3090", "V100-32G")
+
+
+def _small_unlike_cluster(rng: random.Random) -> str | None:
+    """A spec of 2 or 3 nodes of 1 to 3 devices each, with at least two device types and two kinds of link (NIC
+    class and bandwidth drawn per node); None when the draw has one type or one kind of link."""
+    nodes = [(rng.randint(1, 3), rng.choice(SMALL_TYPES), rng.choice(("ib", "roce", "eth")),
+              rng.choice((10, 25, 100, 200))) for _ in range(rng.randint(2, 3))]
+    if len({n[1] for n in nodes}) < 2 or len({n[2:] for n in nodes}) < 2:
+        return None
+    return ",".join(f"1x{count}x{kind}:nic={nic}:bw={gbps}" for count, kind, nic, gbps in nodes)
+
+
+# The first twelve draws of `_small_unlike_cluster` (seeds 0 to 24) that hold llama2-7b: the others have one device
+# type or one kind of link, or too little memory. Two of them show where flashflex's structure search still misses
+# the optimum that exhaustive search finds (the same devices, another stage order: the search scores a structure by
+# its time per micro-batch, which leaves out the optimizer step of each stage).
+KNOWN_GAP = pytest.mark.xfail(strict=True, reason="flashflex's stage order misses the optimum (0.984 and 0.947)")
+NEAR_OPTIMAL_SEEDS = [0, 2, 3, 4, 5, 9, pytest.param(12, marks=KNOWN_GAP), 16, 17, 19, 23,
+                      pytest.param(24, marks=KNOWN_GAP)]
+
+
+@pytest.mark.parametrize("seed", NEAR_OPTIMAL_SEEDS)
+def test_flashflex_is_within_one_percent_of_exhaustive_search_on_small_unlike_clusters(seed: int) -> None:
+    """2 to 7 devices: exhaustive search takes at most a second. It ranks every layout by the planner's fast score
+    and its finalists by `estimate`, so flashflex can also come out ahead of it (1.014 on seed 4). Observed
+    (2026-11-28): 0.9967 (seeds 2 and 3), 0.9997 (16), 1.000 elsewhere; seed 33 planned "no layout fits" before the
+    structure search descended from starts that do not fit (it now finds the optimum)."""
+    spec = _small_unlike_cluster(random.Random(seed))
+    assert spec is not None
+    cluster, train = build_cluster(spec), TrainConfig(global_batch=32, seq_len=2048)
+    best = plan_layout(cluster, PRESETS["llama2-7b"], train, strategy="exhaustive")
+    ours = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=60)
+    _check_not_degenerate(ours, cluster)
+    ratio = ours.predicted["tokens_per_s"] / best.predicted["tokens_per_s"]
+    assert ratio >= 0.99, f"{spec}: flashflex {ratio:.4f} of exhaustive search"
+
+
+def test_a_pipeline_that_fits_only_with_unlike_group_sizes_is_found() -> None:
+    """Six devices that fit llama2-7b only as one pipeline whose A100 node has a TP-2 and a TP-1 stage and whose
+    RTX 4090 node three TP-1 stages (seed 33 of `_small_unlike_cluster`): no start of the structure search (one
+    degree per node) fits, and the descent from them finds the layout exhaustive search finds."""
+    cluster = build_cluster("1x3xA100-40G-SXM:nic=roce:bw=200,1x3xRTX-4090:nic=eth:bw=25")
+    train = TrainConfig(global_batch=32, seq_len=2048)
+    best = plan_layout(cluster, PRESETS["llama2-7b"], train, strategy="exhaustive")
+    ours = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=60)
+    _check_not_degenerate(ours, cluster)
+    assert sorted(stage.tp for stage in ours.pipelines[0].stages) == [1, 1, 1, 1, 2]
+    assert ours.predicted["tokens_per_s"] >= best.predicted["tokens_per_s"] * 0.99
 
 
 def test_a_zero_time_budget_still_gives_a_valid_plan_and_says_it_was_cut() -> None:

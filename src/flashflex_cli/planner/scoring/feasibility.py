@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from ...errors import InfeasibleError
 from ...units import byte_size
 from ..space.tp_groups import tp_degrees
@@ -15,10 +17,16 @@ def model_state_bytes(cache: CostCache) -> float:
     return 2 * full.weights + full.optimizer
 
 
-def usable_bytes(cache: CostCache) -> float:
-    """Sum over devices of capacity less the per-device reserve (bytes)."""
+def usable_bytes(cache: CostCache, devices: Iterable[int] | None = None) -> float:
+    """Sum over `devices` (default every device) of capacity less the per-device reserve (bytes)."""
     reserve = cache.params.memory_reserve_bytes
-    return sum(cache.capacity((i,)) - reserve for i in range(cache.graph.size))
+    return sum(cache.capacity((i,)) - reserve for i in (range(cache.graph.size) if devices is None else devices))
+
+
+def holds_model_state(cache: CostCache, devices: Iterable[int]) -> bool:
+    """True when `devices` together have the memory for the model's weights, gradients and optimizer state (a
+    necessary condition for any pipeline of them to fit)."""
+    return usable_bytes(cache, devices) >= model_state_bytes(cache)
 
 
 def check_feasible(cache: CostCache, total_micro: int) -> None:

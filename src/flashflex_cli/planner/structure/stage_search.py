@@ -10,7 +10,9 @@ local-index order, a remainder r into the largest supported degrees <= r), under
 blocks, else four (node order, memory descending -- stage 0 keeps the most micro-batches in flight and holds the
 embedding --, speed descending and ascending); then coordinate descent lets each block pick its own mix of group
 sizes (any partition of its devices into supported degrees, e.g. TP 1 + TP 2 + TP 1) and re-tries the block orders
-(every permutation up to 4 blocks), until no change helps (at most 3 rounds). Clusters of at most 32 devices get a
+(every permutation up to 4 blocks), until no change helps (at most 3 rounds). Where no starting point fits in
+memory on a cluster of at most 32 devices, the descent starts from every one of them (when the devices can hold the
+model's state at all): a node at TP 1 beside one at TP 2 may fit where one degree per class does not. Clusters of at most 32 devices get a
 more thorough search: every order of a block's group sizes, and descent from the 3 best starting points (pipelines
 of up to 4 blocks). A structure is scored by its time per micro-batch at the pipeline's expected share of the
 batch; the structure found for a group is memoised per cache (`StructureMemo`) for every group of equal shape. A
@@ -29,6 +31,7 @@ import math
 from collections.abc import Sequence
 
 from ..scoring.cost_cache import CostCache, Devs
+from ..scoring.feasibility import holds_model_state
 from ..scoring.pipeline_score import PipeEval, evaluate_pipeline
 from ..space.tp_groups import MAX_OPTIONS, chunk_sizes, cut, size_options, tp_degrees
 from .trials import Trials
@@ -151,7 +154,12 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
     tried = [(sizes, order) for sizes in by_degree for order in orders]
     starts = [(cost, *tried[j]) for cost, j in trials.ranked(tried, used, inf)]
     if not starts:
-        return None
+        # no start fits in memory; one that gives each block its own group sizes may (a node at TP 1 beside one
+        # at TP 2), so on a small cluster whose devices can hold the model's state the descent starts from every
+        # one of them (on a large one, many groups fit no start, and the other groups' candidates stand in)
+        if not thorough or not holds_model_state(cache, [i for _, devs in blocks for i in devs]):
+            return None
+        starts = [(inf, *trial) for trial in tried]
     # 2. from the best few starts, coordinate descent: each block (or each class, for long pipelines) picks
     #    its own group sizes, then the block order is re-tried; the best local optimum wins
     classes = sorted({g.node_class[node] for node, _ in blocks})
@@ -190,4 +198,6 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
         if best is None or current[0] < best[0]:
             best = current
     assert best is not None
+    if best[0] == inf:
+        return None
     return trials.cost(best[1], best[2])[1], (best[1], best[2])

@@ -42,7 +42,8 @@ class SliceHolders:
     """The finest common slice [start, stop) along `dim` of global parameter `name` (dim None: whole tensor),
     the ranks that hold it (sorted), one contributing rank per holding stage, and the rank that counts it once
     in the gradient norm (`owner`). `stages`: how many stages hold it (one per pipeline; two in a pipeline
-    whose first and last stages both hold a tied embedding)."""
+    whose first and last stages both hold a tied embedding). `tied`: the first and the last stage of some
+    pipeline both hold it (a tied embedding)."""
 
     name: str
     dim: int | None
@@ -51,6 +52,7 @@ class SliceHolders:
     ranks: tuple[int, ...]
     contributors: tuple[int, ...]
     stages: int
+    tied: bool = False
 
     @property
     def owner(self) -> int:
@@ -93,13 +95,16 @@ def slice_holders(plan: Plan) -> list[SliceHolders]:
     out: list[SliceHolders] = []
     for info in model_params(plan.inputs.model):
         holding: list[tuple[StagePlan, list[int]]] = []
+        tied = False
         for p in range(len(plan.pipelines)):
-            for s in _stages_of(plan, p, info):
+            stages = _stages_of(plan, p, info)
+            tied = tied or len(stages) > 1
+            for s in stages:
                 holding.append((plan.pipelines[p].stages[s], ranks[p][s]))
         if info.shard_dim is None:
             members = tuple(sorted(r for _, rs in holding for r in rs))
             contributors = tuple(rs[0] for _, rs in holding)
-            out.append(SliceHolders(info.name, None, 0, info.shape[0], members, contributors, len(holding)))
+            out.append(SliceHolders(info.name, None, 0, info.shape[0], members, contributors, len(holding), tied))
             continue
         n = info.shape[info.shard_dim]
         cuts = sorted({b for st, _ in holding for t in range(st.tp) for b in shard_bounds(n, st.tp, t)})
@@ -109,7 +114,7 @@ def slice_holders(plan: Plan) -> list[SliceHolders]:
                 t = next(t for t in range(st.tp) if shard_bounds(n, st.tp, t)[0] <= a < shard_bounds(n, st.tp, t)[1])
                 owners.append(rs[t])
             out.append(SliceHolders(info.name, info.shard_dim, a, b, tuple(sorted(owners)), tuple(owners),
-                                    len(holding)))
+                                    len(holding), tied))
     return out
 
 

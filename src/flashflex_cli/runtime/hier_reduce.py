@@ -13,12 +13,14 @@ Holmes, arXiv 2312.03549, designs for, and the emulated hosts of this project) b
 2 (m - 1) / m x S bytes through each node's NIC, against 2 (N - 1) / N x S per ring hop for the flat ring over
 all N = sum k_i holders, in 2 (m - 1) instead of 2 (N - 1) latency-bound steps.
 
+Each rank issues its steps as a chain of asynchronous collectives (`hier_chain`, runtime/collective_chain.py),
+so the training thread never blocks on the reduction before the end of the step's schedule.
+
 `node_splits` is pure (plan -> splits); the groups it names are created by `groups.build_groups`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan.schema import Plan
+from .collective_chain import Chain, Step
 
 
 def node_of(device: str) -> str:
@@ -84,20 +87,22 @@ def hierarchical_groups(splits: Iterable[NodeSplit]) -> list[tuple[int, ...]]:
     return sorted({g for split in splits for g in split.groups_needed()})
 
 
-def hier_all_reduce(flat: torch.Tensor, split: NodeSplit, rank: int,
-                    groups: dict[tuple[int, ...], dist.ProcessGroup]) -> float:
-    """Sum `flat` (any shape, this rank's contribution; the sum on return) over `split.members` by the
-    three-step schedule above (blocking; collective over this rank's node part and, for leaders, the leaders).
-    Returns the wall seconds of step 2 on this rank (0 unless it is a leader; on CUDA the time to enqueue)."""
+def hier_chain(flat: torch.Tensor, split: NodeSplit, rank: int,
+               groups: dict[tuple[int, ...], dist.ProcessGroup]) -> Chain:
+    """This rank's part of summing `flat` (any shape; this rank's contribution, the sum once the chain is done)
+    over `split.members` by the three-step schedule above, as a chain of asynchronous collectives
+    (runtime/collective_chain.py): a reduce inside the node, for the node's leader the all-reduce across the
+    leaders (the chain's timed step), then the broadcast inside the node. Each step reads what the one before it
+    wrote, so the chain issues it only once that is there."""
     part = next(p for p in split.parts if rank in p)
     leader = part[0]
-    across = 0.0
+    steps: list[Step] = []
+    timed: frozenset[int] = frozenset()
     if len(part) > 1:
-        dist.reduce(flat, dst=leader, group=groups[part])
+        steps.append(lambda: dist.reduce(flat, dst=leader, group=groups[part], async_op=True))
     if rank == leader:
-        start = time.perf_counter()
-        dist.all_reduce(flat, group=groups[split.leaders])
-        across = time.perf_counter() - start
+        timed = frozenset({len(steps)})
+        steps.append(lambda: dist.all_reduce(flat, group=groups[split.leaders], async_op=True))
     if len(part) > 1:
-        dist.broadcast(flat, src=leader, group=groups[part])
-    return across
+        steps.append(lambda: dist.broadcast(flat, src=leader, group=groups[part], async_op=True))
+    return Chain(steps, timed)

@@ -111,8 +111,11 @@ def launch_command(
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint (any plan)."),
     init_from: Path | None = typer.Option(None, "--init-from", help="Initial weights from a local Hugging Face "
                                           "checkpoint folder (config.json + *.safetensors) of the plan's model."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Collective timeout in seconds: survivors of a dead "
-                                  "rank exit after at most this long."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Collective timeout of the steps in seconds: survivors "
+                                  "of a dead rank exit after at most this long."),
+    setup_timeout: float | None = typer.Option(None, "--setup-timeout", help="Collective timeout in seconds of "
+                                               "set-up, compile warm-up, checkpoint load, the first step and "
+                                               "checkpoint saves (default: the larger of --timeout and 600)."),
     launcher: str = typer.Option("local", "--launcher", help="local: run every rank here, supervised; torchrun: "
                                  "print one torchrun command per host; slurm: print an sbatch script."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the per-node commands, start nothing "
@@ -175,6 +178,7 @@ def launch_command(
     options = launch_config(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
                             seed=seed, lr=lr, checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                             checkpoint_every=checkpoint_every, resume=resume, timeout_s=timeout,
+                            setup_timeout_s=setup_timeout,
                             schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None,
                             runtime={"lean_p2p": not no_lean_p2p, "overlap_dp": not no_overlap_dp,
                                      "hierarchical_dp": not no_hierarchical_dp, "compile": compile_,

@@ -36,7 +36,7 @@ DEFAULT_LR = 1e-3  # `flashflex launch --lr`
 # The `flashflex launch` option that sets each field (a field error of a launch names the option).
 LAUNCH_OPTIONS: dict[str, str] = {
     "plan": "PLAN", "cluster": "--cluster", "out": "--out", "data": "--data", "steps": "--steps", "seed": "--seed",
-    "timeout_s": "--timeout", "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every",
+    "timeout_s": "--timeout", "setup_timeout_s": "--setup-timeout", "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every",
     "init_from": "--init-from", "optimizer.lr": "--lr", "optimizer.total_steps": "--schedule-steps",
     "runtime.optimizer": "--optimizer", "runtime.compile": "--compile",
 }

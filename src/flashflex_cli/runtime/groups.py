@@ -143,6 +143,18 @@ class PlanGroups:
     # intra-node and leader groups this rank belongs to, keyed by sorted member ranks
     node_splits: dict[tuple[int, ...], NodeSplit] = field(default_factory=dict)
     node_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    # gloo: the timeout the pipeline's point-to-point waits use (gloo's sends and receives keep the timeout their
+    # group was made with; runtime/timeouts.py sets this when it changes the groups'); None: that one
+    p2p_wait: timedelta | None = None
+
+    def member_groups(self) -> list[dist.ProcessGroup]:
+        """Every group built for the plan that this rank belongs to (TP, world, DP, hierarchical), once each."""
+        found = [self.tp_group, self.world_group, *self.dp_groups.values(), *self.node_groups.values()]
+        out: list[dist.ProcessGroup] = []
+        for group in found:
+            if group is not None and all(group is not seen for seen in out):
+                out.append(group)
+        return out
 
     def tp_context(self) -> TPContext:
         """A fresh TPContext over this rank's TP group."""

@@ -123,8 +123,9 @@ def launch_command(
     hosts: str | None = typer.Option(None, "--hosts", help="Comma-separated host address per plan node "
                                      "(default: the cluster's hostnames or node names)."),
     port: int = typer.Option(29500, "--port", help="Rendezvous port on the first host."),
-    ifname: str | None = typer.Option(None, "--ifname", help="GLOO_SOCKET_IFNAME: one for all hosts or one "
-                                      "per host, comma-separated."),
+    ifname: str | None = typer.Option(None, "--ifname", help="Network interface of gloo and NCCL "
+                                      "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME): one for all hosts or one per "
+                                      "host, comma-separated."),
     torchrun: str = typer.Option("torchrun", "--torchrun", help="The torchrun executable in rendered commands."),
     template: str | None = typer.Option(None, "--template", help="A launcher template name or file (default: "
                                         "launchers/torchrun.sh.tmpl; slurm or slurm-hetjob)."),

@@ -43,7 +43,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
 from ..hardware.cpu_share import pin_emulated_device, usable_cores
-from . import heartbeat, oom
+from . import flight_recorder, heartbeat, oom
 
 if TYPE_CHECKING:
     from ..hardware.cluster import Cluster
@@ -238,6 +238,8 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     phases = phases or oom.PhaseTracker()
     phases.attach(oom.stage_place(plan, rank), device, oom.injection_from_env(os.environ))
     claim_host_share(on_cpu, host_device_index(cluster, me.device, node))
+    if not on_cpu:  # the watchdog's dump on a timeout, in RUN/nccl-trace/ (before the process group exists)
+        flight_recorder.prepare(config.out)
     phases.enter("nccl")
     # the long timeout until the first step is done (runtime/timeouts.py), the run's own after it
     _init_process_group(rank, world, "gloo" if on_cpu else "nccl", config.setup_seconds, None if on_cpu else device)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckFailed, InputError
 from ..fileio import check_writable_dir
 from ..hardware.cluster import Cluster
+from ..hardware.gpu_identity import cuda_ordinal, visible_gpus
 from ..model.flops import total_params
 from ..plan.schema import Plan
 from ..semantics.runtime_paths import RuntimeOptions
@@ -107,12 +108,14 @@ def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | 
     if not torch.cuda.is_available():
         raise CheckFailed(f"the plan wants {len(gpu_ranks)} GPUs ({gpu_ranks[0].device}, ...) and this machine "
                           "has no CUDA device")
-    count = torch.cuda.device_count()
+    visible = visible_gpus()
     for info in gpu_ranks:
-        index = int(info.device.rpartition("/")[2])
-        if index >= count:
-            raise CheckFailed(f"plan rank {info.rank} wants device {info.device} (cuda:{index}); this machine "
-                              f"has {count} GPU(s)")
+        recorded = cluster.device(info.device)
+        try:
+            index = cuda_ordinal(info.device, recorded.uuid, recorded.pci_bus_id, int(info.device.rpartition("/")[2]),
+                                 visible)
+        except InputError as exc:
+            raise CheckFailed(f"plan rank {info.rank}: {exc}") from None
         have = torch.cuda.get_device_properties(index).total_memory
         need = report.rank_bytes[info.rank]
         if need > have:

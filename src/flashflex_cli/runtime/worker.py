@@ -46,7 +46,7 @@ from ..hardware.cpu_share import pin_emulated_device, usable_cores
 from . import flight_recorder, heartbeat, oom
 
 if TYPE_CHECKING:
-    from ..hardware.cluster import Cluster
+    from ..hardware.cluster import Cluster, Device
     from ..run_config import RunConfig
 
 PEER_LOST = 3
@@ -166,6 +166,15 @@ def claim_host_share(on_cpu: bool, device_index: int) -> None:
         torch.set_num_threads(gpu_rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
+def local_cuda_ordinal(device_id: str, recorded: Device) -> int:
+    """The visible CUDA ordinal of plan device `device_id` (hardware/gpu_identity.py: by the UUID or PCI bus id
+    the cluster file records, else by its index on the node). InputError naming the device when it is not here."""
+    from ..hardware.gpu_identity import cuda_ordinal, visible_gpus
+
+    return cuda_ordinal(device_id, recorded.uuid, recorded.pci_bus_id, int(device_id.rpartition("/")[2]),
+                        visible_gpus())
+
+
 def _init_process_group(rank: int, world: int, backend: str, timeout_s: float,  # type: ignore[no-untyped-def]
                         device_id=None):
     """Join the job's process group as plan rank `rank` over the store torchrun's agent provides; with
@@ -229,11 +238,8 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     os.environ["FLASHFLEX_RANK_LABEL"] = f"rank {rank} (node {me.device.rpartition('/')[0]}, device {me.device})"
     device_info = cluster.device(me.device)
     on_cpu = device_info.type.lower() in ("cpu", "host")
-    device = torch.device("cpu") if on_cpu else torch.device("cuda", int(me.device.rpartition("/")[2]))
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", local_cuda_ordinal(me.device, device_info))
     if not on_cpu:
-        count = torch.cuda.device_count()
-        if device.index >= count:
-            raise ValueError(f"plan rank {rank} wants {me.device} (cuda:{device.index}), this host has {count} GPU(s)")
         torch.cuda.set_device(device)
     phases = phases or oom.PhaseTracker()
     phases.attach(oom.stage_place(plan, rank), device, oom.injection_from_env(os.environ))

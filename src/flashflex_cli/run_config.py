@@ -152,7 +152,9 @@ class RunConfig:
     (runtime/timeouts.py; None: `setup_seconds`' default, at least timeout_s); steps: the optimizer step to stop at,
     counting resumed ones (optimizer.total_steps, the schedule's length, may be longer: a run can stop early and
     resume onto the same trajectory); checkpoint_every: steps between checkpoints (0: only at the end and on a
-    stop signal); init_from: a local Hugging Face checkpoint folder of the initial weights (hf/load.py)."""
+    stop signal); init_from: a local Hugging Face checkpoint folder of the initial weights (hf/load.py);
+    share_gpu: every rank of the GPU plan drives this machine's first GPU (launch/share_gpu.py, a validation
+    mode)."""
 
     plan: str
     cluster: str
@@ -166,6 +168,7 @@ class RunConfig:
     checkpoint_every: int = 0
     resume: bool = False
     init_from: str | None = None
+    share_gpu: bool = False
     runtime: RuntimeOptions
     optimizer: OptimConfig
     loss_scaling: LossScaling

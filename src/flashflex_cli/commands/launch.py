@@ -16,6 +16,7 @@ from ..launch.elastic_options import ElasticSettings, check_elastic_plan, elasti
 from ..launch.options import DEFAULT_LR, launch_config
 from ..launch.preflight import check_run_dirs
 from ..launch.recorded_cluster import recorded_cluster_path
+from ..launch.share_gpu import check_share_gpu
 from ..run_config import RunConfig, save_run_config
 from ..validate_numbers import port as port_number
 
@@ -154,6 +155,9 @@ def launch_command(
                                          "plans, off on CPU devices)."),
     no_chunked_loss: bool = typer.Option(False, "--no-chunked-loss", help="For comparison only: the whole "
                                          "logits tensor, upcast to fp32 for the loss."),
+    share_gpu: bool = typer.Option(False, "--share-gpu", help="Validation only, never for a real cluster: run "
+                                   "every rank of a GPU plan on this machine's one GPU, each rank its own NCCL "
+                                   "host talking over loopback sockets (docs/multi-gpu.md)."),
     optimizer: str = typer.Option("auto", "--optimizer", help="AdamW kernels: fused or foreach (auto: fused on "
                                   "GPUs, foreach on CPU devices)."),
 ) -> None:
@@ -179,7 +183,7 @@ def launch_command(
     options = launch_config(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
                             seed=seed, lr=lr, checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
                             checkpoint_every=checkpoint_every, resume=resume, timeout_s=timeout,
-                            setup_timeout_s=setup_timeout,
+                            setup_timeout_s=setup_timeout, share_gpu=share_gpu,
                             schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None,
                             runtime={"lean_p2p": not no_lean_p2p, "overlap_dp": not no_overlap_dp,
                                      "hierarchical_dp": not no_hierarchical_dp, "compile": compile_,
@@ -189,6 +193,8 @@ def launch_command(
     _check_outputs(launcher, script, options, _script_inputs(plan_path, cluster_path, data, template), dry_run)
     plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
     check_plan_cluster(plan, cluster, str(cluster_path))
+    if share_gpu:
+        check_share_gpu(plan, cluster, launcher, elastic)
     check_elastic_plan(plan, elastic_settings)
     warnings = check_run(plan, data, steps, options.checkpoint_dir, checkpoint_every, resume,
                          options.optimizer.total_steps)
@@ -197,7 +203,7 @@ def launch_command(
         from ..launch.local import dry_run_text
         from ..launch.lock import run_lock
 
-        warnings += check_local_machine(plan, cluster, options.runtime).warnings
+        warnings += check_local_machine(plan, cluster, options.runtime, share_gpu=share_gpu).warnings
         check_checkpoint_space(plan, options.checkpoint_dir)
         # the run folders are locked before any worker starts, while they run and until the last one ends
         with nullcontext(None) if dry_run else run_lock(options.out, options.checkpoint_dir) as lock:

@@ -50,6 +50,7 @@ from .failures import (
     stop_text,
 )
 from .options import ALLOC_CONF_DEFAULT, ALLOC_CONF_ENV, ALLOC_CONF_SHELL, WORKER_MODULE, worker_argv
+from .share_gpu import share_gpu_env
 
 FAILURE_GRACE_S = 3.0  # after a rank failed: time for the others to see their collectives break and exit
 STOP_GRACE_S = 30.0  # after a stop signal (plus --timeout): time to finish the step and save a checkpoint
@@ -115,13 +116,15 @@ class StopSignals:
 
 
 def worker_env(local_rank: int, world: int, port: int, job_dir: str, timeout_s: float,
-               run_dir: str | None = None) -> dict[str, str]:
+               run_dir: str | None = None, share_gpu: bool = False) -> dict[str, str]:
     """The environment of local rank `local_rank`: torchrun's variables and the launcher's (heartbeat.py), the
-    CUDA caching allocator's expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF, and NCCL's flight
-    recorder with its dumps in `run_dir`/nccl-trace/ unless the user set them (runtime/flight_recorder.py)."""
+    CUDA caching allocator's expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF, NCCL's flight
+    recorder with its dumps in `run_dir`/nccl-trace/ unless the user set them (runtime/flight_recorder.py), and
+    with `share_gpu` the rank's own NCCL host (launch/share_gpu.py)."""
     rank, size = str(local_rank), str(world)
     recorder = flight_recorder.worker_env(run_dir, os.environ) if run_dir else flight_recorder.fixed_env(os.environ)
-    return {ALLOC_CONF_ENV: ALLOC_CONF_DEFAULT, **recorder, **os.environ, "LOCAL_RANK": rank, "RANK": rank, "ROLE_RANK": rank, "GROUP_RANK": "0",
+    shared = share_gpu_env(local_rank, os.environ) if share_gpu else {}
+    return {ALLOC_CONF_ENV: ALLOC_CONF_DEFAULT, **recorder, **os.environ, **shared, "LOCAL_RANK": rank, "RANK": rank, "ROLE_RANK": rank, "GROUP_RANK": "0",
             "LOCAL_WORLD_SIZE": size, "WORLD_SIZE": size, "ROLE_WORLD_SIZE": size, "GROUP_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
@@ -147,7 +150,8 @@ class LocalJob:
         for local_rank in range(world):
             if signals.received:
                 return
-            env = worker_env(local_rank, world, port, self.job_dir, self.options.timeout_s, self.options.out)
+            env = worker_env(local_rank, world, port, self.job_dir, self.options.timeout_s, self.options.out,
+                             self.options.share_gpu)
             try:
                 proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, pass_fds=inherit_fds)
             except OSError as exc:

@@ -80,13 +80,17 @@ def _available_host_bytes() -> float | None:
     return None
 
 
-def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | None = None) -> Preflight:
+def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | None = None,
+                        share_gpu: bool = False) -> Preflight:
     """This machine can run every rank of the plan: CPU-emulated plans run all nodes here; GPU plans
     need one node whose devices exist here with enough memory (the cost model's prediction of each stage, for
-    the runtime paths `runtime`)."""
+    the runtime paths `runtime`); with `share_gpu` (launch/share_gpu.py) every rank of a GPU plan, whatever its
+    nodes, on this machine's first GPU, which must hold all their predictions together."""
     import torch
 
     report = Preflight(rank_bytes=rank_memory_bytes(plan, cluster, runtime))
+    if share_gpu:
+        return _check_shared_gpu(plan, report)
     ranks = plan.ranks()
     gpu_ranks = [info for info in ranks if not is_cpu_device(cluster, info.device)]
     if gpu_ranks and len(gpu_ranks) != len(ranks):
@@ -125,6 +129,24 @@ def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | 
         actual = torch.cuda.get_device_name(index)
         if wanted.split("-")[0].lower() not in actual.lower():
             report.warnings.append(f"{info.device} is a {wanted} in the cluster file, cuda:{index} is a {actual}")
+    return report
+
+
+def _check_shared_gpu(plan: Plan, report: Preflight) -> Preflight:
+    """--share-gpu: cuda:0 exists and holds every rank's predicted total (each rank a process with its own CUDA
+    context, allocator and communicators)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CheckFailed(f"--share-gpu runs the plan's {plan.world_size} ranks on this machine's GPU, and it has "
+                          "no CUDA device")
+    have = torch.cuda.get_device_properties(0).total_memory
+    need = sum(report.rank_bytes)
+    if need > have:
+        raise CheckFailed(f"--share-gpu: the plan's {plan.world_size} ranks need about {byte_size(need)} together "
+                          f"(the cost model's prediction of each), cuda:0 has {byte_size(have)}")
+    report.warnings.append(f"--share-gpu: {plan.world_size} ranks share cuda:0 ({torch.cuda.get_device_name(0)}), "
+                           "a validation mode: their step times are not the plan's")
     return report
 
 

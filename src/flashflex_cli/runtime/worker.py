@@ -238,7 +238,14 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     os.environ["FLASHFLEX_RANK_LABEL"] = f"rank {rank} (node {me.device.rpartition('/')[0]}, device {me.device})"
     device_info = cluster.device(me.device)
     on_cpu = device_info.type.lower() in ("cpu", "host")
-    device = torch.device("cpu") if on_cpu else torch.device("cuda", local_cuda_ordinal(me.device, device_info))
+    if on_cpu:
+        device = torch.device("cpu")
+    elif config.share_gpu:  # every rank on the first GPU, NCCL told they are separate hosts (launch/share_gpu.py)
+        if torch.cuda.device_count() < 1:
+            raise ValueError(f"plan rank {rank}: --share-gpu, and this host has no CUDA device")
+        device = torch.device("cuda", 0)
+    else:
+        device = torch.device("cuda", local_cuda_ordinal(me.device, device_info))
     if not on_cpu:
         torch.cuda.set_device(device)
     phases = phases or oom.PhaseTracker()

@@ -14,6 +14,7 @@ from typing import Any
 from ..hardware.cluster import Cluster
 from ..model import flops as F
 from ..plan.schema import Plan
+from ..semantics.process_groups import communicators
 from ..units import byte_size
 from .comm import p2p_time
 from .compute import layer_times
@@ -24,6 +25,7 @@ from .memory import (
     device_capacity,
     device_reserve,
     is_cuda_group,
+    nccl_reserve,
     stage_memory,
     stage_params_per_device,
 )
@@ -155,10 +157,24 @@ def _r(value: float) -> float:
     return float(f"{value:.6g}")
 
 
+def stage_communicators(plan: Plan) -> dict[tuple[int, int], int]:
+    """The most NCCL communicators any rank of each stage holds, by (pipeline, stage): counted from the groups the
+    runtime creates for the plan (semantics/process_groups.communicators)."""
+    counts = communicators(plan)
+    return {key: max(counts[r] for r in ranks) for key, ranks in _stage_rank_lists(plan).items()}
+
+
+def _stage_rank_lists(plan: Plan) -> dict[tuple[int, int], list[int]]:
+    out: dict[tuple[int, int], list[int]] = {}
+    for info in plan.ranks():
+        out.setdefault((info.pipeline, info.stage), []).append(info.rank)
+    return out
+
+
 def plan_stage_memory(plan: Plan, cluster: Cluster, params: CostParams, p: int, s: int,
-                      measured: MeasuredCosts | None, dp_shared: bool) -> MemoryBreakdown:
+                      measured: MeasuredCosts | None, dp_shared: bool, communicators: int = 0) -> MemoryBreakdown:
     """Peak memory per device of stage `s` of pipeline `p` (cost/memory.py), given its layer profile costs
-    `measured` (None: counted) and whether it has DP partners."""
+    `measured` (None: counted), whether it has DP partners and the NCCL communicators its ranks hold."""
     model, train = plan.inputs.model, plan.inputs.train
     pipe = plan.pipelines[p]
     stage, count, m = pipe.stages[s], len(pipe.stages), pipe.num_micro_batches
@@ -166,7 +182,8 @@ def plan_stage_memory(plan: Plan, cluster: Cluster, params: CostParams, p: int, 
     return stage_memory(model, train, stage.tp, stage.num_layers, s == 0, s == count - 1, min(count - s, m), params,
                         micro_batch_size=pipe.micro_batch_size, reserve_bytes=reserve, measured=measured,
                         num_micro=m, on_cuda=is_cuda_group(cluster, stage.devices), dp_shared=dp_shared,
-                        warmup=min(count - s - 1, m))
+                        warmup=min(count - s - 1, m),
+                        nccl_bytes=nccl_reserve(cluster, stage.devices, communicators, params))
 
 
 def plan_memory(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> dict[tuple[int, int], MemoryBreakdown]:
@@ -174,7 +191,8 @@ def plan_memory(plan: Plan, cluster: Cluster, params: CostParams | None = None) 
     `launch`'s preflight checks each rank against."""
     params = params or CostParams()
     partners = dp_partners(dp_buckets(plan, cluster, params))
-    return {(p, s): plan_stage_memory(plan, cluster, params, p, s, None, bool(partners.get((p, s))))
+    comms = stage_communicators(plan)
+    return {(p, s): plan_stage_memory(plan, cluster, params, p, s, None, bool(partners.get((p, s))), comms[(p, s)])
             for p, pipe in enumerate(plan.pipelines) for s in range(len(pipe.stages))}
 
 
@@ -189,6 +207,7 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
     last_backward: dict[tuple[int, int], float] = {}
     dp_plan = dp_buckets(plan, cluster, params)
     partners = dp_partners(dp_plan)
+    comms = stage_communicators(plan)
     backward: dict[tuple[int, int], StageBackward] = {}
     for p, pipe in enumerate(plan.pipelines):
         mbs, m, count = pipe.micro_batch_size, pipe.num_micro_batches, len(pipe.stages)
@@ -208,7 +227,8 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
         pipelines.append(PipelineEstimate(sched.total_s, sched.bubble_fraction, pipe.sequences * train.seq_len, m, mbs))
         for s, stage in enumerate(pipe.stages):
             lt = times[s]
-            mem = plan_stage_memory(plan, cluster, params, p, s, lt.measured, bool(partners.get((p, s))))
+            mem = plan_stage_memory(plan, cluster, params, p, s, lt.measured, bool(partners.get((p, s))),
+                                    comms[(p, s)])
             capacity, tightest = min((device_capacity(cluster, d, params), d) for d in stage.devices)
             headroom = capacity - mem.total
             if headroom < 0:

@@ -1,6 +1,7 @@
 """NCCL communicator memory, charged per group (semantics/process_groups.py, cost/memory.py): the count per rank
 is the number of groups `runtime/groups.build_groups` really creates for it (checked on real gloo groups for
-asymmetric plans), and the cost model charges a GPU stage `communicator_bytes` for each (by its fabric), a CPU one nothing."""
+asymmetric plans), and the cost model charges a GPU stage for each by the group's fabric (NVLink inside one node, else fewer channels), a CPU
+stage nothing."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashflex_cli.cost.estimate import estimate, plan_memory, stage_communicators
+from flashflex_cli.cost.estimate import estimate, plan_memory
 from flashflex_cli.cost.memory import communicator_bytes, minimum_communicators
 from flashflex_cli.cost.params import CostParams
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.semantics.process_groups import communicators, group_members
+from flashflex_cli.semantics.process_groups import communicators, group_members, rank_communicators
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 
 from .test_grad_overlap import TIED, UNLIKE
@@ -72,21 +73,36 @@ def test_counts_of_a_plan_worked_by_hand() -> None:
     assert minimum_communicators(2, 3) == 3 and minimum_communicators(1, 1) == 0
 
 
-def test_gpu_stages_are_charged_per_communicator_cpu_stages_are_not() -> None:
+def test_gpu_stages_are_charged_per_communicator_by_its_fabric_cpu_stages_are_not() -> None:
     params = CostParams()
-    # 5 ranks on a cluster of three nodes of two GPUs
-    gpu = build_cluster("3x2xA100-80G-SXM:nic=ib")
-    plan = on_nodes(TP_CHANGE, gpu.device_ids[:5])
-    counts = stage_communicators(plan)
-    per_communicator = communicator_bytes(gpu, "node0/0", params)
-    assert per_communicator == params.nccl_channels_nvlink * params.nccl_channel_bytes  # SXM: NVLink
-    assert communicator_bytes(build_cluster("1x2xA100-80G-PCIe"), "node0/0", params) == pytest.approx(
-        params.nccl_channels_other * params.nccl_channel_bytes)
-    memory = plan_memory(plan, gpu, params)
-    for key, mem in memory.items():
-        assert counts[key] >= 2
-        assert mem.reserve == pytest.approx(params.memory_reserve_bytes + counts[key] * per_communicator)
-    est = estimate(plan, gpu, params)
-    assert [st.memory.reserve for st in est.stages] == [memory[(st.pipeline, st.stage)].reserve for st in est.stages]
+    nvlink, other = (params.nccl_channels_nvlink * params.nccl_channel_bytes,
+                     params.nccl_channels_other * params.nccl_channel_bytes)
+    # one node of NVLink GPUs: every communicator inside it runs NVLink's channels
+    one_node = build_cluster("1x8xA100-80G-SXM:nic=ib")
+    plan = on_nodes(TP_CHANGE, one_node.device_ids[:5])
+    memory = plan_memory(plan, one_node, params)
+    for info in plan.ranks():
+        mem = memory[(info.pipeline, info.stage)]
+        assert mem.reserve >= params.memory_reserve_bytes + communicators(plan)[info.rank] * nvlink - 1.0
+    stage_ranks_counts = {}
+    for info in plan.ranks():
+        key = (info.pipeline, info.stage)
+        stage_ranks_counts[key] = max(stage_ranks_counts.get(key, 0), communicators(plan)[info.rank])
+    assert {key: mem.reserve for key, mem in memory.items()} == pytest.approx(
+        {key: params.memory_reserve_bytes + count * nvlink for key, count in stage_ranks_counts.items()})
+    # three nodes: a group within a node keeps NVLink's channels, one across nodes runs the other count
+    nodes = build_cluster("3x2xA100-80G-SXM:nic=ib")
+    spread = on_nodes(TP_CHANGE, nodes.device_ids[:5])  # TP (0, 1) on node0; DP sets and the world span nodes
+    rank_groups = rank_communicators(spread)
+    devices = [info.device for info in spread.ranks()]
+    want = [sum(nvlink if len({devices[r].split("/")[0] for r in members}) == 1 else other for members in groups)
+            for groups in rank_groups]
+    got = plan_memory(spread, nodes, params)
+    for info in spread.ranks():
+        assert got[(info.pipeline, info.stage)].reserve >= params.memory_reserve_bytes + want[info.rank] - 1.0
+    assert communicator_bytes(nodes, "node0/0", params) == pytest.approx(nvlink)
+    assert communicator_bytes(build_cluster("1x2xA100-80G-PCIe"), "node0/0", params) == pytest.approx(other)
+    est = estimate(spread, nodes, params)
+    assert [st.memory.reserve for st in est.stages] == [got[(st.pipeline, st.stage)].reserve for st in est.stages]
     cpu = build_cluster("3x2xcpu")
-    assert all(mem.reserve == params.cpu_memory_reserve_bytes for mem in plan_memory(plan, cpu, params).values())
+    assert all(mem.reserve == params.cpu_memory_reserve_bytes for mem in plan_memory(spread, cpu, params).values())

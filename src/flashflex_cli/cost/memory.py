@@ -170,7 +170,7 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     outside the allocator (default params.memory_reserve_bytes, the GPU figure). measured: the group's layer
     profile at this micro-batch size and TP degree, if any. on_cuda: a GPU stage (the runtime's paths and
     autocast's softmax policy differ on CPU devices). dp_shared: the stage's gradients are reduced across
-    pipelines. nccl_bytes: the NCCL communicators a device of the stage holds (`nccl_reserve`), added to the
+    pipelines. nccl_bytes: the NCCL communicators a device of the stage holds (cost/estimate.stage_nccl_bytes), added to the
     reserve of a GPU stage.
     """
     paths = params.runtime.resolved(on_cuda)
@@ -240,20 +240,28 @@ def minimum_communicators(tp: int, world: int) -> int:
     return (2 if world > 1 else 0) + (1 if tp > 1 else 0)
 
 
+def _channels(cluster: Cluster, devices: list[str] | tuple[str, ...], params: CostParams) -> float:
+    """NCCL channels of a communicator over `devices`: NVLink's count when they all sit on one node joined by
+    NVLink or xGMI, else the other count (PCIe, or a ring through NICs, which runs few)."""
+    nodes = {cluster.split_id(d)[0].name for d in devices}
+    if len(nodes) == 1 and cluster.split_id(devices[0])[0].intra_link.kind in ("nvlink", "xgmi"):
+        return params.nccl_channels_nvlink
+    return params.nccl_channels_other
+
+
 def communicator_bytes(cluster: Cluster, device: str, params: CostParams) -> float:
-    """Bytes one NCCL communicator takes on GPU `device`: `nccl_channel_bytes` per channel, with the channels of
-    its node's fabric (NVLink or xGMI: `nccl_channels_nvlink`, else `nccl_channels_other`); 0 on a CPU device."""
+    """Bytes one NCCL communicator inside the node of GPU `device` takes there (`nccl_channel_bytes` per channel
+    of its fabric); 0 on a CPU device. The planner's per-stage charge; `group_bytes` for a known group."""
     if view(cluster).info(device).is_cpu:
         return 0.0
-    kind = cluster.split_id(device)[0].intra_link.kind
-    channels = params.nccl_channels_nvlink if kind in ("nvlink", "xgmi") else params.nccl_channels_other
-    return channels * params.nccl_channel_bytes
+    return _channels(cluster, [device], params) * params.nccl_channel_bytes
 
 
-def nccl_reserve(cluster: Cluster, devices: list[str] | tuple[str, ...], communicators: int,
-                 params: CostParams) -> float:
-    """Bytes `communicators` NCCL communicators take on each device of a stage (the most over `devices`)."""
-    return communicators * max(communicator_bytes(cluster, d, params) for d in devices)
+def group_bytes(cluster: Cluster, devices: list[str] | tuple[str, ...], params: CostParams) -> float:
+    """Bytes the NCCL communicator over `devices` takes on each of its GPUs (0 when they are CPU devices)."""
+    if all(view(cluster).info(d).is_cpu for d in devices):
+        return 0.0
+    return _channels(cluster, devices, params) * params.nccl_channel_bytes
 
 
 def device_reserve(cluster: Cluster, device: str, params: CostParams) -> float:

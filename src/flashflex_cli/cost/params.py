@@ -129,12 +129,13 @@ class CostParams:
         FIFO for each protocol: NCCL_BUFFSIZE 4 MiB (Simple), 4.69 MiB (LL128: 120 elements x 640 threads x 8
         steps x 8 bytes) and 0.5 MiB (LL: 8 lines x 512 threads x 8 steps x 16 bytes), 9.19 MiB in all, and a
         ring and a tree connect about 3 peers per channel: 3 x 9.19 MiB.
-    nccl_channels_nvlink: channels of a communicator on GPUs joined by NVLink or xGMI: 24. With the figure
+    nccl_channels_nvlink: channels of a communicator whose GPUs are all on one node joined by NVLink or xGMI: 24. With the figure
         above, 24 x 28.9 MB = 0.69 GB per communicator, which a public measurement confirms: PyTorch on 4 A100s
         over NVLink, one all-reduce per group (NVIDIA/nccl issue 964), 544 MB for a group of 2 GPUs and 688 MB
         for a larger one; NVIDIA/nccl issue 864 sees the same growth with every further communicator.
-    nccl_channels_other: channels on GPUs joined by PCIe (or anything else): 4, an assumption (NCCL sizes its
-        channels by the fabric's bandwidth; PCIe rings run a few), 0.12 GB per communicator. Unmeasured here.
+    nccl_channels_other: channels of a communicator over PCIe or across nodes: 4, an assumption (NCCL sizes its
+        channels by the slowest link of its rings; PCIe and NIC rings run a few), 0.12 GB per communicator.
+        Unmeasured here.
         CPU devices (gloo) are not charged.
     cpu_memory_reserve_bytes: the same for an emulated CPU device: its peak RSS growth during training beyond
         the counted tensors (allocator and arena slack, gloo buffers). 40 MiB: measured

@@ -211,13 +211,20 @@ def group_members(plan: Any) -> list[GroupSpec]:
     return out
 
 
-def communicators(plan: Any) -> list[int]:
-    """Per rank, the NCCL communicators it holds: the default group and every group of `group_members` it
-    belongs to, counting only groups of two or more ranks (a one-rank communicator connects to no peer)."""
+def rank_communicators(plan: Any) -> list[list[tuple[int, ...]]]:
+    """Per rank, the members of every NCCL communicator it holds: the default group (every rank) and every group
+    of `group_members` it belongs to, counting only groups of two or more ranks (a one-rank communicator connects
+    to no peer)."""
     world = sum(stage.tp for pipe in plan.pipelines for stage in pipe.stages)
-    counts = [1 if world > 1 else 0 for _ in range(world)]
+    everyone = tuple(range(world))
+    out: list[list[tuple[int, ...]]] = [[everyone] if world > 1 else [] for _ in range(world)]
     for spec in group_members(plan):
         if len(spec.members) > 1:
             for rank in spec.members:
-                counts[rank] += 1
-    return counts
+                out[rank].append(spec.members)
+    return out
+
+
+def communicators(plan: Any) -> list[int]:
+    """Per rank, how many NCCL communicators it holds (`rank_communicators`)."""
+    return [len(groups) for groups in rank_communicators(plan)]

@@ -135,5 +135,6 @@ EOF
     *) say "unknown part $part (memory, profile, speed, fp16, ranks, multigpu)" ;;
   esac
 done
-tar -czf "$OUT/runs.tar.gz" -C "$WORK" $(cd "$WORK" && ls -d runs ranks plan-*.json node.json 2>/dev/null) 2>/dev/null || true
+tar -czf "$OUT/runs.tar.gz" --exclude=ranks/ck -C "$WORK" $(cd "$WORK" && ls -d runs ranks plan-*.json node.json 2>/dev/null) \
+  2>/dev/null || true  # the ranks part's checkpoints stay behind: large, and only the resume needed them
 say "done"

@@ -3,7 +3,8 @@
 # that is lent one spends its minutes measuring, not preparing. Check it here first: FLASHFLEX_SESSION_CPU=1 runs
 # every step on this machine's CPU with a tiny model (a check of the script, not a measurement).
 #
-#   bash benchmarks/gpu_session.sh [memory] [profile] [speed] [fp16]     (default: all four, in that order)
+#   bash benchmarks/gpu_session.sh [memory] [profile] [speed] [fp16] [ranks] [multigpu]
+#                                                          (default: the first four, in that order)
 #
 # memory:  plans llama-1b (seq 2048, 16 sequences) pinned at micro-batch 1, 2, 4, 8 and a 3B-class shape (Llama 3.2
 #          3B, searched micro-batch), launches each plan the planner emits for 6 steps, then replays every run with
@@ -12,6 +13,14 @@
 # profile: `flashflex profile --model` on the GPU at micro-batch 1, 2, 4, then the same replay with that profile.
 # speed:   benchmarks/bench_gpu_runtime.py (the runtime against a Hugging Face loop under torch.compile).
 # fp16:    the same one-GPU plan launched in bf16 and in fp16 (loss scaling): tokens/s and losses side by side.
+# ranks:   multi-rank plans on the one GPU (`flashflex launch --share-gpu`: every rank its own NCCL host), by
+#          benchmarks/ranks_session.py: a 2-stage pipeline of a tied-embedding model with overlapped DP, 4 stages, a
+#          TP-2 stage, a TP change at a stage boundary, two unlike pipelines in DP, fp16 with loss scaling,
+#          recompute, a checkpoint and a resume under another plan; each run's losses against the one-rank run of
+#          the same model and data, then every rank's peak memory against its stage's prediction
+#          (validate_gpu_memory.py; its time figures are no target: the ranks share the GPU). ranks.txt in $OUT.
+# multigpu: the CUDA-marked tests (tests/test_multi_gpu.py: NCCL runs against the one-process reference) where the
+#          machine has two or more GPUs; skipped, with a line saying so, elsewhere.
 #
 # Output: everything goes to $OUT (the device tool brings it back) or /tmp/gpu-session: session.log, the run
 # folders' metrics as runs.tar.gz, the layer profile. Each step has its own time limit and a failed step does not
@@ -44,7 +53,7 @@ from flashflex_cli.model.spec import PRESETS, to_hf_config
 json.dump(to_hf_config(PRESETS["llama-small"]), open(sys.argv[1], "w"))
 EOF
   ff 120 profile --synthetic 1x1xcpu --out "$WORK/node.json"
-  SPEED=(--smoke); PROFILE_SIZES=1,2; DTYPE_ARGS=(--dtype fp32)
+  SPEED=(--smoke); PROFILE_SIZES=1,2; DTYPE_ARGS=(--dtype fp32); RANKS_ARGS=(--cpu)
 else
   MODEL=llama-1b; SEQ=2048; BATCH=16; SIZES="1 2 4 8"; STEPS=6
   # Llama 3.2 3B's shape (hidden 3072, 28 layers, 24 heads, 8 KV heads, feed-forward 8192, tied embeddings)
@@ -55,7 +64,7 @@ else
  "tie_word_embeddings": true, "rms_norm_eps": 1e-05, "max_position_embeddings": 131072}
 EOF
   ff 240 profile --out "$WORK/node.json"
-  SPEED=(); PROFILE_SIZES=1,2,4; DTYPE_ARGS=()
+  SPEED=(); PROFILE_SIZES=1,2,4; DTYPE_ARGS=(); RANKS_ARGS=()
 fi
 say "parts: $PARTS; model $MODEL seq $SEQ batch $BATCH; work $WORK"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >>"$LOG" 2>&1 || true
@@ -110,8 +119,22 @@ for run in sorted(Path(sys.argv[1]).glob("[bf][fp]16")):
               f"losses {[round(r['loss'], 4) for r in rows]}, skipped {sum(bool(r.get('skipped')) for r in rows)}")
 EOF
       ;;
-    *) say "unknown part $part (memory, profile, speed, fp16)" ;;
+    ranks)
+      say "ranks: multi-rank plans on one GPU (--share-gpu), losses against one rank, memory per rank"
+      run 3000 "$PY" benchmarks/ranks_session.py --work "$WORK/ranks" "${RANKS_ARGS[@]}"
+      grep -E "^(ranks|validate_gpu_memory|ranks_session)|^    rank |^  [^ ].* step " "$LOG" >"$OUT/ranks.txt" || true ;;
+    multigpu)
+      gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+      if [ "${gpus:-0}" -lt 2 ]; then
+        say "multigpu: ${gpus:-0} GPU(s): the CUDA-marked tests need two or more; skipped"
+      elif ! "$PY" -c "import pytest" 2>/dev/null; then
+        say "multigpu: pytest is not installed here; skipped"
+      else
+        say "multigpu: $gpus GPUs: the CUDA-marked tests"; run 900 "$PY" -m pytest -q -m cuda tests/test_multi_gpu.py
+      fi ;;
+    *) say "unknown part $part (memory, profile, speed, fp16, ranks, multigpu)" ;;
   esac
 done
-tar -czf "$OUT/runs.tar.gz" -C "$WORK" runs plan-*.json node.json 2>/dev/null || true
+tar -czf "$OUT/runs.tar.gz" --exclude=ranks/ck -C "$WORK" $(cd "$WORK" && ls -d runs ranks plan-*.json node.json 2>/dev/null) \
+  2>/dev/null || true  # the ranks part's checkpoints stay behind: large, and only the resume needed them
 say "done"

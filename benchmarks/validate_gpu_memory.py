@@ -1,23 +1,30 @@
-"""Replay recorded GPU runs through `flashflex show --run`: predicted against measured peak memory and step time.
+"""Replay recorded GPU runs through `flashflex show --run`: every rank's measured peak memory against its stage's
+prediction, and the step time.
 
 Every run folder under data/gpu-runs/ (and any run folder given on the command line) is predicted afresh by the
 cost model (charged by the runtime paths its runtime.json records, legacy paths for what it does not) from its
-own plan.json and cluster.json, and set beside what it measured: the allocated peak (torch.cuda.
-max_memory_allocated, largest over the run's ranks, median over its steps after the first) and the median step
-time. A run that died (a FAILED.txt beside its plan, no metrics) counts for the out-of-memory check only: the
-model must not have predicted that its plan fits. `--layers FILE` adds the predictions with that layer profile.
+own plan.json and cluster.json, and set beside what it measured: each rank's allocated peak (torch.cuda.
+max_memory_allocated; metrics.jsonl's per-stage `rank_memory_bytes`, median over the steps after the first;
+runs recorded before those per-rank figures give each rank its stage's largest) against its stage's predicted
+allocated peak (on CPU devices: the total against the resident set), and the run's median step time against
+the predicted one. A run that died (a FAILED.txt beside its plan, no metrics) counts for the out-of-memory check
+only: the model must not have predicted that its plan fits. `--layers FILE` adds the predictions with that layer
+profile. Runs made with `flashflex launch --share-gpu` (several ranks on one GPU) print their step times, which
+are no target (the ranks share the GPU's compute).
 
-Figures: per run, predicted and measured memory (GiB) and step time (ms) and their errors; then the median and
-worst absolute memory error, the median absolute step-time error, and oom-safe: "yes" when no recorded run that
-died of memory was predicted to fit. The machine is not used (no GPU is needed): wall and CPU time of the replay
-and the load average are printed beside the figures.
+Figures: per rank, predicted and measured memory (GiB) and its error; per run, step time (ms) and its error;
+then the median and worst absolute memory error over the ranks, the median absolute step-time error over the
+runs, and oom-safe: "yes" when no recorded run that died of memory was predicted to fit. The machine is not used
+(no GPU is needed): wall and CPU time of the replay and the load average are printed beside the figures.
 
-Last line, exactly: `validate_gpu_memory: N runs, memory median X%, worst Y%, time median Z%, oom-safe yes|no`
+Last line, exactly: `validate_gpu_memory: N runs, memory median X%, worst Y%, time median Z%, oom-safe yes|no`,
+N counting ranks (every rank of every run, those of runs that died included).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -34,20 +41,31 @@ RECORDS = REPO / "data" / "gpu-runs"
 
 
 @dataclass(frozen=True)
-class Replay:
-    """One recorded run against its prediction (bytes, seconds); measured None for a run that died."""
+class RankReplay:
+    """One rank of a recorded run against its stage's prediction (bytes); measured None for a run that died."""
 
-    name: str
+    rank: int
+    stage: tuple[int, int]
     predicted_bytes: float
     measured_bytes: float | None
-    predicted_step_s: float
-    measured_step_s: float | None
-    fits: bool
-    died: bool
 
     @property
     def memory_error(self) -> float | None:
         return None if self.measured_bytes is None else self.predicted_bytes / self.measured_bytes - 1
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One recorded run: its ranks, its step time (seconds) predicted and measured (None: died), whether the model
+    predicted it fits, whether it died, whether its ranks shared one GPU."""
+
+    name: str
+    ranks: tuple[RankReplay, ...]
+    predicted_step_s: float
+    measured_step_s: float | None
+    fits: bool
+    died: bool
+    shared_gpu: bool = False
 
     @property
     def time_error(self) -> float | None:
@@ -60,6 +78,14 @@ def run_folders(extra: list[Path], records: bool = True) -> list[Path]:
     found = sorted(p.parent for p in RECORDS.glob("*/*/plan.json")
                    if (p.parent / "metrics.jsonl").is_file() or (p.parent / "FAILED.txt").is_file()) if records else []
     return found + [p for p in extra if p not in found]
+
+
+def _shared_gpu(folder: Path) -> bool:
+    """Whether the run's configuration (RUN/config.json) says its ranks shared one GPU (`--share-gpu`)."""
+    try:
+        return bool(json.loads((folder / "config.json").read_text()).get("share_gpu", False))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def replay(folder: Path, layers: list[Path]) -> Replay:
@@ -75,15 +101,39 @@ def replay(folder: Path, layers: list[Path]) -> Replay:
     plan, cluster = load_plan(folder / "plan.json"), load_cluster(folder / "cluster.json")
     params = params_for_run(_cost_params(None, layers or None, plan), folder, plan, cluster)
     est = estimate(plan, cluster, params)
-    peak = max(st.memory.allocated if st.on_cuda else st.memory.total for st in est.stages)
+    predicted = {(st.pipeline, st.stage): st.memory.allocated if st.on_cuda else st.memory.total for st in est.stages}
     name = f"{folder.parent.name}/{folder.name}"
     metrics = folder / "metrics.jsonl"
+    shared = _shared_gpu(folder)
     if (folder / "FAILED.txt").is_file() and (not metrics.is_file() or not metrics.stat().st_size):
-        return Replay(name, peak, None, est.iteration_time_s, None, est.fits, died=True)
-    comparison = compare_run(plan, est, load_run(folder, plan=plan, cluster=cluster))
-    memory = [t.measured for c in comparison.stages for t in c.terms if t.name == "memory" and t.measured]
-    return Replay(name, peak, max(memory) if memory else None, est.iteration_time_s, comparison.measured_step_s,
-                  est.fits, died=False)
+        ranks = tuple(RankReplay(r.rank, (r.pipeline, r.stage), predicted[(r.pipeline, r.stage)], None)
+                      for r in plan.ranks())
+        return Replay(name, ranks, est.iteration_time_s, None, est.fits, died=True, shared_gpu=shared)
+    run = load_run(folder, plan=plan, cluster=cluster)
+    comparison = compare_run(plan, est, run)
+    out = []
+    for info in plan.ranks():
+        key = (info.pipeline, info.stage)
+        per_rank = run.rank_memory_bytes(*key)
+        measured = per_rank[info.tp_rank] if per_rank is not None else run.memory_bytes(*key)
+        out.append(RankReplay(info.rank, key, predicted[key], measured))
+    return Replay(name, tuple(out), est.iteration_time_s, comparison.measured_step_s, est.fits, died=False,
+                  shared_gpu=shared)
+
+
+def summary_line(replays: list[Replay]) -> str:
+    """The figures' line: N counts ranks; memory over the ranks that ran, time over the runs that ran."""
+    ranks = [r for replay in replays for r in replay.ranks]
+    memory = [abs(r.memory_error) for r in ranks if r.memory_error is not None]
+    times = [abs(r.time_error) for r in replays if r.time_error is not None]
+    safe = all(not r.fits for r in replays if r.died)
+    return (f"validate_gpu_memory: {len(ranks)} runs, memory median {_pct(memory, statistics.median)}, "
+            f"worst {_pct(memory, max)}, time median {_pct(times, statistics.median)}, "
+            f"oom-safe {'yes' if safe else 'no'}")
+
+
+def _pct(values: list[float], how: object) -> str:
+    return f"{100 * how(values):.1f}%" if values else "n/a"  # type: ignore[operator]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,20 +161,19 @@ def _replay_all(args: argparse.Namespace) -> int:
         print(f"{label} model:")
         for r in replays:
             if r.died:
+                peak = max(rank.predicted_bytes for rank in r.ranks)
                 verdict = "predicted NOT to fit: safe" if not r.fits else "predicted to fit: UNSAFE"
-                print(f"  {r.name:28s} died of memory; {r.predicted_bytes / 2**30:6.2f} GiB predicted, {verdict}")
+                print(f"  {r.name:28s} died of memory ({len(r.ranks)} ranks); {peak / 2**30:6.2f} GiB predicted at "
+                      f"the largest, {verdict}")
                 continue
-            print(f"  {r.name:28s} memory {r.predicted_bytes / 2**30:6.2f} GiB predicted, "
-                  f"{(r.measured_bytes or 0) / 2**30:6.2f} measured ({100 * (r.memory_error or 0):+5.1f}%); step "
-                  f"{1e3 * r.predicted_step_s:7.1f} ms predicted, {1e3 * (r.measured_step_s or 0):7.1f} measured "
-                  f"({100 * (r.time_error or 0):+5.1f}%)")
-        measured = [r for r in replays if not r.died]
-        memory = [abs(r.memory_error) for r in measured if r.memory_error is not None]
-        times = [abs(r.time_error) for r in measured if r.time_error is not None]
-        safe = all(not r.fits for r in replays if r.died)
-        line = (f"validate_gpu_memory: {len(replays)} runs, memory median {100 * statistics.median(memory):.1f}%, "
-                f"worst {100 * max(memory):.1f}%, time median {100 * statistics.median(times):.1f}%, "
-                f"oom-safe {'yes' if safe else 'no'}")
+            note = " (ranks share one GPU: no time target)" if r.shared_gpu else ""
+            print(f"  {r.name:28s} step {1e3 * r.predicted_step_s:7.1f} ms predicted, "
+                  f"{1e3 * (r.measured_step_s or 0):7.1f} measured ({100 * (r.time_error or 0):+5.1f}%){note}")
+            for rank in r.ranks:
+                print(f"    rank {rank.rank} (pipeline {rank.stage[0]}, stage {rank.stage[1]}) memory "
+                      f"{rank.predicted_bytes / 2**30:6.2f} GiB predicted, {(rank.measured_bytes or 0) / 2**30:6.2f} "
+                      f"measured ({100 * (rank.memory_error or 0):+5.1f}%)")
+        line = summary_line(replays)
         print(f"  {label}: {line.split(': ', 1)[1]}")
         summary = summary or line  # the last line reports the analytic model
     print(f"replayed in {time.perf_counter() - wall:.1f} s wall, {time.process_time() - cpu:.1f} s CPU; "

@@ -64,10 +64,12 @@ def test_torchrun_commands_match_golden_and_parse_as_torchrun() -> None:
     assert len(lines) == 2
     for i, (line, nproc) in enumerate(zip(lines, (3, 1), strict=True)):
         argv = shlex.split(line)
-        # (shlex leaves the allocator default's "${...:-...}" unexpanded; bash expands it: test_runtime_switches)
-        assert argv[:3] == ["env", "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}",
-                            f"GLOO_SOCKET_IFNAME=veth{i}"] and argv[3] == "torchrun"
-        args = get_args_parser().parse_args(argv[4:])  # torchrun's own parser accepts the line
+        # (shlex leaves the defaults' "${...:-...}" unexpanded; bash expands them: test_runtime_switches)
+        assert argv[:6] == ["env", "PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}",
+                            "TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}",
+                            "TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}",
+                            f"GLOO_SOCKET_IFNAME=veth{i}", f"NCCL_SOCKET_IFNAME==veth{i}"] and argv[6] == "torchrun"
+        args = get_args_parser().parse_args(argv[7:])  # torchrun's own parser accepts the line
         assert args.nproc_per_node == str(nproc) and args.nnodes == "2" and args.module
         assert args.rdzv_endpoint == "10.200.0.1:29511" and args.rdzv_conf == f"is_host={1 - i}"
         assert args.local_addr == f"10.200.0.{i + 1}" and args.max_restarts == 0

@@ -33,7 +33,7 @@ PAYLOADS = ["$(touch {m})", "`touch {m}`", "; touch {m}", "x' ; touch {m}; '", '
             "a b && touch {m} #", "|touch {m}", "$'\\x41'", "${{IFS}}touch${{IFS}}{m}"]
 FAKE_TORCHRUN = """#!/bin/sh
 out=$(mktemp "$ARGV_DIR/call.XXXXXX")
-printf '%s\\0' "GLOO=${GLOO_SOCKET_IFNAME-}" "$@" > "$out"
+printf '%s\\0' "GLOO=${GLOO_SOCKET_IFNAME-}" "NCCL=${NCCL_SOCKET_IFNAME-}" "$@" > "$out"
 """
 
 
@@ -92,6 +92,7 @@ def test_hostile_option_is_one_argument_and_never_runs(tmp_path: Path, fake_path
             assert f"--rdzv-id={value}" in argv
         elif option == "--ifname":
             assert argv[0] == f"GLOO={value}"
+            assert argv[1] == f"NCCL=={value}"  # "=": NCCL's exact-name form
         elif option == "--out":
             assert argv[argv.index("--config") + 1] == os.path.join(value, "config.json")
             assert load_run_config(tmp_path / value / "config.json").out == value

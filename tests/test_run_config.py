@@ -82,8 +82,9 @@ def test_save_and_load_give_the_same_config(tmp_path: Path) -> None:
 
 def test_the_saved_file_holds_every_setting_by_its_name() -> None:
     data = _data()
-    assert set(data) == {"schema", "plan", "cluster", "out", "data", "steps", "seed", "timeout_s", "checkpoint_dir",
-                         "checkpoint_every", "resume", "init_from", "runtime", "optimizer", "loss_scaling"}
+    assert set(data) == {"schema", "plan", "cluster", "out", "data", "steps", "seed", "timeout_s", "setup_timeout_s",
+                         "checkpoint_dir", "checkpoint_every", "resume", "init_from", "share_gpu", "runtime",
+                         "optimizer", "loss_scaling"}
     assert data["runtime"] == {"lean_p2p": False, "overlap_dp": True, "hierarchical_dp": True, "compile": True,
                                "chunked_loss": True, "optimizer": "fused"}
     assert data["optimizer"] == {"lr": 2e-3, "min_lr": 0.0, "warmup_steps": 0, "total_steps": 9,
@@ -135,6 +136,10 @@ IMPOSSIBLE = [
     ("seed", -1, "must be an integer in [0, 4294967295]"),
     ("timeout_s", 0, "must be positive"),
     ("timeout_s", 1e7, "must be at most"),
+    ("setup_timeout_s", 0, "must be positive"),
+    ("setup_timeout_s", 1e7, "must be at most"),
+    ("setup_timeout_s", 12.0, "must be at least timeout_s (--timeout: 12.5), got 12"),
+    ("setup_timeout_s", "600", "must be a number or null, got '600'"),
     ("checkpoint_every", -1, "must be an integer in [0, "),
     ("plan", "", "must be a path"),
     ("out", "", "must be a path"),
@@ -200,6 +205,7 @@ def test_settings_built_in_code_are_checked_too() -> None:
     ({"steps": 0}, "--steps must be an integer in [1, 1000000000], got 0"),
     ({"schedule_steps": 0}, "--schedule-steps must be an integer in [1, 1000000000], got 0"),
     ({"timeout_s": math.inf}, "--timeout must be a finite number, got inf"),
+    ({"setup_timeout_s": 30.0}, "--setup-timeout must be at least timeout_s (--timeout: 60), got 30"),
     ({"checkpoint_every": -1}, "--checkpoint-every must be an integer in [0, 1000000000], got -1"),
     ({"seed": 2**32}, "--seed must be an integer in [0, 4294967295], got 4294967296"),
     ({"runtime": {"optimizer": "adam"}}, "--optimizer must be one of auto, fused, foreach, got 'adam'"),
@@ -313,3 +319,11 @@ def test_a_launched_run_trains_with_the_saved_config(tmp_path: Path) -> None:
     assert got == pytest.approx(want, rel=REL)
     assert got[1:] != pytest.approx(other[1:], rel=100 * REL)  # the settings change the trajectory measurably
     assert os.path.exists(run / "plan.json") and os.path.exists(run / "cluster.json")
+
+
+def test_the_long_timeout_defaults_to_at_least_ten_minutes_and_never_below_the_run_timeout() -> None:
+    config = launch_config(plan="p.json", cluster="c.json", out="o")
+    assert config.setup_timeout_s is None and config.setup_seconds == 600.0
+    assert launch_config(plan="p.json", cluster="c.json", out="o", timeout_s=900.0).setup_seconds == 900.0
+    assert launch_config(plan="p.json", cluster="c.json", out="o", setup_timeout_s=75.0).setup_seconds == 75.0
+    assert from_dict(json.loads(config.to_json())).setup_seconds == 600.0  # null in the file

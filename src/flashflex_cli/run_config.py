@@ -5,7 +5,8 @@
 launch/local.py before each job (so launch/elastic.py rewrites it, with the new plan and --resume, before each
 relaunch), `--launcher torchrun / slurm` when it renders the script. A worker is started with
 `--config RUN/config.json --plan-node NODE` only (runtime/worker.py) and runs with exactly these settings:
-- the run: plan, cluster, run folder, data, steps, seed, collective timeout, checkpoints, initial weights;
+- the run: plan, cluster, run folder, data, steps, seed, collective timeouts (the steps', and the long one of
+  set-up, the first step and checkpoint saves), checkpoints, initial weights;
 - `runtime`: the runtime switches (semantics/runtime_paths.RuntimeOptions, before their per-device resolution);
 - `optimizer`: AdamW and its learning-rate schedule (OptimConfig: warm-up, cosine decay to min_lr at total_steps);
 - `loss_scaling`: the dynamic loss scaling of fp16 plans (LossScaling; bf16 and fp32 plans use none).
@@ -40,6 +41,7 @@ from .semantics.runtime_paths import RuntimeOptions
 SCHEMA = "flashflex.run/1"
 CONFIG_FILE = "config.json"  # in the run folder
 DEFAULT_STEPS = 10  # `flashflex launch --steps`
+DEFAULT_SETUP_TIMEOUT_S = 600.0  # the long collective timeout's floor (runtime/timeouts.py)
 FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 number: GradScaler keeps its scale in fp32
 MAX_GROWTH_INTERVAL = 2**31 - 1  # GradScaler counts clean steps in an int32
 
@@ -144,11 +146,15 @@ class LossScaling:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """One run's settings (module docstring). Paths as the user gave them; timeout_s: collective and rendezvous
-    timeout in seconds (survivors of a dead rank exit instead of hanging); steps: the optimizer step to stop at,
+    """One run's settings (module docstring). Paths as the user gave them; timeout_s: collective timeout of the
+    steps in seconds (survivors of a dead rank exit instead of hanging); setup_timeout_s: the long collective
+    and rendezvous timeout of set-up, compile warm-up, checkpoint load, the first step and checkpoint saves
+    (runtime/timeouts.py; None: `setup_seconds`' default, at least timeout_s); steps: the optimizer step to stop at,
     counting resumed ones (optimizer.total_steps, the schedule's length, may be longer: a run can stop early and
     resume onto the same trajectory); checkpoint_every: steps between checkpoints (0: only at the end and on a
-    stop signal); init_from: a local Hugging Face checkpoint folder of the initial weights (hf/load.py)."""
+    stop signal); init_from: a local Hugging Face checkpoint folder of the initial weights (hf/load.py);
+    share_gpu: every rank of the GPU plan drives this machine's first GPU (launch/share_gpu.py, a validation
+    mode)."""
 
     plan: str
     cluster: str
@@ -157,10 +163,12 @@ class RunConfig:
     steps: int = DEFAULT_STEPS
     seed: int = 0
     timeout_s: float = 60.0
+    setup_timeout_s: float | None = None
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
     init_from: str | None = None
+    share_gpu: bool = False
     runtime: RuntimeOptions
     optimizer: OptimConfig
     loss_scaling: LossScaling
@@ -171,8 +179,20 @@ class RunConfig:
         _checked("steps", validate_numbers.steps, self.steps)
         _checked("seed", validate_numbers.seed, self.seed)
         _checked("timeout_s", validate_numbers.timeout_s, self.timeout_s)
+        if self.setup_timeout_s is not None:
+            _checked("setup_timeout_s", validate_numbers.timeout_s, self.setup_timeout_s)
+            if self.setup_timeout_s < self.timeout_s:
+                raise FieldError("setup_timeout_s", f"must be at least timeout_s (--timeout: {self.timeout_s:g}), got "
+                                                    f"{self.setup_timeout_s:g}")
         _checked("checkpoint_every", validate_numbers.int_in_range, self.checkpoint_every, 0,
                  validate_numbers.MAX_STEPS)
+
+    @property
+    def setup_seconds(self) -> float:
+        """The long collective timeout (s): setup_timeout_s, else the larger of timeout_s and 600 s."""
+        if self.setup_timeout_s is not None:
+            return self.setup_timeout_s
+        return max(self.timeout_s, DEFAULT_SETUP_TIMEOUT_S)
 
     @property
     def path(self) -> Path:

@@ -18,6 +18,7 @@ from ..launch.elastic_options import ElasticSettings, check_elastic_plan, elasti
 from ..launch.options import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LR, checkpoint_folder, launch_config
 from ..launch.preflight import check_run_dirs, start_decision
 from ..launch.recorded_cluster import recorded_cluster_path
+from ..launch.share_gpu import check_share_gpu
 from ..run_config import RunConfig, save_run_config
 from ..semantics.run_folder import METRICS, RUNTIME_RECORD, clear_progress, latest_rows, launch_index
 from ..validate_numbers import port as port_number
@@ -165,8 +166,11 @@ def launch_command(
                                    "its metrics and checkpoints are removed first."),
     init_from: Path | None = typer.Option(None, "--init-from", help="Initial weights from a local Hugging Face "
                                           "checkpoint folder (config.json + *.safetensors) of the plan's model."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Collective timeout in seconds: survivors of a dead "
-                                  "rank exit after at most this long."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Collective timeout of the steps in seconds: survivors "
+                                  "of a dead rank exit after at most this long."),
+    setup_timeout: float | None = typer.Option(None, "--setup-timeout", help="Collective timeout in seconds of "
+                                               "set-up, compile warm-up, checkpoint load, the first step and "
+                                               "checkpoint saves (default: the larger of --timeout and 600)."),
     launcher: str = typer.Option("local", "--launcher", help="local: run every rank here, supervised; torchrun: "
                                  "print one torchrun command per host; slurm: print an sbatch script."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Check and print the per-node commands, start nothing "
@@ -174,8 +178,9 @@ def launch_command(
     hosts: str | None = typer.Option(None, "--hosts", help="Comma-separated host address per plan node "
                                      "(default: the cluster's hostnames or node names)."),
     port: int = typer.Option(29500, "--port", help="Rendezvous port on the first host."),
-    ifname: str | None = typer.Option(None, "--ifname", help="GLOO_SOCKET_IFNAME: one for all hosts or one "
-                                      "per host, comma-separated."),
+    ifname: str | None = typer.Option(None, "--ifname", help="Network interface of gloo and NCCL "
+                                      "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME): one for all hosts or one per "
+                                      "host, comma-separated."),
     torchrun: str = typer.Option("torchrun", "--torchrun", help="The torchrun executable in rendered commands."),
     template: str | None = typer.Option(None, "--template", help="A launcher template name or file (default: "
                                         "launchers/torchrun.sh.tmpl; slurm or slurm-hetjob)."),
@@ -204,6 +209,9 @@ def launch_command(
                                          "plans, off on CPU devices)."),
     no_chunked_loss: bool = typer.Option(False, "--no-chunked-loss", help="For comparison only: the whole "
                                          "logits tensor, upcast to fp32 for the loss."),
+    share_gpu: bool = typer.Option(False, "--share-gpu", help="Validation only, never for a real cluster: run "
+                                   "every rank of a GPU plan on this machine's one GPU, each rank its own NCCL "
+                                   "host talking over loopback sockets (docs/multi-gpu.md)."),
     optimizer: str = typer.Option("auto", "--optimizer", help="AdamW kernels: fused or foreach (auto: fused on "
                                   "GPUs, foreach on CPU devices)."),
 ) -> None:
@@ -230,7 +238,8 @@ def launch_command(
     every = DEFAULT_CHECKPOINT_EVERY if checkpoint_every is None else checkpoint_every
     options = launch_config(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
                             seed=seed, lr=lr, checkpoint_dir=checkpoints, checkpoint_every=every if checkpoints
-                            else 0, resume=resume, timeout_s=timeout,
+                            else 0, resume=resume, timeout_s=timeout, setup_timeout_s=setup_timeout,
+                            share_gpu=share_gpu,
                             schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None,
                             runtime={"lean_p2p": not no_lean_p2p, "overlap_dp": not no_overlap_dp,
                                      "hierarchical_dp": not no_hierarchical_dp, "compile": compile_,
@@ -240,6 +249,8 @@ def launch_command(
     _check_outputs(launcher, script, options, _script_inputs(plan_path, cluster_path, data, template), dry_run)
     plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
     check_plan_cluster(plan, cluster, str(cluster_path))
+    if share_gpu:
+        check_share_gpu(plan, cluster, launcher, elastic)
     check_elastic_plan(plan, elastic_settings)
     warnings = check_run(plan, data, steps, options.checkpoint_dir, options.checkpoint_every, resume,
                          options.optimizer.total_steps)
@@ -248,7 +259,7 @@ def launch_command(
         from ..launch.local import dry_run_text
         from ..launch.lock import run_lock
 
-        warnings += check_local_machine(plan, cluster, options.runtime).warnings
+        warnings += check_local_machine(plan, cluster, options.runtime, share_gpu=share_gpu).warnings
         check_checkpoint_space(plan, options.checkpoint_dir)
         # the run folders are locked before any worker starts, while they run and until the last one ends
         with nullcontext(None) if dry_run else run_lock(options.out, options.checkpoint_dir) as lock:

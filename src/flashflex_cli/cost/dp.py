@@ -20,7 +20,8 @@ share the node's NIC, so the volume through a NIC is the whole n x grad_reduce_b
 
 Timeline (per-layer overlap): a stage's last backward is split over its parts in proportion to their backward
 cost (head and final norm first on the last stage, then its layers from the top, the embedding last on the first
-stage), and a layer's bucket is ready on a holder when that holder has finished the layer. Buckets are taken in
+stage), and a layer's bucket is ready on a holder when that holder has finished the layer (a tied embedding's
+bucket when the holder's backward has ended: the runtime issues it after the schedule). Buckets are taken in
 the global order; each starts when every holder has it ready and has finished its previous buckets; the
 inter-node part also waits for the NICs it crosses (one shared channel per node). A stage's reduction ends with
 its last bucket; its exposed DP time is how far that end lies after its last backward ends.
@@ -180,8 +181,8 @@ class StageBackward:
             return self.end_s
         if key >= KEY_NORM:
             return self.start_s + self.head_s
-        if key == KEY_EMBED:  # the lookup end is the first stage's last gradient; a tied last stage's copy is early
-            return self.end_s if self.first else self.start_s + self.head_s
+        if key == KEY_EMBED:  # the lookup end is the first stage's last gradient; a tied last stage's copy is
+            return self.end_s  # reduced after its schedule (runtime/grad_buckets.Bucket.after_schedule)
         return min(self.end_s, layer_ready_s(self.start_s, self.head_s, self.layer_s, self.layers[1] - key))
 
 

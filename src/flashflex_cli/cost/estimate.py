@@ -14,6 +14,7 @@ from typing import Any
 from ..hardware.cluster import Cluster
 from ..model import flops as F
 from ..plan.schema import Plan
+from ..semantics.process_groups import rank_communicators
 from ..units import byte_size
 from .comm import p2p_time
 from .compute import layer_times
@@ -23,6 +24,7 @@ from .memory import (
     MemoryBreakdown,
     device_capacity,
     device_reserve,
+    group_bytes,
     is_cuda_group,
     stage_memory,
     stage_params_per_device,
@@ -155,10 +157,29 @@ def _r(value: float) -> float:
     return float(f"{value:.6g}")
 
 
+def stage_nccl_bytes(plan: Plan, cluster: Cluster, params: CostParams) -> dict[tuple[int, int], float]:
+    """The most bytes of NCCL communicators any rank of each stage holds, by (pipeline, stage): every group the
+    runtime creates for the plan that the rank belongs to (semantics/process_groups.rank_communicators), each
+    charged by its fabric (cost/memory.group_bytes)."""
+    devices = [info.device for info in plan.ranks()]
+    cost: dict[tuple[int, ...], float] = {}
+    per_rank = []
+    for groups in rank_communicators(plan):
+        for members in groups:
+            if members not in cost:
+                cost[members] = group_bytes(cluster, [devices[r] for r in members], params)
+        per_rank.append(sum(cost[members] for members in groups))
+    out: dict[tuple[int, int], float] = {}
+    for info in plan.ranks():
+        key = (info.pipeline, info.stage)
+        out[key] = max(out.get(key, 0.0), per_rank[info.rank])
+    return out
+
+
 def plan_stage_memory(plan: Plan, cluster: Cluster, params: CostParams, p: int, s: int,
-                      measured: MeasuredCosts | None, dp_shared: bool) -> MemoryBreakdown:
+                      measured: MeasuredCosts | None, dp_shared: bool, nccl_bytes: float = 0.0) -> MemoryBreakdown:
     """Peak memory per device of stage `s` of pipeline `p` (cost/memory.py), given its layer profile costs
-    `measured` (None: counted) and whether it has DP partners."""
+    `measured` (None: counted), whether it has DP partners and its ranks' NCCL communicators (`stage_nccl_bytes`)."""
     model, train = plan.inputs.model, plan.inputs.train
     pipe = plan.pipelines[p]
     stage, count, m = pipe.stages[s], len(pipe.stages), pipe.num_micro_batches
@@ -166,7 +187,7 @@ def plan_stage_memory(plan: Plan, cluster: Cluster, params: CostParams, p: int, 
     return stage_memory(model, train, stage.tp, stage.num_layers, s == 0, s == count - 1, min(count - s, m), params,
                         micro_batch_size=pipe.micro_batch_size, reserve_bytes=reserve, measured=measured,
                         num_micro=m, on_cuda=is_cuda_group(cluster, stage.devices), dp_shared=dp_shared,
-                        warmup=min(count - s - 1, m))
+                        warmup=min(count - s - 1, m), nccl_bytes=nccl_bytes)
 
 
 def plan_memory(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> dict[tuple[int, int], MemoryBreakdown]:
@@ -174,7 +195,8 @@ def plan_memory(plan: Plan, cluster: Cluster, params: CostParams | None = None) 
     `launch`'s preflight checks each rank against."""
     params = params or CostParams()
     partners = dp_partners(dp_buckets(plan, cluster, params))
-    return {(p, s): plan_stage_memory(plan, cluster, params, p, s, None, bool(partners.get((p, s))))
+    comms = stage_nccl_bytes(plan, cluster, params)
+    return {(p, s): plan_stage_memory(plan, cluster, params, p, s, None, bool(partners.get((p, s))), comms[(p, s)])
             for p, pipe in enumerate(plan.pipelines) for s in range(len(pipe.stages))}
 
 
@@ -189,6 +211,7 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
     last_backward: dict[tuple[int, int], float] = {}
     dp_plan = dp_buckets(plan, cluster, params)
     partners = dp_partners(dp_plan)
+    comms = stage_nccl_bytes(plan, cluster, params)
     backward: dict[tuple[int, int], StageBackward] = {}
     for p, pipe in enumerate(plan.pipelines):
         mbs, m, count = pipe.micro_batch_size, pipe.num_micro_batches, len(pipe.stages)
@@ -208,7 +231,8 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
         pipelines.append(PipelineEstimate(sched.total_s, sched.bubble_fraction, pipe.sequences * train.seq_len, m, mbs))
         for s, stage in enumerate(pipe.stages):
             lt = times[s]
-            mem = plan_stage_memory(plan, cluster, params, p, s, lt.measured, bool(partners.get((p, s))))
+            mem = plan_stage_memory(plan, cluster, params, p, s, lt.measured, bool(partners.get((p, s))),
+                                    comms[(p, s)])
             capacity, tightest = min((device_capacity(cluster, d, params), d) for d in stage.devices)
             headroom = capacity - mem.total
             if headroom < 0:

@@ -18,8 +18,10 @@ Sends of the pipeline's boundary tensors that no receive follows are waited for 
 buffers live until then (a copy in the compute dtype on the lean path, else a view that keeps the tensor).
 
 On top of the allocated peak: the caching allocator's slack (`memory_fragmentation` x the peak) and what lives
-outside the allocator (`memory_reserve_bytes` per GPU: CUDA context, library handles, NCCL buffers;
-`cpu_memory_reserve_bytes` for an emulated CPU device). A stage fits when that total stays within its device's
+outside the allocator (`memory_reserve_bytes` per GPU: CUDA context, library handles; plus, per NCCL
+communicator the rank holds, counted from the plan exactly as the runtime creates its groups
+(semantics/process_groups.communicators), `nccl_channel_bytes` per channel, `communicator_bytes`;
+`cpu_memory_reserve_bytes` for an emulated CPU device, whose gloo groups are not charged). A stage fits when that total stays within its device's
 memory less the planning margin (`device_capacity`).
 
 With a matching layer profile (cost/measured.py) its measured saved bytes per layer, embedding and head replace
@@ -159,7 +161,7 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
                  in_flight: int, params: CostParams, micro_batch_size: int,
                  reserve_bytes: float | None = None, measured: MeasuredCosts | None = None,
                  num_micro: int | None = None, on_cuda: bool = True, dp_shared: bool = False,
-                 warmup: int | None = None) -> MemoryBreakdown:
+                 warmup: int | None = None, nccl_bytes: float = 0.0) -> MemoryBreakdown:
     """Peak bytes per device of a stage of `num_layers` layers at TP degree `tp` (module docstring).
 
     in_flight: k, micro-batches alive at once (1F1B: min(S - s, m) on stage s of S). num_micro: m, the
@@ -168,7 +170,8 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     outside the allocator (default params.memory_reserve_bytes, the GPU figure). measured: the group's layer
     profile at this micro-batch size and TP degree, if any. on_cuda: a GPU stage (the runtime's paths and
     autocast's softmax policy differ on CPU devices). dp_shared: the stage's gradients are reduced across
-    pipelines.
+    pipelines. nccl_bytes: the NCCL communicators a device of the stage holds (cost/estimate.stage_nccl_bytes), added to the
+    reserve of a GPU stage.
     """
     paths = params.runtime.resolved(on_cuda)
     mbs = micro_batch_size
@@ -219,12 +222,46 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     fixed = measured.fixed_bytes if measured is not None and measured.fixed_bytes is not None else 0.0
     allocated = peak + fixed
     reserve = params.memory_reserve_bytes if reserve_bytes is None else reserve_bytes
+    if on_cuda:
+        reserve += nccl_bytes
     slack = params.memory_fragmentation * allocated
     copies_at = min(acts_at, in_flight * mb.copies)
     return MemoryBreakdown(weights=weights, grads=grads_at, optimizer=moments, activations=acts_at,
                            weight_copies=copies_at, transient=transient_at, dp_buffers=dp_at, fixed=fixed,
                            allocated=allocated, fragmentation=slack, reserve=reserve,
                            total=allocated + slack + reserve, phase=phase)
+
+
+def minimum_communicators(tp: int, world: int) -> int:
+    """The NCCL communicators every rank of a stage of degree `tp` holds in a plan of `world` ranks, whatever
+    the other pipelines are: the default group and the world's duplicate (world >= 2) and its TP group (tp >= 2).
+    Its DP and hierarchical groups depend on the whole plan (semantics/process_groups.communicators, which
+    `estimate` charges); the planner's per-stage search charges this much."""
+    return (2 if world > 1 else 0) + (1 if tp > 1 else 0)
+
+
+def _channels(cluster: Cluster, devices: list[str] | tuple[str, ...], params: CostParams) -> float:
+    """NCCL channels of a communicator over `devices`: NVLink's count when they all sit on one node joined by
+    NVLink or xGMI, else the other count (PCIe, or a ring through NICs, which runs few)."""
+    nodes = {cluster.split_id(d)[0].name for d in devices}
+    if len(nodes) == 1 and cluster.split_id(devices[0])[0].intra_link.kind in ("nvlink", "xgmi"):
+        return params.nccl_channels_nvlink
+    return params.nccl_channels_other
+
+
+def communicator_bytes(cluster: Cluster, device: str, params: CostParams) -> float:
+    """Bytes one NCCL communicator inside the node of GPU `device` takes there (`nccl_channel_bytes` per channel
+    of its fabric); 0 on a CPU device. The planner's per-stage charge; `group_bytes` for a known group."""
+    if view(cluster).info(device).is_cpu:
+        return 0.0
+    return _channels(cluster, [device], params) * params.nccl_channel_bytes
+
+
+def group_bytes(cluster: Cluster, devices: list[str] | tuple[str, ...], params: CostParams) -> float:
+    """Bytes the NCCL communicator over `devices` takes on each of its GPUs (0 when they are CPU devices)."""
+    if all(view(cluster).info(d).is_cpu for d in devices):
+        return 0.0
+    return _channels(cluster, devices, params) * params.nccl_channel_bytes
 
 
 def device_reserve(cluster: Cluster, device: str, params: CostParams) -> float:

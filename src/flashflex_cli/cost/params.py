@@ -115,12 +115,28 @@ class CostParams:
     optimizer_state_bytes: Adam's m and v in fp32 (8 bytes/param), as torch.optim.AdamW keeps them.
     activation_bytes_factor: multiplier on the counted saved tensors (1.0 = exactly what cost/activations.py
         counts the runtime keeps; a calibration knob).
-    memory_reserve_bytes: per GPU, memory outside PyTorch's caching allocator: CUDA context, cuBLAS/cuDNN handles
-        and NCCL communicator buffers. 1.0e9: an H100 running out of memory (the recorded llama-1b run at
-        micro-batch 8, expandable segments) reported 71.66 GiB in use by the process of which 69.91 GiB allocated
-        by PyTorch, so context, libraries and the allocator's unused reserve together held 1.75 GiB; a CUDA 12/13
-        context with lazy module loading is about 0.5 GB, NCCL's buffers grow with the communicators (assumed
-        0.5 GB). A layer profile's fixed_bytes adds what it measured allocated beside the model.
+    memory_reserve_bytes: per GPU, memory outside PyTorch's caching allocator other than NCCL's communicators:
+        the CUDA context and the cuBLAS/cuDNN handles. 0.5e9: a CUDA 12/13 context with lazy module loading is
+        about 0.5 GB; an H100 running out of memory (the recorded llama-1b run at micro-batch 8, expandable
+        segments, one rank: no communicator with a peer) reported 71.66 GiB in use by the process of which 69.91
+        GiB allocated by PyTorch, the context, libraries and the allocator's unused reserve (`memory_fragmentation`)
+        together 1.75 GiB. A layer profile's fixed_bytes adds what it measured allocated beside the model.
+    nccl_channel_bytes: per GPU, the memory one channel of one NCCL communicator of two or more ranks takes; a
+        communicator takes it once per channel (`nccl_channels_nvlink`, `nccl_channels_other`), and a rank is
+        charged once per communicator it holds (semantics/process_groups.communicators: the default group, the
+        world's duplicate, its TP group, each DP holder set and hierarchical group it belongs to; the runtime
+        creates them all eagerly). 28.9e6, from NCCL's buffer sizes: every channel keeps, per peer connection, a
+        FIFO for each protocol: NCCL_BUFFSIZE 4 MiB (Simple), 4.69 MiB (LL128: 120 elements x 640 threads x 8
+        steps x 8 bytes) and 0.5 MiB (LL: 8 lines x 512 threads x 8 steps x 16 bytes), 9.19 MiB in all, and a
+        ring and a tree connect about 3 peers per channel: 3 x 9.19 MiB.
+    nccl_channels_nvlink: channels of a communicator whose GPUs are all on one node joined by NVLink or xGMI: 24. With the figure
+        above, 24 x 28.9 MB = 0.69 GB per communicator, which a public measurement confirms: PyTorch on 4 A100s
+        over NVLink, one all-reduce per group (NVIDIA/nccl issue 964), 544 MB for a group of 2 GPUs and 688 MB
+        for a larger one; NVIDIA/nccl issue 864 sees the same growth with every further communicator.
+    nccl_channels_other: channels of a communicator over PCIe or across nodes: 4, an assumption (NCCL sizes its
+        channels by the slowest link of its rings; PCIe and NIC rings run a few), 0.12 GB per communicator.
+        Unmeasured here.
+        CPU devices (gloo) are not charged.
     cpu_memory_reserve_bytes: the same for an emulated CPU device: its peak RSS growth during training beyond
         the counted tensors (allocator and arena slack, gloo buffers). 40 MiB: measured
         here, the median over benchmarks/validate_cost_model.py's plans without DP reduction (19-62 MiB).
@@ -166,7 +182,10 @@ class CostParams:
     optimizer_state_bytes: float = 8.0
     activation_bytes_factor: float = 1.0
     eager_score_bytes: float = 0.25
-    memory_reserve_bytes: float = 1.0e9
+    memory_reserve_bytes: float = 0.5e9
+    nccl_channel_bytes: float = 28.9e6
+    nccl_channels_nvlink: float = 24.0
+    nccl_channels_other: float = 4.0
     cpu_memory_reserve_bytes: float = 40 * 2**20
     dp_buffer_factor: float = 1.0
     memory_fragmentation: float = 0.03
@@ -257,8 +276,9 @@ _LIMITS: dict[str, Limit] = {
     **dict.fromkeys(("host_op_seconds", "cpu_op_seconds", "kernel_seconds"), OP_SECONDS),
     **dict.fromkeys(("grad_reduce_bytes", "activation_transfer_bytes", "eager_score_bytes"), BYTES_PER_ELEMENT),
     **dict.fromkeys(("optimizer_bytes_per_param", "optimizer_state_bytes"), BYTES_PER_PARAMETER),
-    **dict.fromkeys(("loss_passes", "activation_bytes_factor", "dp_buffer_factor"), FACTOR),
-    **dict.fromkeys(("memory_reserve_bytes", "cpu_memory_reserve_bytes"), HELD_BYTES),
+    **dict.fromkeys(("loss_passes", "activation_bytes_factor", "dp_buffer_factor", "nccl_channels_nvlink",
+                     "nccl_channels_other"), FACTOR),
+    **dict.fromkeys(("memory_reserve_bytes", "cpu_memory_reserve_bytes", "nccl_channel_bytes"), HELD_BYTES),
 }
 # A number this module does not name yet: finite and not negative, at most a factor of 1e15 (no parameter is a
 # count or size beyond that: the largest, memory_reserve_bytes, is limited to 1 PiB).

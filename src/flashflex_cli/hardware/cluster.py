@@ -47,6 +47,8 @@ LinkBandwidth = limited(LINK_BANDWIDTH)
 Latency = limited(LATENCY_S)
 DeviceIndex = Annotated[NonNegativeInt, Field(strict=True)]
 TypeName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$")]
+GpuUuid = Annotated[str, Field(pattern=r"^([Gg][Pp][Uu]-)?[0-9A-Fa-f]{8}(-?[0-9A-Fa-f]{4}){3}-?[0-9A-Fa-f]{12}$")]
+PciBusId = Annotated[str, Field(pattern=r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(\.[0-7])?$")]
 
 
 def _host_name(text: str) -> str:
@@ -64,6 +66,10 @@ class Device(_Strict):
 
     native_dtypes: the dtypes it computes natively (tensor cores or an equivalent); absent: the catalog's for
     its type (`native`). A measured device keeps what its probe found.
+
+    uuid, pci_bus_id: the GPU's identity as `flashflex profile` read it (hardware/gpu_identity.py); the runtime
+    finds the device by them, whatever CUDA ordinal it has in the run. Absent (older files, synthetic clusters,
+    CPU devices): by its index on the node.
     """
 
     type: TypeName
@@ -74,6 +80,8 @@ class Device(_Strict):
     achieved_flops: dict[str, Flops] | None = None
     slowdown: Slowdown = 1.0  # emulated devices compute this many times slower; the runtime honours it
     native_dtypes: tuple[ComputeDtype, ...] | None = None
+    uuid: GpuUuid | None = None
+    pci_bus_id: PciBusId | None = None
 
     def native(self) -> frozenset[str]:
         """The dtypes this device computes natively: its own `native_dtypes`, else the catalog's for its type,

@@ -26,6 +26,7 @@ from ..hostnames import host_problem
 from .catalog import AMPERE_ON, FP16_TENSOR_CORES, FP32_ONLY, device_type
 from .cluster import Device, DevicePair, IntraLink, Node
 from .cpu_share import as_emulated_device
+from .gpu_identity import visible_gpus
 from .probe_gloo import FULL_GLOO, QUICK_GLOO, GlooProbe, gloo_link
 
 MIB = 1024**2
@@ -48,8 +49,9 @@ FULL_GPU = ProbeSizes(matmul_n=8192, copy_bytes=1024 * MIB, repeats=10)
 
 @dataclass(frozen=True)
 class DeviceProbe:
-    """One measured device: matmul FLOP/s in `dtype`, memory (bytes), memory bandwidth (bytes/s), and the
-    dtypes it computes natively where the probe can tell (None: the catalog's for its type)."""
+    """One measured device: matmul FLOP/s in `dtype`, memory (bytes), memory bandwidth (bytes/s), the dtypes it
+    computes natively where the probe can tell (None: the catalog's for its type), and a GPU's UUID and PCI bus
+    id where torch exposes them (hardware/gpu_identity.py; the runtime finds the device by them)."""
 
     index: int
     name: str
@@ -58,6 +60,8 @@ class DeviceProbe:
     memory_bytes: int
     memory_bandwidth: float
     native_dtypes: tuple[str, ...] | None = None
+    uuid: str | None = None
+    bus_id: str | None = None
 
 
 def native_dtypes_for_capability(major: int, minor: int) -> tuple[str, ...]:
@@ -219,6 +223,7 @@ def _probe_cuda(hostname: str, sizes: ProbeSizes, show: bool) -> NodeProbe:
     bar, task = _progress(show, 3 * count + len(pairs), f"probing {count} GPUs")
     devices: list[DeviceProbe] = []
     copies: list[CopyProbe] = []
+    identity = visible_gpus()
     with bar:
         for i in range(count):
             dev = torch.device("cuda", i)
@@ -229,7 +234,7 @@ def _probe_cuda(hostname: str, sizes: ProbeSizes, show: bool) -> NodeProbe:
             bandwidth = memory_bandwidth(dev, sizes.copy_bytes, sizes.repeats)
             bar.advance(task)
             devices.append(DeviceProbe(i, torch.cuda.get_device_name(i), "bf16", flops, memory, bandwidth,
-                                       gpu_native_dtypes(i)))
+                                       gpu_native_dtypes(i), identity[i].uuid, identity[i].bus_id))
         for a, b in pairs:
             rate = copy_bandwidth(torch.device("cuda", a), torch.device("cuda", b), sizes.copy_bytes, sizes.repeats)
             copies.append(CopyProbe(a, b, rate))
@@ -278,7 +283,7 @@ def _measured_device(probe: DeviceProbe, kind: str) -> Device:
     type_name = match or default_node_name(probe.name)
     return Device(type=type_name, memory_bytes=probe.memory_bytes, peak_flops=peak,
                   memory_bandwidth=sig(probe.memory_bandwidth), source="measured", achieved_flops=achieved,
-                  native_dtypes=probe.native_dtypes)
+                  native_dtypes=probe.native_dtypes, uuid=probe.uuid, pci_bus_id=probe.bus_id)
 
 
 def node_from_probe(probe: NodeProbe, node_name: str | None = None, nic: str = "eth") -> Node:

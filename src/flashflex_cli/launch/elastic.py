@@ -40,7 +40,7 @@ from ..plan.schema import Plan
 from ..run_config import RunConfig
 from .cluster_watch import ClusterWatch
 from .elastic_options import ElasticSettings
-from .failures import checkpoint_stamp, describe_failure
+from .failures import checkpoint_stamp, describe_local_failure
 from .local import JobOutcome, LocalJob, RankExit, interrupted, run_job
 
 EVENTS_FILE = "events.jsonl"
@@ -301,7 +301,7 @@ class ElasticRun:
     def _after_failure(self, outcome: JobOutcome) -> Replan:
         """The re-plan after a failed job, or the RuntimeFailure that ends the run."""
         plan, ckpt = self.layout.plan, self.options.checkpoint_dir
-        cause = describe_failure(plan, None, outcome.failures)
+        cause = describe_local_failure(plan, self.layout.cluster, outcome.failures, self.options.out)
         lost = lost_devices(plan, outcome.failures)
         if not lost:
             raise cause

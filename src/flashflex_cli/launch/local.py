@@ -40,16 +40,17 @@ from ..errors import RuntimeFailure
 from ..fileio import atomic_write_text
 from ..plan.schema import Plan
 from ..run_config import RunConfig, save_run_config
-from ..runtime import heartbeat
+from ..runtime import flight_recorder, heartbeat
 from .failures import (
     CheckpointStamp,
     Interrupted,
     checkpoint_note,
     checkpoint_stamp,
-    describe_failure,
+    describe_local_failure,
     stop_text,
 )
 from .options import ALLOC_CONF_DEFAULT, ALLOC_CONF_ENV, ALLOC_CONF_SHELL, WORKER_MODULE, worker_argv
+from .share_gpu import share_gpu_env
 
 FAILURE_GRACE_S = 3.0  # after a rank failed: time for the others to see their collectives break and exit
 STOP_GRACE_S = 30.0  # after a stop signal (plus --timeout): time to finish the step and save a checkpoint
@@ -114,11 +115,16 @@ class StopSignals:
         self.received.append(signal.Signals(signum))
 
 
-def worker_env(local_rank: int, world: int, port: int, job_dir: str, timeout_s: float) -> dict[str, str]:
-    """The environment of local rank `local_rank`: torchrun's variables and the launcher's (heartbeat.py), and
-    the CUDA caching allocator's expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF."""
+def worker_env(local_rank: int, world: int, port: int, job_dir: str, timeout_s: float,
+               run_dir: str | None = None, share_gpu: bool = False) -> dict[str, str]:
+    """The environment of local rank `local_rank`: torchrun's variables and the launcher's (heartbeat.py), the
+    CUDA caching allocator's expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF, NCCL's flight
+    recorder with its dumps in `run_dir`/nccl-trace/ unless the user set them (runtime/flight_recorder.py), and
+    with `share_gpu` the rank's own NCCL host (launch/share_gpu.py)."""
     rank, size = str(local_rank), str(world)
-    return {ALLOC_CONF_ENV: ALLOC_CONF_DEFAULT, **os.environ, "LOCAL_RANK": rank, "RANK": rank, "ROLE_RANK": rank, "GROUP_RANK": "0",
+    recorder = flight_recorder.worker_env(run_dir, os.environ) if run_dir else flight_recorder.fixed_env(os.environ)
+    shared = share_gpu_env(local_rank, os.environ) if share_gpu else {}
+    return {ALLOC_CONF_ENV: ALLOC_CONF_DEFAULT, **recorder, **os.environ, **shared, "LOCAL_RANK": rank, "RANK": rank, "ROLE_RANK": rank, "GROUP_RANK": "0",
             "LOCAL_WORLD_SIZE": size, "WORLD_SIZE": size, "ROLE_WORLD_SIZE": size, "GROUP_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
@@ -144,7 +150,8 @@ class LocalJob:
         for local_rank in range(world):
             if signals.received:
                 return
-            env = worker_env(local_rank, world, port, self.job_dir, self.options.timeout_s)
+            env = worker_env(local_rank, world, port, self.job_dir, self.options.timeout_s, self.options.out,
+                             self.options.share_gpu)
             try:
                 proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, pass_fds=inherit_fds)
             except OSError as exc:
@@ -304,7 +311,7 @@ def run_job(plan: Plan, options: RunConfig, poll_s: float = 0.1, inherit_fds: tu
     job = LocalJob(options, job_dir)
     try:
         with StopSignals() as signals:
-            store = _serve_store(options.timeout_s)
+            store = _serve_store(options.setup_seconds)
             job.spawn(plan.world_size, store.port, signals, inherit_fds)
             job.write_workers(plan)
             _watch(job, signals, poll_s, hook)
@@ -333,4 +340,6 @@ def launch_local(plan: Plan, options: RunConfig, poll_s: float = 0.1, inherit_fd
     if outcome.signals:
         raise interrupted(outcome, options, before)
     if outcome.failures:
-        raise describe_failure(plan, None, outcome.failures)
+        from ..hardware.cluster import load_cluster
+
+        raise describe_local_failure(plan, load_cluster(options.cluster), outcome.failures, options.out)

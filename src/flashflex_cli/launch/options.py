@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..run_config import DEFAULT_STEPS, FieldError, LossScaling, RunConfig, build_checked, default_optimizer
+from ..runtime.flight_recorder import FIXED as FLIGHT_RECORDER_FIXED
 from ..semantics.run_folder import default_checkpoint_dir, recorded_checkpoint_dir
 from ..semantics.runtime_paths import RuntimeOptions
 
@@ -25,6 +26,9 @@ ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOC_CONF_DEFAULT = "expandable_segments:True"
 # The same default in a rendered shell command: the user's value where it is set on the host that runs it.
 ALLOC_CONF_SHELL = f'{ALLOC_CONF_ENV}="${{{ALLOC_CONF_ENV}:-{ALLOC_CONF_DEFAULT}}}"'
+# NCCL's flight recorder (runtime/flight_recorder.py) in a rendered shell command, the user's values kept; the
+# worker adds the dump file's prefix in the run folder itself.
+FLIGHT_RECORDER_SHELL = " ".join(f'{names[0]}="${{{names[0]}:-{value}}}"' for names, value in FLIGHT_RECORDER_FIXED)
 
 
 def worker_argv(config: str | os.PathLike[str], node: str | None = None) -> list[str]:
@@ -58,8 +62,8 @@ def checkpoint_folder(out: str | os.PathLike[str], checkpoint_dir: str | os.Path
 # The `flashflex launch` option that sets each field (a field error of a launch names the option).
 LAUNCH_OPTIONS: dict[str, str] = {
     "plan": "PLAN", "cluster": "--cluster", "out": "--out", "data": "--data", "steps": "--steps", "seed": "--seed",
-    "timeout_s": "--timeout", "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every",
-    "init_from": "--init-from", "optimizer.lr": "--lr", "optimizer.total_steps": "--schedule-steps",
+    "timeout_s": "--timeout", "setup_timeout_s": "--setup-timeout", "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every",
+    "init_from": "--init-from", "share_gpu": "--share-gpu", "optimizer.lr": "--lr", "optimizer.total_steps": "--schedule-steps",
     "runtime.optimizer": "--optimizer", "runtime.compile": "--compile",
 }
 

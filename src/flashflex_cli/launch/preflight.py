@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CheckFailed, InputError
 from ..fileio import check_writable_dir
 from ..hardware.cluster import Cluster
+from ..hardware.gpu_identity import cuda_ordinal, visible_gpus
 from ..model.flops import total_params
 from ..plan.schema import Plan
 from ..semantics.runtime_paths import RuntimeOptions
@@ -80,13 +81,17 @@ def _available_host_bytes() -> float | None:
     return None
 
 
-def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | None = None) -> Preflight:
+def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | None = None,
+                        share_gpu: bool = False) -> Preflight:
     """This machine can run every rank of the plan: CPU-emulated plans run all nodes here; GPU plans
     need one node whose devices exist here with enough memory (the cost model's prediction of each stage, for
-    the runtime paths `runtime`)."""
+    the runtime paths `runtime`); with `share_gpu` (launch/share_gpu.py) every rank of a GPU plan, whatever its
+    nodes, on this machine's first GPU, which must hold all their predictions together."""
     import torch
 
     report = Preflight(rank_bytes=rank_memory_bytes(plan, cluster, runtime))
+    if share_gpu:
+        return _check_shared_gpu(plan, report)
     ranks = plan.ranks()
     gpu_ranks = [info for info in ranks if not is_cpu_device(cluster, info.device)]
     if gpu_ranks and len(gpu_ranks) != len(ranks):
@@ -107,12 +112,14 @@ def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | 
     if not torch.cuda.is_available():
         raise CheckFailed(f"the plan wants {len(gpu_ranks)} GPUs ({gpu_ranks[0].device}, ...) and this machine "
                           "has no CUDA device")
-    count = torch.cuda.device_count()
+    visible = visible_gpus()
     for info in gpu_ranks:
-        index = int(info.device.rpartition("/")[2])
-        if index >= count:
-            raise CheckFailed(f"plan rank {info.rank} wants device {info.device} (cuda:{index}); this machine "
-                              f"has {count} GPU(s)")
+        recorded = cluster.device(info.device)
+        try:
+            index = cuda_ordinal(info.device, recorded.uuid, recorded.pci_bus_id, int(info.device.rpartition("/")[2]),
+                                 visible)
+        except InputError as exc:
+            raise CheckFailed(f"plan rank {info.rank}: {exc}") from None
         have = torch.cuda.get_device_properties(index).total_memory
         need = report.rank_bytes[info.rank]
         if need > have:
@@ -142,6 +149,24 @@ def core_share_warning(plan: Plan, cluster: Cluster, cores: list[int] | None = N
             f"(the sum of 1/slowdown), this host gives them {len(found)}: the busiest core carries {worst:.1f}, so "
             f"expect steps up to {worst:.1f}x slower than predicted; emulate fewer devices or larger slowdowns "
             "(`flashflex profile --synthetic \"1xNxcpu:slowdown=...\"`)")
+
+
+def _check_shared_gpu(plan: Plan, report: Preflight) -> Preflight:
+    """--share-gpu: cuda:0 exists and holds every rank's predicted total (each rank a process with its own CUDA
+    context, allocator and communicators)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CheckFailed(f"--share-gpu runs the plan's {plan.world_size} ranks on this machine's GPU, and it has "
+                          "no CUDA device")
+    have = torch.cuda.get_device_properties(0).total_memory
+    need = sum(report.rank_bytes)
+    if need > have:
+        raise CheckFailed(f"--share-gpu: the plan's {plan.world_size} ranks need about {byte_size(need)} together "
+                          f"(the cost model's prediction of each), cuda:0 has {byte_size(have)}")
+    report.warnings.append(f"--share-gpu: {plan.world_size} ranks share cuda:0 ({torch.cuda.get_device_name(0)}), "
+                           "a validation mode: their step times are not the plan's")
+    return report
 
 
 def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, checkpoint_every: int,

@@ -17,7 +17,7 @@ from ..plan.schema import Plan
 from ..run_config import RunConfig
 from ..validate_numbers import port
 from .layout import NodeLayout, node_layouts
-from .options import ALLOC_CONF_SHELL, worker_argv
+from .options import ALLOC_CONF_SHELL, FLIGHT_RECORDER_SHELL, worker_argv
 from .templates import find_template, plain_text, render, shell_join, shell_word
 
 
@@ -26,8 +26,8 @@ class RenderSettings:
     """How rendered commands reach the hosts.
 
     hosts: address of each used plan node, in layout order (default: cluster hostname or node name).
-    port: rendezvous TCP port on the first host. ifnames: GLOO_SOCKET_IFNAME per host (one value for
-    all, or one per host). torchrun: the torchrun executable. run_id: rendezvous id.
+    port: rendezvous TCP port on the first host. ifnames: the network interface of gloo and NCCL
+    (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) per host (one value for all, or one per host). torchrun: the torchrun executable. run_id: rendezvous id.
     """
 
     hosts: tuple[str, ...] | None = None
@@ -50,12 +50,15 @@ class ElasticRender:
 
 
 def _env_prefix(settings: RenderSettings, index: int) -> str:
-    """`env` with the workers' variables: the allocator setting (a fixed text, expanded by the shell that runs
-    the line, so a PYTORCH_CUDA_ALLOC_CONF set there wins) and GLOO_SOCKET_IFNAME where --ifname names one."""
-    words = ["env", ALLOC_CONF_SHELL]
+    """`env` with the workers' variables: the allocator setting and NCCL's flight recorder (fixed texts, expanded
+    by the shell that runs the line, so values set there win), and where --ifname names an interface both
+    backends' socket interface: GLOO_SOCKET_IFNAME (an exact name) and NCCL_SOCKET_IFNAME (NCCL reads a bare
+    name as a prefix of interface names; a leading "=" makes it the exact name, the same interface as gloo's)."""
+    words = ["env", ALLOC_CONF_SHELL, FLIGHT_RECORDER_SHELL]
     if settings.ifnames:
         name = settings.ifnames[index] if len(settings.ifnames) > 1 else settings.ifnames[0]
         words.append(f"GLOO_SOCKET_IFNAME={shell_word(name, '--ifname')}")
+        words.append(f"NCCL_SOCKET_IFNAME={shell_word('=' + name, '--ifname')}")
     return " ".join(words) + " "
 
 

@@ -63,6 +63,16 @@ class RunRecord:
         values = [float(r["memory_bytes"]) for r in self.used_rows if "memory_bytes" in r]
         return statistics.median(values) if values else None
 
+    def rank_memory_bytes(self, pipeline: int, stage: int) -> list[float] | None:
+        """Median peak memory of each TP rank of one stage (bytes, TP order); None for runs recorded before the
+        per-rank figures (their stage's `memory_bytes` is the largest of its ranks)."""
+        rows = [s["rank_memory_bytes"] for r in self.used_rows for s in r["stages"]
+                if s.get("pipeline") == pipeline and s.get("stage") == stage and isinstance(s.get("rank_memory_bytes"),
+                                                                                         list)]
+        if not rows or len({len(row) for row in rows}) != 1:
+            return None
+        return [statistics.median(float(row[i]) for row in rows) for i in range(len(rows[0]))]
+
     def loss_scaling(self) -> tuple[int, int, float] | None:
         """fp16 runs: (steps recorded, steps skipped for inf/NaN gradients, the last step's loss scale); None for
         runs without loss scaling (bf16, fp32, and runs recorded before it existed)."""

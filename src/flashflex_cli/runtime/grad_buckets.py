@@ -30,6 +30,16 @@ class Bucket:
     slices: tuple[SliceHolders, ...]
 
     @property
+    def after_schedule(self) -> bool:
+        """True for a tied embedding's bucket (both ends of one pipeline hold it): reduced only after the whole
+        pipeline schedule, never from inside it. The first stage's copy is final only after that stage's last
+        backward, which needs the input gradient the last stage sends; a reduction the last stage issued from
+        inside its backward would be in flight ahead of that send, and on NCCL its kernel would wait on the
+        device for a peer that waits for the send: safe only while the GPU runs the two kernels side by side,
+        which NCCL does not promise. Megatron-LM reduces these gradients after the schedule for the same reason."""
+        return any(sl.tied for sl in self.slices)
+
+    @property
     def names(self) -> frozenset[str]:
         """The global parameter names whose gradients this bucket reads."""
         return frozenset(sl.name for sl in self.slices)

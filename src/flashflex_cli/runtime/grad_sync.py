@@ -13,31 +13,34 @@ Two schedules:
 - blocking (`overlap=False`): after the whole backward, one bucket per holder set, sorted by holder tuple;
 - overlapped (`overlap=True`): one bucket per (layer, holder set). A post-accumulate-grad hook counts each
   parameter's accumulations; after the last micro-batch's (the `num_micro`-th) the parameter is final, and
-  every bucket whose parameters are all final is packed at once and handed, strictly in the global order
-  (descending layer, embedding last), to one reducer thread per rank that runs the collectives while the
-  backward of the lower layers goes on. `finish()` waits for this rank's buckets and copies the sums back.
-Either way, with `hierarchical=True` a bucket whose holders span nodes is reduced by `hier_reduce`
-(inside each node, across nodes by the leaders, back inside each node); otherwise by one flat all-reduce.
+  every bucket whose parameters are all final is packed at once and its collectives are issued, strictly in
+  the global order (descending layer, embedding last), with `async_op=True` from the hook itself, while the
+  backward of the lower layers goes on. A tied embedding's buckets (and so those after them in the order) are
+  issued only after the whole pipeline schedule (`Bucket.after_schedule`). `finish()` issues what is left,
+  waits for this rank's handles and copies the sums back.
+Either way, with `hierarchical=True` a bucket whose holders span nodes is reduced by `hier_reduce` (inside each
+node, across nodes by the leaders, back inside each node: a chain of three dependent collectives); otherwise by
+one flat all-reduce. `collective_chain.ChainQueue` issues them: on NCCL every step at once, a later step
+chained to the one before it through a side stream; on gloo a later step when the hooks find the one before it
+complete. Why no helper thread: on NCCL a blocking collective blocks no thread; its `wait()` makes the calling
+thread's current CUDA stream wait, and a helper thread's current stream is the default stream the backward and
+the pipeline's transfers run on, so every bucket would hold up all later compute (the overlap lost, and with a
+tied embedding a wait on the device in a cycle). Issuing from the training thread and waiting the handles at
+`finish()` is what Megatron-LM and torch DDP do.
 
 The gradient norm counts every finest slice once (on its `owner` rank) and is summed over the world group.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from ..semantics.parameters import ParamInfo
+from .collective_chain import Chain, ChainQueue
 from .grad_buckets import Bucket, holder_set_buckets, overlap_buckets, rank_buckets
 from .groups import PlanGroups, SliceHolders
-from .hier_reduce import hier_all_reduce
+from .hier_reduce import hier_chain
 
 
 def _local_view(grad: torch.Tensor, info: ParamInfo, sl: SliceHolders, tp: int, tp_rank: int) -> torch.Tensor:
@@ -46,38 +49,6 @@ def _local_view(grad: torch.Tensor, info: ParamInfo, sl: SliceHolders, tp: int, 
         return grad
     start, _ = info.bounds(tp, tp_rank)
     return grad.narrow(sl.dim, sl.start - start, sl.stop - sl.start)
-
-
-class _Reducer:
-    """One daemon thread that runs the submitted calls one after another, in submission order. A daemon, so a
-    collective stuck on a failed peer cannot hold the process at exit (a ThreadPoolExecutor's would)."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = \
-            queue.SimpleQueue()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
-        """Queue `fn(*args)`; its result (or exception) arrives in the returned future."""
-        future: Future[Any] = Future()
-        self._jobs.put((future, fn, args))
-        return future
-
-    def close(self) -> None:
-        """Let the thread end after the calls already queued."""
-        self._jobs.put(None)
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            future, fn, args = job
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                    future.set_exception(exc)
-            # drop this job's references before waiting for the next: its arguments hold the bucket's flat
-            # gradient copy, which would otherwise live on through the whole next step
-            del job, future, fn, args
 
 
 class GradSync:
@@ -94,15 +65,16 @@ class GradSync:
         self._names = [b.names for b in self.layer_buckets]  # parameters each layer bucket waits for
         self.owned = [sl for sl in mine if sl.owner == groups.rank]
         self.post_log: list[tuple[int, tuple[int, ...]]] = []  # (key, holders) in posting order, last step
-        self.busy_s = 0.0  # seconds the reducer spent in collectives during the last step (CPU: wall time)
-        self.across_s = 0.0  # of which in hierarchical reductions' cross-node step (leaders only)
-        self.posted_in_backward = 0  # buckets of the last step handed over from hooks, before the schedule ended
+        self.busy_s = 0.0  # CPU: seconds some DP collective of the last step was in flight (wall time)
+        self.across_s = 0.0  # of which a hierarchical reduction's cross-node step was (leaders only)
+        self.posted_in_backward = 0  # buckets of the last step issued from hooks, before the schedule ended
         self._armed = False
         self._counts: dict[str, int] = {}
         self._final: set[str] = set()
         self._next = 0
-        self._posted: list[tuple[Bucket, list[torch.Tensor], torch.Tensor, Future[float]]] = []
-        self._pool: _Reducer | None = None
+        self._device = next(iter(params.values()))[1].device if params else torch.device("cpu")
+        self._queue = ChainQueue(self._device)
+        self._posted: list[tuple[list[torch.Tensor], torch.Tensor]] = []  # views and flat sums to copy back
         if overlap and self.layer_buckets:
             watched = set().union(*self._names)
             for name in sorted(watched):
@@ -132,44 +104,60 @@ class GradSync:
             view.copy_(flat[offset:offset + view.numel()].view_as(view))
             offset += view.numel()
 
-    def _all_reduce(self, flat: torch.Tensor, members: tuple[int, ...]) -> float:
-        """Sum `flat` over the holders `members` (blocking): hierarchically where enabled and they span nodes.
-        Returns the seconds it took (wall clock; on CUDA only the time to enqueue)."""
-        start = time.perf_counter()
+    def _chain(self, flat: torch.Tensor, members: tuple[int, ...]) -> Chain:
+        """The collectives that sum `flat` over the holders `members`: hierarchical where enabled and they span
+        nodes, else one all-reduce."""
         split = self.groups.node_splits.get(members) if self.hierarchical else None
         if split is not None:
-            self.across_s += hier_all_reduce(flat, split, self.groups.rank, self.groups.node_groups)
-        else:
-            dist.all_reduce(flat, group=self.groups.dp_groups[members])
-        return time.perf_counter() - start
+            return hier_chain(flat, split, self.groups.rank, self.groups.node_groups)
+        group = self.groups.dp_groups[members]
+        return Chain([lambda: dist.all_reduce(flat, group=group, async_op=True)])
+
+    def _post(self, bucket: Bucket) -> None:
+        """Pack `bucket` and issue its collectives after those posted before it."""
+        with torch.no_grad():
+            views, flat = self._pack(bucket)
+        self.post_log.append((bucket.key, bucket.ranks))
+        self._posted.append((views, flat))
+        self._queue.post(self._chain(flat, bucket.ranks))
+
+    def _complete(self) -> None:
+        """Wait for every posted bucket, copy the sums back, read the timings (CPU)."""
+        self._queue.drain()
+        posted, self._posted = self._posted, []
+        for views, flat in posted:
+            self._unpack(views, flat)
+        self.busy_s, self.across_s = self._queue.seconds()
 
     def _fill_missing(self) -> None:
         for _, param in self.params.values():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
 
-    def reduce(self) -> None:
-        """Blocking: sum every shared slice over the pipelines holding it (collective over the DP groups)."""
-        self._fill_missing()
-        self.busy_s = self.across_s = 0.0
+    def _begin(self) -> None:
+        if self._queue.busy or self._posted:
+            raise RuntimeError("GradSync: a new step before finish() of the previous one")
         self.post_log = []
+        self.busy_s = self.across_s = 0.0
+        self._queue.reset_timing()
+
+    def reduce(self) -> None:
+        """Blocking: after the backward, sum every shared slice over the pipelines holding it, one bucket per
+        holder set (collective over the DP groups)."""
+        self._begin()
+        self._fill_missing()
         for bucket in self.buckets:
-            views, flat = self._pack(bucket)
-            self.post_log.append((bucket.key, bucket.ranks))
-            self.busy_s += self._all_reduce(flat, bucket.ranks)
-            self._unpack(views, flat)
+            self._post(bucket)
+        self._complete()
 
     # --- overlapped schedule -------------------------------------------------------------------------------
 
     def start_step(self) -> None:
         """Arm the hooks for one step (call before the schedule, with the gradients zeroed or None)."""
-        if self._posted:
-            raise RuntimeError("GradSync.start_step before finish() of the previous step")
+        self._begin()
         self._counts = {}
         self._final = set()
         self._next = 0
-        self.post_log = []
-        self.busy_s = self.across_s = 0.0
         self.posted_in_backward = 0
         self._armed = self.overlap
 
@@ -181,19 +169,18 @@ class GradSync:
         self._counts[name] = count
         if count >= self.num_micro:
             self._final.add(name)
-            self._post_ready()
+            self._post_ready(in_schedule=True)
+        self._queue.advance()  # gloo: issue the next step of a chain whose step before it is complete
 
-    def _post_ready(self) -> None:
-        """Hand every bucket, in order from the next unposted one, whose parameters are all final."""
+    def _post_ready(self, in_schedule: bool) -> None:
+        """Post every bucket, in order from the next unposted one, whose parameters are all final; inside the
+        schedule, stop at a tied embedding's bucket (`Bucket.after_schedule`)."""
         while self._next < len(self.layer_buckets) and self._names[self._next] <= self._final:
             bucket = self.layer_buckets[self._next]
+            if in_schedule and bucket.after_schedule:
+                return
             self._next += 1
-            with torch.no_grad():
-                views, flat = self._pack(bucket)
-            if self._pool is None:
-                self._pool = _Reducer(f"ff-dp-r{self.groups.rank}")
-            self.post_log.append((bucket.key, bucket.ranks))
-            self._posted.append((bucket, views, flat, self._pool.submit(self._all_reduce, flat, bucket.ranks)))
+            self._post(bucket)
 
     def finish(self) -> None:
         """After the schedule: post what is left (parameters that got no gradient count as zeros), wait for this
@@ -202,20 +189,16 @@ class GradSync:
             self.reduce()
             return
         self.posted_in_backward = self._next
+        self._armed = False
         self._fill_missing()
         self._final = set(self.params)
-        self._post_ready()
-        self._armed = False
-        posted, self._posted = self._posted, []
-        for _, views, flat, future in posted:
-            self.busy_s += future.result()
-            self._unpack(views, flat)
+        self._post_ready(in_schedule=False)
+        self._complete()
 
     def close(self) -> None:
-        """Stop the reducer thread (idle between steps; a daemon, so it never holds the process at exit)."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        """Drop what a failed step left in flight (nothing runs between steps; no thread to stop)."""
+        self._queue = ChainQueue(self._device)
+        self._posted = []
 
     # --- norm and clipping ---------------------------------------------------------------------------------
 

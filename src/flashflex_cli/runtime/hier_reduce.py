@@ -13,91 +13,40 @@ Holmes, arXiv 2312.03549, designs for, and the emulated hosts of this project) b
 2 (m - 1) / m x S bytes through each node's NIC, against 2 (N - 1) / N x S per ring hop for the flat ring over
 all N = sum k_i holders, in 2 (m - 1) instead of 2 (N - 1) latency-bound steps.
 
-`node_splits` is pure (plan -> splits); the groups it names are created by `groups.build_groups`.
+Each rank issues its steps as a chain of asynchronous collectives (`hier_chain`, runtime/collective_chain.py),
+so the training thread never blocks on the reduction before the end of the step's schedule.
+
+The node splits are pure (semantics/process_groups.py: plan -> splits); the groups they name are created by
+`groups.build_groups`.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from ..plan.schema import Plan
+from ..semantics.process_groups import NodeSplit, hierarchical_groups, node_of, node_split, node_splits
+from .collective_chain import Chain, Step
+
+__all__ = ["NodeSplit", "hier_chain", "hierarchical_groups", "node_of", "node_split", "node_splits"]
 
 
-def node_of(device: str) -> str:
-    """The node of a device name "node/index" (the whole name when it has no "/")."""
-    return device.split("/", 1)[0]
-
-
-@dataclass(frozen=True)
-class NodeSplit:
-    """The holders of one bucket (`members`, sorted) grouped by node: `parts[i]` the sorted holders on one node,
-    parts ordered by their lowest rank (the node's leader)."""
-
-    members: tuple[int, ...]
-    parts: tuple[tuple[int, ...], ...]
-
-    @property
-    def leaders(self) -> tuple[int, ...]:
-        """One rank per node: the lowest holder on it."""
-        return tuple(part[0] for part in self.parts)
-
-    @property
-    def hierarchical(self) -> bool:
-        """True when the holders span two or more nodes and some node has two or more of them (otherwise the
-        hierarchy is the flat all-reduce)."""
-        return len(self.parts) > 1 and any(len(part) > 1 for part in self.parts)
-
-    def groups_needed(self) -> list[tuple[int, ...]]:
-        """The process groups this schedule uses: every part with two or more ranks, then the leaders."""
-        if not self.hierarchical:
-            return []
-        return [part for part in self.parts if len(part) > 1] + [self.leaders]
-
-
-def node_split(plan: Plan, members: tuple[int, ...]) -> NodeSplit:
-    """Group the ranks `members` of `plan` by the node of their device."""
-    ranks = plan.ranks()
-    by_node: dict[str, list[int]] = {}
-    for r in sorted(members):
-        by_node.setdefault(node_of(ranks[r].device), []).append(r)
-    parts = sorted((tuple(v) for v in by_node.values()), key=lambda part: part[0])
-    return NodeSplit(tuple(sorted(members)), tuple(parts))
-
-
-def node_splits(plan: Plan, holder_sets: Iterable[tuple[int, ...]]) -> dict[tuple[int, ...], NodeSplit]:
-    """The NodeSplit of every holder set that spans nodes hierarchically (others are left out: flat)."""
-    out: dict[tuple[int, ...], NodeSplit] = {}
-    for members in holder_sets:
-        split = node_split(plan, members)
-        if split.hierarchical:
-            out[split.members] = split
-    return out
-
-
-def hierarchical_groups(splits: Iterable[NodeSplit]) -> list[tuple[int, ...]]:
-    """Every distinct rank tuple the splits need a process group for, sorted (the creation order)."""
-    return sorted({g for split in splits for g in split.groups_needed()})
-
-
-def hier_all_reduce(flat: torch.Tensor, split: NodeSplit, rank: int,
-                    groups: dict[tuple[int, ...], dist.ProcessGroup]) -> float:
-    """Sum `flat` (any shape, this rank's contribution; the sum on return) over `split.members` by the
-    three-step schedule above (blocking; collective over this rank's node part and, for leaders, the leaders).
-    Returns the wall seconds of step 2 on this rank (0 unless it is a leader; on CUDA the time to enqueue)."""
+def hier_chain(flat: torch.Tensor, split: NodeSplit, rank: int,
+               groups: dict[tuple[int, ...], dist.ProcessGroup]) -> Chain:
+    """This rank's part of summing `flat` (any shape; this rank's contribution, the sum once the chain is done)
+    over `split.members` by the three-step schedule above, as a chain of asynchronous collectives
+    (runtime/collective_chain.py): a reduce inside the node, for the node's leader the all-reduce across the
+    leaders (the chain's timed step), then the broadcast inside the node. Each step reads what the one before it
+    wrote, so the chain issues it only once that is there."""
     part = next(p for p in split.parts if rank in p)
     leader = part[0]
-    across = 0.0
+    steps: list[Step] = []
+    timed: frozenset[int] = frozenset()
     if len(part) > 1:
-        dist.reduce(flat, dst=leader, group=groups[part])
+        steps.append(lambda: dist.reduce(flat, dst=leader, group=groups[part], async_op=True))
     if rank == leader:
-        start = time.perf_counter()
-        dist.all_reduce(flat, group=groups[split.leaders])
-        across = time.perf_counter() - start
+        timed = frozenset({len(steps)})
+        steps.append(lambda: dist.all_reduce(flat, group=groups[split.leaders], async_op=True))
     if len(part) > 1:
-        dist.broadcast(flat, src=leader, group=groups[part])
-    return across
+        steps.append(lambda: dist.broadcast(flat, src=leader, group=groups[part], async_op=True))
+    return Chain(steps, timed)

@@ -7,8 +7,8 @@ wrote it), loss, tokens_per_s, mfu, step_time_s, lr, grad_norm, tokens, memory_b
 CPU), and `stages`: per pipeline stage (from its TP rank 0) the
 forward_s, backward_s, comm_s (pipeline p2p + gradient sync), optimizer_s and, on CPU, tp_comm_s (the
 tensor-parallel all-reduces, included in forward_s and backward_s) of that step; comm_s split into p2p_s and
-dp_s, pipeline_s (the whole 1F1B schedule: compute, transfers and waits) and memory_bytes (largest over the
-stage's TP ranks). fp16 runs add `loss_scale` (the scale the step's loss was multiplied by) and `skipped`
+dp_s, pipeline_s (the whole 1F1B schedule: compute, transfers and waits), memory_bytes (largest over the
+stage's TP ranks) and rank_memory_bytes (each TP rank's, in TP order). fp16 runs add `loss_scale` (the scale the step's loss was multiplied by) and `skipped`
 (true when inf/NaN gradients made every rank skip the update; the scale then backed off: runtime/loss_scale.py).
 
 `RUN_DIR/timeline.jsonl` (`write_timeline`): the compute ops of the last step, one JSON object per stage:
@@ -112,6 +112,7 @@ def stage_times(plan_ranks: list[Any], per_rank: list[dict[str, float]],
         mine = [r.rank for r in plan_ranks if (r.pipeline, r.stage) == (info.pipeline, info.stage)]
         if memory is not None:
             out[-1]["memory_bytes"] = max(int(memory[r]) for r in mine)
+            out[-1]["rank_memory_bytes"] = [int(memory[r]) for r in mine]
         if growth is not None:
             out[-1]["memory_growth_bytes"] = max(int(growth[r]) for r in mine)
         if "tp_comm" in timings:  # measured on CPU only; part of forward_s and backward_s

@@ -119,6 +119,14 @@ class PipelineRunner:
         # time on the host, so it alone keeps the synchronize.
         self._sync_ops = device.type == "cuda" and self.slowdown.factor > 1.0
 
+    def _wait(self, work: dist.Work) -> None:
+        """Wait for a send or receive: on gloo within the groups' current timeout (`PlanGroups.p2p_wait`), on NCCL
+        as its group says (a timeout given to an NCCL wait would block the host)."""
+        if self.groups.p2p_wait is not None and self.device.type == "cpu":
+            work.wait(self.groups.p2p_wait)
+        else:
+            work.wait()
+
     def _sends(self, direction: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """Where this rank's "act" (forward, downstream) or "grad" (backward, upstream) send goes: (full-path
         destinations, the whole adjacent stage for the lean path, tag)."""
@@ -179,7 +187,7 @@ class PipelineRunner:
             works = dist.batch_isend_irecv(ops)
             if recv_dir is not None:
                 for work in works:
-                    work.wait()
+                    self._wait(work)
             else:
                 times.pending += [(work, keep[0]) for work in works]
         if mine is not None and recv_plan is not None:
@@ -287,7 +295,7 @@ class PipelineRunner:
                         acts[nxt[1]] = got
         start = timer.mark()
         for work, _ in times.pending:
-            work.wait()
+            self._wait(work)
         times.pending.clear()
         times.spans.append(("P", -1, start, timer.mark()))
         if own:

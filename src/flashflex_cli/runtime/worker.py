@@ -19,7 +19,10 @@ and leaves its one-line error for the launcher's report (runtime/heartbeat.py).
 Fault injection for tests: FLASHFLEX_FAULT_INJECT="rank=R,step=K" kills plan rank R with SIGKILL at the
 start of step K; FLASHFLEX_OOM_INJECT="rank=R,phase=P,step=K" raises an out-of-memory there (runtime/oom.py);
 FLASHFLEX_OVERFLOW_INJECT="rank=R,step=K" makes plan rank R's gradient inf at step K of an fp16 plan
-(runtime/loss_scale.py: every rank skips that step).
+(runtime/loss_scale.py: every rank skips that step); FLASHFLEX_DELAY_INJECT="rank=R,seconds=S[,step=K]" makes
+plan rank R sleep S seconds in its set-up (without step) or at the start of step K (`injected_delay`).
+Collective timeouts (runtime/timeouts.py): the long one (RunConfig.setup_seconds) from joining the process group
+to the end of the first step and around every checkpoint save, `--timeout` for the other steps.
 An out-of-memory is one line (runtime/oom.py: rank, device, stage, phase, bytes, the plan's prediction, what
 to change) and exit code 1. On GPUs NCCL sets up its communicators at process-group init (`device_id`), so
 its buffers are taken before the model's tensors.
@@ -34,14 +37,15 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
 from ..hardware.cpu_share import pin_emulated_device, usable_cores
-from . import heartbeat, oom
+from . import flight_recorder, heartbeat, oom
 
 if TYPE_CHECKING:
-    from ..hardware.cluster import Cluster
+    from ..hardware.cluster import Cluster, Device
     from ..run_config import RunConfig
 
 PEER_LOST = 3
@@ -64,6 +68,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="the run configuration, RUN/config.json (run_config.py)")
     parser.add_argument("--plan-node", dest="node", help="plan node run by this host (default: all)")
     return parser.parse_args(argv)
+
+
+DELAY_ENV = "FLASHFLEX_DELAY_INJECT"
+
+
+def injected_delay(env: Mapping[str, str], rank: int, step: int | None) -> float:
+    """Seconds FLASHFLEX_DELAY_INJECT asks plan rank `rank` to sleep at the start of step `step` (None: in its
+    set-up, before the stage is built): "rank=R,seconds=S[,step=K]", several joined by ";"."""
+    from .injection_spec import parse_injection
+
+    total = 0.0
+    for text in filter(None, (part.strip() for part in env.get(DELAY_ENV, "").split(";"))):
+        fields = parse_injection(DELAY_ENV, text, ("rank", "seconds", "step"), ("rank", "seconds"))
+        if fields["rank"] == rank and fields.get("step") == step:
+            total += float(fields["seconds"])
+    return total
+
+
+def _delay(rank: int, step: int | None) -> None:
+    seconds = injected_delay(os.environ, rank, step)
+    if seconds > 0:
+        where = "in set-up" if step is None else f"at step {step}"
+        print(f"flashflex: delay injection: rank {rank} waits {seconds:g} s {where}", file=sys.stderr, flush=True)
+        time.sleep(seconds)
 
 
 def _fault(rank: int, step: int) -> None:
@@ -137,6 +165,15 @@ def claim_host_share(on_cpu: bool, device_index: int) -> None:
         torch.set_num_threads(gpu_rank_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
+def local_cuda_ordinal(device_id: str, recorded: Device) -> int:
+    """The visible CUDA ordinal of plan device `device_id` (hardware/gpu_identity.py: by the UUID or PCI bus id
+    the cluster file records, else by its index on the node). InputError naming the device when it is not here."""
+    from ..hardware.gpu_identity import cuda_ordinal, visible_gpus
+
+    return cuda_ordinal(device_id, recorded.uuid, recorded.pci_bus_id, int(device_id.rpartition("/")[2]),
+                        visible_gpus())
+
+
 def _init_process_group(rank: int, world: int, backend: str, timeout_s: float,  # type: ignore[no-untyped-def]
                         device_id=None):
     """Join the job's process group as plan rank `rank` over the store torchrun's agent provides; with
@@ -187,6 +224,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
         stage_times,
         write_timeline,
     )
+    from .timeouts import PhasedTimeouts
 
     started = time.monotonic()
     plan, cluster = load_plan(config.plan), load_cluster(config.cluster)
@@ -212,21 +250,30 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     os.environ["FLASHFLEX_RANK_LABEL"] = f"rank {rank} (node {me.device.rpartition('/')[0]}, device {me.device})"
     device_info = cluster.device(me.device)
     on_cpu = device_info.type.lower() in ("cpu", "host")
-    device = torch.device("cpu") if on_cpu else torch.device("cuda", int(me.device.rpartition("/")[2]))
+    if on_cpu:
+        device = torch.device("cpu")
+    elif config.share_gpu:  # every rank on the first GPU, NCCL told they are separate hosts (launch/share_gpu.py)
+        if torch.cuda.device_count() < 1:
+            raise ValueError(f"plan rank {rank}: --share-gpu, and this host has no CUDA device")
+        device = torch.device("cuda", 0)
+    else:
+        device = torch.device("cuda", local_cuda_ordinal(me.device, device_info))
     if not on_cpu:
-        count = torch.cuda.device_count()
-        if device.index >= count:
-            raise ValueError(f"plan rank {rank} wants {me.device} (cuda:{device.index}), this host has {count} GPU(s)")
         torch.cuda.set_device(device)
     phases = phases or oom.PhaseTracker()
     phases.attach(oom.stage_place(plan, rank), device, oom.injection_from_env(os.environ))
     claim_host_share(on_cpu, host_device_index(cluster, me.device, node))
+    if not on_cpu:  # the watchdog's dump on a timeout, in RUN/nccl-trace/ (before the process group exists)
+        flight_recorder.prepare(config.out)
     phases.enter("nccl")
-    _init_process_group(rank, world, "gloo" if on_cpu else "nccl", config.timeout_s, None if on_cpu else device)
+    # the long timeout until the first step is done (runtime/timeouts.py), the run's own after it
+    _init_process_group(rank, world, "gloo" if on_cpu else "nccl", config.setup_seconds, None if on_cpu else device)
 
     stop = StopRequest()
-    groups = build_groups(plan, rank, timeout=timedelta(seconds=config.timeout_s))
+    groups = build_groups(plan, rank, timeout=timedelta(seconds=config.setup_seconds))
+    timeouts = PhasedTimeouts(groups, config.setup_seconds, config.timeout_s, on_cpu)
     phases.enter("setup")
+    _delay(rank, None)
     initial = None
     if config.init_from:
         from ..hf.load import SlicedLoader
@@ -275,6 +322,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     held_before = held_memory_bytes(device.type)
     for step in range(start, config.steps):
         _fault(rank, step)
+        _delay(rank, step)
         phases.begin_step(step)
         t0 = time.perf_counter()
         # first/last stages read only their pipeline's rows, middle stages no tokens (zeros of the same shape)
@@ -300,7 +348,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
         due = done == config.steps or (config.checkpoint_every > 0 and done % config.checkpoint_every == 0)
         if config.checkpoint_dir and (due or stopping):
             phases.enter("checkpoint")
-            with ckpt.one_line_save_errors(config.checkpoint_dir):
+            with ckpt.one_line_save_errors(config.checkpoint_dir), timeouts.long():  # all wait while some write
                 path = ckpt.save(config.checkpoint_dir, done, engine.state_for_checkpoint(), shards, manifest)
             found = path
             if rank == 0:
@@ -309,6 +357,8 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
             if rank == 0:
                 print(f"flashflex: {stop.signal_name}: stopped after step {done}", file=sys.stderr, flush=True)
             break
+        if step == start:
+            timeouts.settle()  # the first step is done: survivors of a lost peer now wait --timeout at most
     if log is not None:
         if timeline:
             write_timeline(config.out, timeline)

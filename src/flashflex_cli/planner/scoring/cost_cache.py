@@ -19,7 +19,15 @@ from typing import TypeVar
 from ...cost.comm import p2p_time
 from ...cost.compute import LayerTimes, layer_times
 from ...cost.dp import gradient_bytes
-from ...cost.memory import MemoryBreakdown, device_capacity, device_reserve, is_cuda_group, stage_memory
+from ...cost.memory import (
+    MemoryBreakdown,
+    communicator_bytes,
+    device_capacity,
+    device_reserve,
+    is_cuda_group,
+    minimum_communicators,
+    stage_memory,
+)
 from ...cost.params import CostParams
 from ...model.flops import embedding_params, head_params, layer_params
 from ...model.spec import ModelSpec
@@ -51,6 +59,8 @@ class CostCache:
         self._group_cap: dict[Devs, float] = {}
         self._memos: dict[type, object] = {}
         self._cap: list[float] | None = None
+        # a TP group's communicator, charged by the fabric that costs most (one memory curve for every device)
+        self._tp_communicator_bytes = max(communicator_bytes(graph.cluster, d, params) for d in graph.ids)
         self._cap_rows: dict[tuple[int, float], list[int | None]] = {}
         # what the DP all-reduce moves for each part's gradients (bytes)
         self.layer_grad_bytes = float(gradient_bytes(layer_params(model), params))
@@ -121,17 +131,18 @@ class CostCache:
         if self._cap is None:
             cluster = self.graph.cluster
             # stage_memory counts the GPU reserve; a device with another reserve (an emulated CPU) gets the
-            # difference added to its capacity, so one memory curve serves every device.
+            # difference added to its capacity, so one memory curve serves every device. The NCCL communicators
+            # every rank holds (the default group and the world's duplicate) come off each device's capacity.
             base = self.params.memory_reserve_bytes
+            shared = minimum_communicators(1, self.graph.size)
             self._cap = [float(device_capacity(cluster, d, self.params)) - device_reserve(cluster, d, self.params)
-                         + base for d in self.graph.ids]
+                         - shared * communicator_bytes(cluster, d, self.params) + base for d in self.graph.ids]
         hit = min(self._cap[i] for i in devs)
         self._group_cap[devs] = hit
         return hit
 
     def _memory(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> float:
-        return float(stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params,
-                                  self.micro_batch, on_cuda=self.on_cuda).total)
+        return float(self.stage_bytes_breakdown(tp, layers, first, last, in_flight).total)
 
     def max_layers(self, tp: int, first: bool, last: bool, in_flight: int, capacity: float) -> int:
         """Most layers (0..L) a stage of degree `tp` can hold within `capacity` bytes per device."""
@@ -172,9 +183,11 @@ class CostCache:
         return found
 
     def stage_bytes_breakdown(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> MemoryBreakdown:
-        """The cost model's MemoryBreakdown of a stage (bytes per device)."""
+        """The cost model's MemoryBreakdown of a stage (bytes per device), charged the NCCL communicators every
+        such stage holds (`minimum_communicators`; `estimate` charges a finished plan's exact count)."""
+        extra = minimum_communicators(tp, self.graph.size) - minimum_communicators(1, self.graph.size)  # TP's
         return stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params,
-                            self.micro_batch, on_cuda=self.on_cuda)
+                            self.micro_batch, on_cuda=self.on_cuda, nccl_bytes=extra * self._tp_communicator_bytes)
 
     def stage_bytes(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> float:
         """Bytes per device of a stage (the cost model's figure)."""

@@ -1,0 +1,230 @@
+"""Which ranks of a plan form which process groups: pure functions of the plan's layout, torch-free.
+
+The runtime creates exactly these groups (runtime/groups.py `build_groups`, in `group_members`' order) and the
+cost model charges each GPU rank one NCCL communicator per group it belongs to (cost/memory.py), so both read
+the one list here. The plan is taken as it is (duck-typed: `pipelines[p].stages[s]` with `tp`, `layers` and
+`devices`, `inputs.model` a ModelSpec), since this part may not import the plan format.
+
+Data parallelism across unlike pipelines: for every global parameter, each pipeline's stage holding it splits
+it into `tp` slices along its shard dimension. Taking every slice boundary of every holding stage partitions the
+full tensor into the finest common slices; each such slice is summed over exactly the ranks holding it, one
+contribution per holding stage (`SliceHolders.contributors`). Tied embeddings: in a pipeline of two or more
+stages, the first stage (lookup) and the last stage (output projection) both hold "embed".
+
+Hierarchical reduction (runtime/hier_reduce.py): the holders of a slice grouped by node (the part of the device
+name before "/"); where they span two or more nodes and some node has two or more of them, each node's part and
+the nodes' leaders (lowest rank per node) get a group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .parameters import ParamInfo, model_params, shard_bounds
+
+
+class StageLike(Protocol):
+    """What this module reads of a plan's stage."""
+
+    @property
+    def tp(self) -> int: ...
+
+    @property
+    def layers(self) -> tuple[int, int]: ...
+
+    @property
+    def devices(self) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class SliceHolders:
+    """The finest common slice [start, stop) along `dim` of global parameter `name` (dim None: whole tensor),
+    the ranks that hold it (sorted), one contributing rank per holding stage, and the rank that counts it once
+    in the gradient norm (`owner`). `stages`: how many stages hold it (one per pipeline; two in a pipeline
+    whose first and last stages both hold a tied embedding). `tied`: the first and the last stage of some
+    pipeline both hold it (a tied embedding)."""
+
+    name: str
+    dim: int | None
+    start: int
+    stop: int
+    ranks: tuple[int, ...]
+    contributors: tuple[int, ...]
+    stages: int
+    tied: bool = False
+
+    @property
+    def owner(self) -> int:
+        """The lowest holding rank."""
+        return self.ranks[0]
+
+    @property
+    def needs_reduce(self) -> bool:
+        """True when two or more stages hold this slice (pipelines, or the two ends of a tied embedding)."""
+        return self.stages > 1
+
+
+def _stages_of(plan: Any, pipeline: int, info: ParamInfo) -> list[int]:
+    """The stages of `pipeline` holding `info`: one, or the first and the last for a tied embedding."""
+    stages: Sequence[StageLike] = plan.pipelines[pipeline].stages
+    last = len(stages) - 1
+    if info.name == "embed":
+        return [0, last] if plan.inputs.model.tie_embeddings and last > 0 else [0]
+    if info.name in ("norm", "head"):
+        return [last]
+    layer = int(info.name.split(".")[1])
+    return [next(s for s, st in enumerate(stages) if st.layers[0] <= layer < st.layers[1])]
+
+
+def stage_ranks(plan: Any) -> list[list[list[int]]]:
+    """ranks[p][s] = the global ranks of stage s of pipeline p (TP order)."""
+    out: list[list[list[int]]] = []
+    rank = 0
+    for pipe in plan.pipelines:
+        out.append([])
+        for stage in pipe.stages:
+            out[-1].append(list(range(rank, rank + stage.tp)))
+            rank += stage.tp
+    return out
+
+
+def rank_devices(plan: Any) -> list[str]:
+    """The device of every rank, in rank order (pipelines, stages, TP ranks)."""
+    return [device for pipe in plan.pipelines for stage in pipe.stages for device in stage.devices]
+
+
+def slice_holders(plan: Any) -> list[SliceHolders]:
+    """Every finest common slice of every parameter with its holders, in a fixed global order."""
+    ranks = stage_ranks(plan)
+    out: list[SliceHolders] = []
+    for info in model_params(plan.inputs.model):
+        holding: list[tuple[StageLike, list[int]]] = []
+        tied = False
+        for p in range(len(plan.pipelines)):
+            stages = _stages_of(plan, p, info)
+            tied = tied or len(stages) > 1
+            for s in stages:
+                holding.append((plan.pipelines[p].stages[s], ranks[p][s]))
+        if info.shard_dim is None:
+            members = tuple(sorted(r for _, rs in holding for r in rs))
+            contributors = tuple(rs[0] for _, rs in holding)
+            out.append(SliceHolders(info.name, None, 0, info.shape[0], members, contributors, len(holding), tied))
+            continue
+        n = info.shape[info.shard_dim]
+        cuts = sorted({b for st, _ in holding for t in range(st.tp) for b in shard_bounds(n, st.tp, t)})
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            owners = []
+            for st, rs in holding:
+                t = next(t for t in range(st.tp) if shard_bounds(n, st.tp, t)[0] <= a < shard_bounds(n, st.tp, t)[1])
+                owners.append(rs[t])
+            out.append(SliceHolders(info.name, info.shard_dim, a, b, tuple(sorted(owners)), tuple(owners),
+                                    len(holding), tied))
+    return out
+
+
+def holder_sets(slices: Iterable[SliceHolders]) -> list[tuple[int, ...]]:
+    """The distinct holder sets of the slices that need a reduction, sorted (one DP group each)."""
+    return sorted({sl.ranks for sl in slices if sl.needs_reduce})
+
+
+# ---- hierarchical reduction: holders grouped by node -----------------------------------------------------------
+
+def node_of(device: str) -> str:
+    """The node of a device name "node/index" (the whole name when it has no "/")."""
+    return device.split("/", 1)[0]
+
+
+@dataclass(frozen=True)
+class NodeSplit:
+    """The holders of one bucket (`members`, sorted) grouped by node: `parts[i]` the sorted holders on one node,
+    parts ordered by their lowest rank (the node's leader)."""
+
+    members: tuple[int, ...]
+    parts: tuple[tuple[int, ...], ...]
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        """One rank per node: the lowest holder on it."""
+        return tuple(part[0] for part in self.parts)
+
+    @property
+    def hierarchical(self) -> bool:
+        """True when the holders span two or more nodes and some node has two or more of them (otherwise the
+        hierarchy is the flat all-reduce)."""
+        return len(self.parts) > 1 and any(len(part) > 1 for part in self.parts)
+
+    def groups_needed(self) -> list[tuple[int, ...]]:
+        """The process groups this schedule uses: every part with two or more ranks, then the leaders."""
+        if not self.hierarchical:
+            return []
+        return [part for part in self.parts if len(part) > 1] + [self.leaders]
+
+
+def node_split(plan: Any, members: tuple[int, ...]) -> NodeSplit:
+    """Group the ranks `members` of `plan` by the node of their device."""
+    devices = rank_devices(plan)
+    by_node: dict[str, list[int]] = {}
+    for r in sorted(members):
+        by_node.setdefault(node_of(devices[r]), []).append(r)
+    parts = sorted((tuple(v) for v in by_node.values()), key=lambda part: part[0])
+    return NodeSplit(tuple(sorted(members)), tuple(parts))
+
+
+def node_splits(plan: Any, holder_sets: Iterable[tuple[int, ...]]) -> dict[tuple[int, ...], NodeSplit]:
+    """The NodeSplit of every holder set that spans nodes hierarchically (others are left out: flat)."""
+    out: dict[tuple[int, ...], NodeSplit] = {}
+    for members in holder_sets:
+        split = node_split(plan, members)
+        if split.hierarchical:
+            out[split.members] = split
+    return out
+
+
+def hierarchical_groups(splits: Iterable[NodeSplit]) -> list[tuple[int, ...]]:
+    """Every distinct rank tuple the splits need a process group for, sorted (the creation order)."""
+    return sorted({g for split in splits for g in split.groups_needed()})
+
+
+# ---- every group, and the communicators of a rank ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One process group the runtime creates: its members (sorted ranks) and its role ("tp", "dp", "world",
+    "hierarchical")."""
+
+    members: tuple[int, ...]
+    role: str
+
+
+def group_members(plan: Any) -> list[GroupSpec]:
+    """Every group `build_groups` creates beyond the default one, in creation order: one TP group per stage of
+    two or more devices (pipelines, then stages); one DP group per holder set; the world; the hierarchical
+    reduction's groups (intra-node parts and leaders, created whatever the runtime options)."""
+    out = [GroupSpec(tuple(members), "tp") for pipe in stage_ranks(plan) for members in pipe if len(members) > 1]
+    sets = holder_sets(slice_holders(plan))
+    out += [GroupSpec(members, "dp") for members in sets]
+    world = sum(stage.tp for pipe in plan.pipelines for stage in pipe.stages)
+    out.append(GroupSpec(tuple(range(world)), "world"))
+    out += [GroupSpec(members, "hierarchical") for members in hierarchical_groups(node_splits(plan, sets).values())]
+    return out
+
+
+def rank_communicators(plan: Any) -> list[list[tuple[int, ...]]]:
+    """Per rank, the members of every NCCL communicator it holds: the default group (every rank) and every group
+    of `group_members` it belongs to, counting only groups of two or more ranks (a one-rank communicator connects
+    to no peer)."""
+    world = sum(stage.tp for pipe in plan.pipelines for stage in pipe.stages)
+    everyone = tuple(range(world))
+    out: list[list[tuple[int, ...]]] = [[everyone] if world > 1 else [] for _ in range(world)]
+    for spec in group_members(plan):
+        if len(spec.members) > 1:
+            for rank in spec.members:
+                out[rank].append(spec.members)
+    return out
+
+
+def communicators(plan: Any) -> list[int]:
+    """Per rank, how many NCCL communicators it holds (`rank_communicators`)."""
+    return [len(groups) for groups in rank_communicators(plan)]

@@ -83,7 +83,7 @@ def test_save_and_load_give_the_same_config(tmp_path: Path) -> None:
 def test_the_saved_file_holds_every_setting_by_its_name() -> None:
     data = _data()
     assert set(data) == {"schema", "plan", "cluster", "out", "data", "steps", "seed", "timeout_s", "setup_timeout_s",
-                         "checkpoint_dir", "checkpoint_every", "resume", "init_from", "share_gpu", "runtime",
+                         "checkpoint_dir", "checkpoint_every", "resume", "init_from", "share_gpu", "gpus", "runtime",
                          "optimizer", "loss_scaling"}
     assert data["runtime"] == {"lean_p2p": False, "overlap_dp": True, "hierarchical_dp": True, "compile": True,
                                "chunked_loss": True, "optimizer": "fused"}

@@ -154,7 +154,7 @@ class RunConfig:
     resume onto the same trajectory); checkpoint_every: steps between checkpoints (0: only at the end and on a
     stop signal); init_from: a local Hugging Face checkpoint folder of the initial weights (hf/load.py);
     share_gpu: every rank of the GPU plan drives this machine's first GPU (launch/share_gpu.py, a validation
-    mode)."""
+    mode); gpus: the host's GPUs a local launch runs on, comma-separated ("2,3": launch/gpu_subset.py)."""
 
     plan: str
     cluster: str
@@ -169,6 +169,7 @@ class RunConfig:
     resume: bool = False
     init_from: str | None = None
     share_gpu: bool = False
+    gpus: str | None = None
     runtime: RuntimeOptions
     optimizer: OptimConfig
     loss_scaling: LossScaling
@@ -186,6 +187,13 @@ class RunConfig:
                                                     f"{self.setup_timeout_s:g}")
         _checked("checkpoint_every", validate_numbers.int_in_range, self.checkpoint_every, 0,
                  validate_numbers.MAX_STEPS)
+        if self.gpus is not None:
+            _checked("gpus", validate_numbers.gpu_list, self.gpus)
+
+    @property
+    def gpu_indices(self) -> tuple[int, ...] | None:
+        """`gpus` as indices (None: every GPU of the host)."""
+        return None if self.gpus is None else validate_numbers.gpu_list(self.gpus)
 
     @property
     def setup_seconds(self) -> float:

@@ -67,6 +67,19 @@ def int_text_in_range(text: str, what: str, low: int, high: int) -> int:
     return int_in_range(int(digits), what, low, high)
 
 
+def gpu_list(text: str, what: str = "--gpus") -> tuple[int, ...]:
+    """A comma-separated list of distinct CUDA device indices as this host numbers them ("2,3")."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isdigit() for part in parts):
+        raise InputError(f"{what} must be comma-separated GPU indices like 0,2, got {text!r}")
+    values = tuple(int(part) for part in parts)
+    if len(set(values)) != len(values):
+        raise InputError(f"{what} names a GPU twice: {text!r}")
+    if max(values) >= MAX_DEVICES_PER_NODE:
+        raise InputError(f"{what} {max(values)} is not a GPU index below {MAX_DEVICES_PER_NODE}")
+    return values
+
+
 def seed(value: int, what: str = "--seed") -> int:
     """A random seed: 0 .. 2**32 - 1."""
     return int_in_range(value, what, 0, MAX_SEED)

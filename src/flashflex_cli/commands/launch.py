@@ -15,6 +15,7 @@ from rich.console import Console
 from ..errors import InputError
 from ..fileio import atomic_write_text, check_writable_dir, check_writable_output, refuse_same_path
 from ..launch.elastic_options import ElasticSettings, check_elastic_plan, elastic_options
+from ..launch.gpu_subset import check_gpus
 from ..launch.options import DEFAULT_CHECKPOINT_EVERY, DEFAULT_LR, checkpoint_folder, launch_config
 from ..launch.preflight import check_run_dirs, start_decision
 from ..launch.recorded_cluster import recorded_cluster_path
@@ -209,6 +210,8 @@ def launch_command(
                                          "plans, off on CPU devices)."),
     no_chunked_loss: bool = typer.Option(False, "--no-chunked-loss", help="For comparison only: the whole "
                                          "logits tensor, upcast to fp32 for the loss."),
+    gpus: str | None = typer.Option(None, "--gpus", metavar="LIST", help="This host's GPUs the plan's node runs "
+                                    "on, e.g. 2,3 (CUDA_VISIBLE_DEVICES of the workers; local launcher)."),
     share_gpu: bool = typer.Option(False, "--share-gpu", help="Validation only, never for a real cluster: run "
                                    "every rank of a GPU plan on this machine's one GPU, each rank its own NCCL "
                                    "host talking over loopback sockets (docs/multi-gpu.md)."),
@@ -239,7 +242,7 @@ def launch_command(
     options = launch_config(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
                             seed=seed, lr=lr, checkpoint_dir=checkpoints, checkpoint_every=every if checkpoints
                             else 0, resume=resume, timeout_s=timeout, setup_timeout_s=setup_timeout,
-                            share_gpu=share_gpu,
+                            share_gpu=share_gpu, gpus=gpus,
                             schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None,
                             runtime={"lean_p2p": not no_lean_p2p, "overlap_dp": not no_overlap_dp,
                                      "hierarchical_dp": not no_hierarchical_dp, "compile": compile_,
@@ -251,6 +254,8 @@ def launch_command(
     check_plan_cluster(plan, cluster, str(cluster_path))
     if share_gpu:
         check_share_gpu(plan, cluster, launcher, elastic)
+    if options.gpu_indices is not None:
+        check_gpus(plan, cluster, options.gpu_indices, launcher, share_gpu)
     check_elastic_plan(plan, elastic_settings)
     warnings = check_run(plan, data, steps, options.checkpoint_dir, options.checkpoint_every, resume,
                          options.optimizer.total_steps)
@@ -259,7 +264,8 @@ def launch_command(
         from ..launch.local import dry_run_text
         from ..launch.lock import run_lock
 
-        warnings += check_local_machine(plan, cluster, options.runtime, share_gpu=share_gpu).warnings
+        warnings += check_local_machine(plan, cluster, options.runtime, share_gpu=share_gpu,
+                                        gpus=options.gpu_indices).warnings
         check_checkpoint_space(plan, options.checkpoint_dir)
         # the run folders are locked before any worker starts, while they run and until the last one ends
         with nullcontext(None) if dry_run else run_lock(options.out, options.checkpoint_dir) as lock:

@@ -49,6 +49,7 @@ from .failures import (
     describe_local_failure,
     stop_text,
 )
+from .gpu_subset import gpus_env
 from .options import ALLOC_CONF_DEFAULT, ALLOC_CONF_ENV, ALLOC_CONF_SHELL, WORKER_MODULE, worker_argv
 from .share_gpu import share_gpu_env
 
@@ -67,8 +68,10 @@ def local_command(plan: Plan, options: RunConfig) -> list[str]:
 
 
 def dry_run_text(plan: Plan, options: RunConfig) -> str:
-    """Shell text of the single-host command, with the allocator setting the launcher gives its workers."""
-    return f"env {ALLOC_CONF_SHELL} {shlex.join(local_command(plan, options))}"
+    """Shell text of the single-host command, with the allocator setting (and --gpus' CUDA_VISIBLE_DEVICES) the
+    launcher gives its workers."""
+    visible = "".join(f" {k}={shlex.quote(v)}" for k, v in gpus_env(options.gpu_indices).items())
+    return f"env {ALLOC_CONF_SHELL}{visible} {shlex.join(local_command(plan, options))}"
 
 
 @dataclass
@@ -116,14 +119,16 @@ class StopSignals:
 
 
 def worker_env(local_rank: int, world: int, port: int, job_dir: str, timeout_s: float,
-               run_dir: str | None = None, share_gpu: bool = False) -> dict[str, str]:
+               run_dir: str | None = None, share_gpu: bool = False,
+               gpus: tuple[int, ...] | None = None) -> dict[str, str]:
     """The environment of local rank `local_rank`: torchrun's variables and the launcher's (heartbeat.py), the
     CUDA caching allocator's expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF, NCCL's flight
     recorder with its dumps in `run_dir`/nccl-trace/ unless the user set them (runtime/flight_recorder.py), and
-    with `share_gpu` the rank's own NCCL host (launch/share_gpu.py)."""
+    with `share_gpu` the rank's own NCCL host (launch/share_gpu.py), with `gpus` only those GPUs visible
+    (launch/gpu_subset.py)."""
     rank, size = str(local_rank), str(world)
     recorder = flight_recorder.worker_env(run_dir, os.environ) if run_dir else flight_recorder.fixed_env(os.environ)
-    shared = share_gpu_env(local_rank, os.environ) if share_gpu else {}
+    shared = {**(share_gpu_env(local_rank, os.environ) if share_gpu else {}), **gpus_env(gpus)}
     return {ALLOC_CONF_ENV: ALLOC_CONF_DEFAULT, **recorder, **os.environ, **shared, "LOCAL_RANK": rank, "RANK": rank, "ROLE_RANK": rank, "GROUP_RANK": "0",
             "LOCAL_WORLD_SIZE": size, "WORLD_SIZE": size, "ROLE_WORLD_SIZE": size, "GROUP_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -151,7 +156,7 @@ class LocalJob:
             if signals.received:
                 return
             env = worker_env(local_rank, world, port, self.job_dir, self.options.timeout_s, self.options.out,
-                             self.options.share_gpu)
+                             self.options.share_gpu, self.options.gpu_indices)
             try:
                 proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, pass_fds=inherit_fds)
             except OSError as exc:

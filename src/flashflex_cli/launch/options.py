@@ -63,7 +63,7 @@ def checkpoint_folder(out: str | os.PathLike[str], checkpoint_dir: str | os.Path
 LAUNCH_OPTIONS: dict[str, str] = {
     "plan": "PLAN", "cluster": "--cluster", "out": "--out", "data": "--data", "steps": "--steps", "seed": "--seed",
     "timeout_s": "--timeout", "setup_timeout_s": "--setup-timeout", "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every",
-    "init_from": "--init-from", "share_gpu": "--share-gpu", "optimizer.lr": "--lr", "optimizer.total_steps": "--schedule-steps",
+    "init_from": "--init-from", "share_gpu": "--share-gpu", "gpus": "--gpus", "optimizer.lr": "--lr", "optimizer.total_steps": "--schedule-steps",
     "runtime.optimizer": "--optimizer", "runtime.compile": "--compile",
 }
 

@@ -21,6 +21,7 @@ from ..model.flops import total_params
 from ..plan.schema import Plan
 from ..semantics.runtime_paths import RuntimeOptions
 from ..units import byte_size
+from .gpu_subset import listed_gpus
 from .layout import node_layouts
 
 if TYPE_CHECKING:
@@ -82,11 +83,12 @@ def _available_host_bytes() -> float | None:
 
 
 def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | None = None,
-                        share_gpu: bool = False) -> Preflight:
+                        share_gpu: bool = False, gpus: tuple[int, ...] | None = None) -> Preflight:
     """This machine can run every rank of the plan: CPU-emulated plans run all nodes here; GPU plans
     need one node whose devices exist here with enough memory (the cost model's prediction of each stage, for
     the runtime paths `runtime`); with `share_gpu` (launch/share_gpu.py) every rank of a GPU plan, whatever its
-    nodes, on this machine's first GPU, which must hold all their predictions together."""
+    nodes, on this machine's first GPU, which must hold all their predictions together; with `gpus`
+    (launch/gpu_subset.py) the node's devices among those GPUs, as the workers will see them."""
     import torch
 
     report = Preflight(rank_bytes=rank_memory_bytes(plan, cluster, runtime))
@@ -113,6 +115,12 @@ def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | 
         raise CheckFailed(f"the plan wants {len(gpu_ranks)} GPUs ({gpu_ranks[0].device}, ...) and this machine "
                           "has no CUDA device")
     visible = visible_gpus()
+    physical = [gpu.ordinal for gpu in visible]  # a worker's ordinal -> this process's (they differ with --gpus)
+    if gpus:
+        try:
+            visible, physical = listed_gpus(visible, gpus), list(gpus)
+        except InputError as exc:
+            raise CheckFailed(str(exc)) from None
     for info in gpu_ranks:
         recorded = cluster.device(info.device)
         try:
@@ -120,13 +128,13 @@ def check_local_machine(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | 
                                  visible)
         except InputError as exc:
             raise CheckFailed(f"plan rank {info.rank}: {exc}") from None
-        have = torch.cuda.get_device_properties(index).total_memory
+        have = torch.cuda.get_device_properties(physical[index]).total_memory
         need = report.rank_bytes[info.rank]
         if need > have:
             raise CheckFailed(f"plan rank {info.rank} on cuda:{index} needs about {byte_size(need)}, the GPU "
                               f"has {byte_size(have)}")
         wanted = cluster.device(info.device).type
-        actual = torch.cuda.get_device_name(index)
+        actual = torch.cuda.get_device_name(physical[index])
         if wanted.split("-")[0].lower() not in actual.lower():
             report.warnings.append(f"{info.device} is a {wanted} in the cluster file, cuda:{index} is a {actual}")
     return report

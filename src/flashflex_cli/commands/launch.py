@@ -149,7 +149,8 @@ def launch_command(
                                              "for (default: the file the plan records, sha256 checked)."),
     steps: int = typer.Option(10, "--steps", help="Optimizer steps to train (in total, counting resumed ones)."),
     data: str = typer.Option("synthetic", "--data", help="A token file from `flashflex data prepare`, or synthetic."),
-    out: Path = typer.Option(Path("runs/run"), "--out", help="Run folder: metrics.jsonl goes here."),
+    out: Path = typer.Option(Path("runs/run"), "--out", help="Run folder: its configuration, metrics and checkpoints "
+                               "(RUN/checkpoints); launched again, it continues or refuses, never starts over."),
     schedule_steps: int | None = typer.Option(None, "--schedule-steps", help="Length of the learning-rate "
                                               "schedule (default: --steps); keep it fixed across stops and resumes."),
     seed: int = typer.Option(0, "--seed", help="Seed of the initial weights and of the data order."),

@@ -39,7 +39,6 @@ import dataclasses
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -249,7 +248,7 @@ def launch(net: Any, plan: Path, cluster: Path, out: Path, steps: int, flags: li
         raise BenchError(f"flashflex launch rendered {len(lines)} command lines for {len(net.hosts)} hosts")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with usage() as figures:
-        run_all([([*net.prefix_cmd(i), *shlex.split(line)], env) for i, line in enumerate(lines)], RUN_TIMEOUT_S)
+        run_all([([*net.prefix_cmd(i), "bash", "-c", line], env) for i, line in enumerate(lines)], RUN_TIMEOUT_S)
     return figures
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -210,7 +209,7 @@ def launch_hosts(net: Any, plan: Path, cluster: Path, out: Path, steps: int, run
                     "--torchrun", str(BIN / "torchrun"), "--overwrite", "--no-checkpoint"])
     lines = [x for x in rendered.stdout.splitlines() if x.strip() and not x.startswith("#")]
     with usage() as figures:
-        run_all([([*net.prefix_cmd(i), *shlex.split(line)], None) for i, line in enumerate(lines)], 900)
+        run_all([([*net.prefix_cmd(i), "bash", "-c", line], None) for i, line in enumerate(lines)], 900)
     return figures
 
 

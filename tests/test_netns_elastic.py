@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -65,7 +64,7 @@ def test_killing_one_host_the_job_continues_on_the_other(net: NetnsHosts, tmp_pa
     procs = []
     for i, line in enumerate(lines):
         with open(logs[i], "w") as handle:
-            procs.append(subprocess.Popen([*net.prefix_cmd(i), *shlex.split(line)], stdout=handle,
+            procs.append(subprocess.Popen([*net.prefix_cmd(i), "bash", "-c", line], stdout=handle,
                                           stderr=subprocess.STDOUT, start_new_session=True,
                                           env={**os.environ, "OMP_NUM_THREADS": "1"}))
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -41,7 +40,7 @@ def _run_hosts(net: NetnsHosts, out: Path, run_id: str, env: dict[str, str] | No
     assert rendered.returncode == 0, rendered.stderr
     lines = [x for x in rendered.stdout.splitlines() if x.strip() and not x.startswith("#")]
     assert len(lines) == 2 and "--nproc-per-node=3" in lines[0] and "--nproc-per-node=1" in lines[1]
-    procs = [subprocess.Popen([*net.prefix_cmd(i), *shlex.split(line)], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([*net.prefix_cmd(i), "bash", "-c", line], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
              for i, line in enumerate(lines)]

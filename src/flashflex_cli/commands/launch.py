@@ -270,10 +270,11 @@ def launch_command(
         check_checkpoint_space(plan, options.checkpoint_dir)
         # the run folders are locked before any worker starts, while they run and until the last one ends
         with nullcontext(None) if dry_run else run_lock(options.out, options.checkpoint_dir) as lock:
+            # continue, start again or refuse (one line, no warnings before it), now that no other launch can write
+            # into the folders
+            decision = start_decision(plan, options, overwrite)
             for line in warnings:
                 console.print(f"[yellow]warning:[/] {line}")
-            # continue, start again or refuse, now that no other launch can write into the folders
-            decision = start_decision(plan, options, overwrite)
             if dry_run or lock is None:
                 if decision.line:
                     console.print(f"would start: {decision.line}", markup=False)

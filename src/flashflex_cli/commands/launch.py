@@ -21,7 +21,14 @@ from ..launch.preflight import check_run_dirs, start_decision
 from ..launch.recorded_cluster import recorded_cluster_path
 from ..launch.share_gpu import check_share_gpu
 from ..run_config import RunConfig, save_run_config
-from ..semantics.run_folder import METRICS, RUNTIME_RECORD, clear_progress, latest_rows, launch_index
+from ..semantics.run_folder import (
+    METRICS,
+    RUNTIME_RECORD,
+    clear_progress,
+    latest_rows,
+    launch_index,
+    metric_rows,
+)
 from ..validate_numbers import port as port_number
 
 if TYPE_CHECKING:
@@ -117,15 +124,7 @@ def local_run_summary(plan: Plan, options: RunConfig, first_launch: int,
     from ..semantics.run_folder import latest_checkpoint
 
     metrics = Path(options.out) / METRICS
-    rows = []
-    for line in metrics.read_text(encoding="utf-8").splitlines() if metrics.is_file() else ():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row.get("launch", 0) >= first_launch:
-            rows.append(row)
-    rows = latest_rows(rows)
+    rows = latest_rows([row for row in metric_rows(metrics) if row.get("launch", 0) >= first_launch])
     found = latest_checkpoint(options.checkpoint_dir) if options.checkpoint_dir else None
     compile_s = None
     try:

@@ -162,14 +162,13 @@ class MetricsLog:
     it came from (`"launch"`: 0, 1, ... in the folder) so that every launch's first, warm-up step is known."""
 
     def __init__(self, run_dir: str | os.PathLike[str], total_steps: int, flops_per_token: float,
-                 peak_flops: float, start_step: int = 0, quiet: bool = False, device_type: str = "cpu") -> None:
-        """start_step: optimizer steps done before this launch (its first row is step start_step + 1)."""
+                 peak_flops: float, quiet: bool = False, device_type: str = "cpu") -> None:
+        """quiet: write the rows without printing them; device_type: what `memory_bytes` measures there."""
         self.path = Path(run_dir) / METRICS
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.launch = launch_index(self.path)
         self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self.total_steps = total_steps
-        self.start_step = start_step
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.device_type = device_type

@@ -128,41 +128,34 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def metric_steps(out: str | os.PathLike[str]) -> list[int]:
-    """The step numbers of RUN/metrics.jsonl's rows in file order (lines that are no step row are skipped)."""
-    path = Path(out) / METRICS
+def metric_rows(rows_path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The step rows of a metrics.jsonl in file order, read leniently (an absent file is no rows; a line that is
+    no JSON object with an integer "step", such as half a line of a killed writer, is skipped)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = Path(rows_path).read_text(encoding="utf-8").splitlines()
     except OSError:
         return []
-    steps: list[int] = []
-    for line in lines:
-        try:
-            step = json.loads(line).get("step")
-        except (ValueError, AttributeError):
-            continue
-        if isinstance(step, int) and not isinstance(step, bool):
-            steps.append(step)
-    return steps
-
-
-def launch_index(rows_path: Path) -> int:
-    """The number of this launch into a run folder: one more than the highest `launch` of the rows already in
-    `rows_path` (0 for an empty or absent file; rows written before the field existed count as launch 0)."""
-    highest = -1
-    try:
-        lines = rows_path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return 0
+    rows: list[dict[str, Any]] = []
     for line in lines:
         try:
             row = json.loads(line)
         except ValueError:
             continue
-        if isinstance(row, dict) and "step" in row:
-            value = row.get("launch", 0)
-            highest = max(highest, value if isinstance(value, int) else 0)
-    return highest + 1
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
+            rows.append(row)
+    return rows
+
+
+def metric_steps(out: str | os.PathLike[str]) -> list[int]:
+    """The step numbers of RUN/metrics.jsonl's rows in file order."""
+    return [row["step"] for row in metric_rows(Path(out) / METRICS)]
+
+
+def launch_index(rows_path: str | os.PathLike[str]) -> int:
+    """The number of this launch into a run folder: one more than the highest `launch` of the rows already in
+    `rows_path` (0 for an empty or absent file; rows written before the field existed count as launch 0)."""
+    launches = [row.get("launch", 0) for row in metric_rows(rows_path)]
+    return 1 + max((value if isinstance(value, int) else 0 for value in launches), default=-1)
 
 
 def latest_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -182,7 +182,7 @@ class Bench:
         import torch
         from transformers import AutoModelForCausalLM, LlamaConfig
 
-        from flashflex_cli.model.spec import to_hf_config
+        from flashflex_cli.model.hf_config import to_hf_config
 
         config = LlamaConfig(**{k: v for k, v in to_hf_config(self.spec).items() if k != "architectures"})
         with torch.device(self.device):
@@ -221,9 +221,9 @@ class Bench:
 
     def engine(self, **switches: Any) -> tuple[Callable[[], object], float | None]:
         """flashflex's RankEngine of the one-rank plan with `switches` (RuntimeOptions fields)."""
-        from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-        from flashflex_cli.runtime.groups import build_groups
-        from flashflex_cli.runtime.options import RuntimeOptions
+        from flashflex_cli.runtime.parallel.groups import build_groups
+        from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
+        from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 
         plan = self.plan()
         engine = RankEngine(plan, 0, build_groups(plan, 0), self.device, OptimConfig(lr=1e-4, warmup_steps=1),

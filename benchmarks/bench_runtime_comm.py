@@ -51,7 +51,8 @@ sys.path.insert(0, str(REPO))  # tests/infra/netns.py, benchmarks/commands.py
 
 from benchmarks.commands import CommandFailed, run, run_all, usage  # noqa: E402
 
-from flashflex_cli.model.spec import ModelSpec, resolve_model  # noqa: E402
+from flashflex_cli.model.hf_config import resolve_model  # noqa: E402
+from flashflex_cli.model.spec import ModelSpec  # noqa: E402
 
 BIN = Path(sys.executable).parent
 FLASHFLEX = str(BIN / "flashflex")

@@ -49,7 +49,8 @@ if [ "${FLASHFLEX_SESSION_CPU:-0}" = 1 ]; then
   BIG=$WORK/small.json
   "$PY" - "$BIG" <<'EOF'
 import json, sys
-from flashflex_cli.model.spec import PRESETS, to_hf_config
+from flashflex_cli.model.spec import PRESETS
+from flashflex_cli.model.hf_config import to_hf_config
 json.dump(to_hf_config(PRESETS["llama-small"]), open(sys.argv[1], "w"))
 EOF
   ff 120 profile --synthetic 1x1xcpu --out "$WORK/node.json"

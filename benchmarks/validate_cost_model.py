@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))  # tests/infra/netns.py, benchmarks/commands.py
 from benchmarks.commands import CommandFailed, run, run_all, usage  # noqa: E402
 
 from flashflex_cli.hardware.cluster import load_cluster  # noqa: E402
-from flashflex_cli.model.spec import resolve_model  # noqa: E402
+from flashflex_cli.model.hf_config import resolve_model  # noqa: E402
 from flashflex_cli.plan.schema import Plan, save_plan  # noqa: E402
 
 BIN = Path(sys.executable).parent

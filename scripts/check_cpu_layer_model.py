@@ -39,9 +39,9 @@ from flashflex_cli.hardware.probe_local import (
 )
 from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import TrainConfig
-from flashflex_cli.runtime.attention import SDPA
-from flashflex_cli.runtime.model import StageModule
-from flashflex_cli.runtime.tensor_parallel import TPContext
+from flashflex_cli.runtime.model.attention import SDPA
+from flashflex_cli.runtime.model.stage import StageModule
+from flashflex_cli.runtime.model.tensor_parallel import TPContext
 
 SEQ = 128
 SHAPES = ("llama-tiny", "llama-small", "llama-100m")

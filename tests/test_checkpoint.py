@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from flashflex_cli.errors import InputError
-from flashflex_cli.runtime import checkpoint as ckpt
-from flashflex_cli.runtime.shards import ShardSpec
+from flashflex_cli.runtime.checkpoint import dcp as ckpt
+from flashflex_cli.runtime.parallel.shards import ShardSpec
 from tests.conftest import FLASHFLEX
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -110,7 +110,7 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path: Path, world_of_on
 @pytest.mark.parametrize("plan_name", ["plan-3rank.json", "plan-4rank.json"])
 def test_owned_shards_cover_every_full_tensor_and_each_is_written_once(plan_name: str) -> None:
     from flashflex_cli.plan.schema import load_plan
-    from flashflex_cli.runtime.engine import plan_shard_specs
+    from flashflex_cli.runtime.training.engine import plan_shard_specs
 
     plan = load_plan(GOLDEN / plan_name)
     cover: dict[str, torch.Tensor] = {}

@@ -1,4 +1,4 @@
-"""The chunked loss (runtime/chunked_loss.py) against the unchunked one it replaces: logits, loss and every
+"""The chunked loss (runtime/model/chunked_loss.py) against the unchunked one it replaces: logits, loss and every
 gradient equal within fp32 / bf16 rounding, at TP 1 (one process) and TP 2 (gloo processes), fp32 and bf16
 autocast, tied and untied embeddings, several chunks with a short last one; and its memory: the head's tracked
 peak is what the module docstring says it holds, far below the unchunked head's.
@@ -24,13 +24,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.init import full_init
-from flashflex_cli.runtime.model import StageModule
-from flashflex_cli.runtime.options import RuntimeOptions
-from flashflex_cli.runtime.tensor_parallel import TPContext
-from flashflex_cli.semantics.runtime_paths import LOSS_CHUNK_BYTES, loss_chunk_tokens
+from flashflex_cli.runtime.model.init import full_init
+from flashflex_cli.runtime.model.stage import StageModule
+from flashflex_cli.runtime.model.tensor_parallel import TPContext
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
+from flashflex_cli.semantics.runtime_paths import LOSS_CHUNK_BYTES, RuntimeOptions, loss_chunk_tokens
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 from tests.test_parity import grad_atol, make_plan
 

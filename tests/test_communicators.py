@@ -17,7 +17,7 @@ from flashflex_cli.cost.memory import communicator_bytes, minimum_communicators
 from flashflex_cli.cost.params import CostParams
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.groups import build_groups
+from flashflex_cli.runtime.parallel.groups import build_groups
 from flashflex_cli.semantics.process_groups import communicators, group_members, rank_communicators
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 

@@ -1,4 +1,4 @@
-"""torch.compile in the runtime (runtime/compiled.py), on CPU: one graph shared by every layer, parameter names
+"""torch.compile in the runtime (runtime/model/compiled.py), on CPU: one graph shared by every layer, parameter names
 untouched, compilation done in the warm-up before step 0 (no step compiles anything), a failing compiler falls
 back to eager with one warning line, and an asymmetric plan with a TP change at a stage boundary, compiled with
 inductor, equals the same plan eager and one-device training.
@@ -26,13 +26,13 @@ import torch
 
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.compiled import compile_stage, is_compiled
-from flashflex_cli.runtime.engine import RankEngine
-from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.model import StageModule
-from flashflex_cli.runtime.options import RuntimeOptions
-from flashflex_cli.runtime.reference import reference_train
-from flashflex_cli.runtime.tensor_parallel import TPContext
+from flashflex_cli.runtime.model.compiled import compile_stage, is_compiled
+from flashflex_cli.runtime.model.stage import StageModule
+from flashflex_cli.runtime.model.tensor_parallel import TPContext
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.training.engine import RankEngine
+from flashflex_cli.runtime.training.reference import reference_train
+from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 from tests.test_parity import (
     OPTIM,

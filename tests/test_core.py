@@ -11,7 +11,8 @@ import pytest
 from flashflex_cli.cli import main
 from flashflex_cli.errors import InputError
 from flashflex_cli.fileio import atomic_write_text, load_model, read_json
-from flashflex_cli.model.spec import PRESETS, ModelSpec, resolve_model
+from flashflex_cli.model.hf_config import resolve_model
+from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import PLAN_SCHEMA, Plan, load_plan
 
 TINY = PRESETS["llama-tiny"].model_dump()

@@ -11,9 +11,9 @@ import torch
 
 from flashflex_cli.cost import activations as A
 from flashflex_cli.model.spec import ModelSpec
-from flashflex_cli.runtime.model import StageModule
-from flashflex_cli.runtime.precision import autocast
-from flashflex_cli.runtime.tensor_parallel import TPContext
+from flashflex_cli.runtime.model.precision import autocast
+from flashflex_cli.runtime.model.stage import StageModule
+from flashflex_cli.runtime.model.tensor_parallel import TPContext
 from tests.infra.tensor_accounting import TensorAccounting
 
 SHAPES = {  # hidden, MLP, heads, kv heads, vocab, micro-batch, sequence
@@ -109,7 +109,7 @@ def test_a_compiled_layer_keeps_what_the_cost_model_counts(dtype: str) -> None:
     """torch.compile (inductor, as on GPUs) keeps another set of tensors than eager: read off the saved-tensor
     hooks of the compiled layer's graph (the tensor accounting's dispatch mode would run it eager), new storages
     only (parameters, input and rotary tables excluded)."""
-    from flashflex_cli.runtime.compiled import compile_stage
+    from flashflex_cli.runtime.model.compiled import compile_stage
 
     spec = SHAPES["gqa"]
     b, s = 3, 50  # N differs from every width

@@ -54,7 +54,7 @@ def test_overlap_hides_more_when_lower_layers_have_more_backward() -> None:
 
 
 def test_bucket_order_is_the_runtimes() -> None:
-    """Head, final norm, layers from the top, embedding last (runtime/grad_buckets.py)."""
+    """Head, final norm, layers from the top, embedding last (runtime/parallel/grad_buckets.py)."""
     c = cluster(("A100-80G-SXM", 2, "eth", "nvlink"), ("A100-80G-SXM", 2, "eth", "nvlink"))
     pipes = [(2, [stage([f"node{n}/0"], 0, 2), stage([f"node{n}/1"], 2, 4)]) for n in range(2)]
     tiny = PRESETS["llama-tiny"]

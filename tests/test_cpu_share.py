@@ -13,14 +13,14 @@ import torch
 from flashflex_cli.hardware import probe_local
 from flashflex_cli.hardware.cpu_share import as_emulated_device, core_for_device, usable_cores
 from flashflex_cli.hardware.synthetic import build_cluster
-from flashflex_cli.runtime.worker import host_device_index
+from flashflex_cli.runtime.training.worker import host_device_index
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
 
 # What a worker rank does before any torch work, in a fresh process; prints its threads and cores.
 _WORKER_SHARE = """
 import json, os, sys, torch
-from flashflex_cli.runtime.worker import claim_host_share
+from flashflex_cli.runtime.training.worker import claim_host_share
 claim_host_share(on_cpu=True, device_index=int(sys.argv[1]))
 torch.mm(torch.ones(64, 64), torch.ones(64, 64))
 print(json.dumps({"threads": torch.get_num_threads(), "cores": sorted(os.sched_getaffinity(0))}))

@@ -14,7 +14,7 @@ from flashflex_cli.data.prepare import prepare_files
 from flashflex_cli.data.token_file import HEADER_BYTES, TokenFile, write_token_file
 from flashflex_cli.errors import InputError
 from flashflex_cli.plan.schema import load_plan
-from flashflex_cli.runtime.data import (
+from flashflex_cli.runtime.training.data import (
     SyntheticSource,
     TokenFileSource,
     open_source,

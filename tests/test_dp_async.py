@@ -1,5 +1,5 @@
-"""The overlapped DP reduction issues its collectives the way NCCL needs them (runtime/grad_sync.py,
-runtime/collective_chain.py), checked with real multi-process gloo runs:
+"""The overlapped DP reduction issues its collectives the way NCCL needs them (runtime/parallel/grad_sync.py,
+runtime/parallel/collective_chain.py), checked with real multi-process gloo runs:
 
 - every DP collective (flat buckets and each step of a hierarchical chain) is issued with `async_op=True` from
   the thread that runs the training step, never blocking from a helper thread (on NCCL a blocking call there
@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.engine import RankEngine
-from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.options import RuntimeOptions
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.training.engine import RankEngine
 from flashflex_cli.semantics.buckets import KEY_EMBED
+from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 
 from .test_grad_overlap import STEPS, TIED, UNLIKE, assert_matches_reference, assert_same_runs

@@ -24,19 +24,13 @@ import pytest
 from flashflex_cli.cli import main
 from flashflex_cli.errors import RuntimeFailure
 from flashflex_cli.hardware.cluster import load_cluster, save_cluster
-from flashflex_cli.launch.elastic import (
-    ElasticRun,
-    Layout,
-    lost_devices,
-    reduced_cluster,
-    replan_micro_batch,
-)
+from flashflex_cli.launch.elastic import ElasticRun, Layout, lost_devices, reduced_cluster, replan_micro_batch
 from flashflex_cli.launch.elastic_options import ElasticSettings
 from flashflex_cli.launch.local import JobOutcome, RankExit
 from flashflex_cli.launch.options import launch_config
 from flashflex_cli.plan.schema import Plan, load_plan
 from flashflex_cli.run_config import load_run_config
-from flashflex_cli.runtime import checkpoint as ckpt
+from flashflex_cli.runtime.checkpoint import dcp as ckpt
 from flashflex_cli.semantics.run_folder import latest_rows
 from tests.conftest import FLASHFLEX
 

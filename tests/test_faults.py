@@ -28,8 +28,8 @@ from flashflex_cli.launch.failures import checkpoint_note, checkpoint_stamp, des
 from flashflex_cli.launch.local import RankExit
 from flashflex_cli.launch.lock import run_lock
 from flashflex_cli.plan.schema import load_plan
-from flashflex_cli.runtime import checkpoint as ckpt
-from flashflex_cli.runtime.data import TokenFileSource
+from flashflex_cli.runtime.checkpoint import dcp as ckpt
+from flashflex_cli.runtime.training.data import TokenFileSource
 from flashflex_cli.semantics.run_folder import CHECKPOINT_SCHEMA
 from tests.conftest import FLASHFLEX
 

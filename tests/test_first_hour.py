@@ -21,7 +21,7 @@ from flashflex_cli.model.hf_config import config_name
 from flashflex_cli.plan.render import gain_line
 from flashflex_cli.plan.schema import load_plan
 from flashflex_cli.plan.text import layer_text
-from flashflex_cli.runtime.metrics import MetricsLog, run_summary
+from flashflex_cli.runtime.training.metrics import MetricsLog, run_summary
 from flashflex_cli.semantics.stated_error import MEDIAN_STEP_ERROR, ratio_is_suspect
 from tests.conftest import FLASHFLEX
 

@@ -1,6 +1,6 @@
 """NCCL watchdog aborts (a GPU rank's collective outlived its timeout: SIGABRT, no Python exception) are reported as
 a rank that waited for a lost peer, the rank that failed first is named, and the flight recorder's dumps go to
-the run folder (runtime/flight_recorder.py, launch/failures.py). Exit codes and records are synthetic: what the
+the run folder (semantics/flight_recorder.py, launch/failures.py). Exit codes and records are synthetic: what the
 launcher reads is the same on CPU."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from flashflex_cli.launch.failures import (
 from flashflex_cli.launch.local import RankExit, worker_env
 from flashflex_cli.launch.options import FLIGHT_RECORDER_SHELL
 from flashflex_cli.plan.schema import load_plan
-from flashflex_cli.runtime import flight_recorder
+from flashflex_cli.semantics import flight_recorder
 
 GOLDEN = Path(__file__).parent / "golden"
 PLAN = load_plan(GOLDEN / "plan-4rank.json")  # ranks 0, 1, 3 on node0; rank 2 on node1

@@ -20,12 +20,12 @@ import torch
 
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.engine import RankEngine
-from flashflex_cli.runtime.grad_buckets import overlap_buckets, rank_buckets
-from flashflex_cli.runtime.groups import build_groups, slice_holders
-from flashflex_cli.runtime.options import RuntimeOptions
-from flashflex_cli.runtime.reference import reference_train
+from flashflex_cli.runtime.parallel.grad_buckets import overlap_buckets, rank_buckets
+from flashflex_cli.runtime.parallel.groups import build_groups, slice_holders
+from flashflex_cli.runtime.training.engine import RankEngine
+from flashflex_cli.runtime.training.reference import reference_train
 from flashflex_cli.semantics.buckets import backward_key
+from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 
 from .test_parity import OPTIM, RTOL, SEED, _assert_close, grad_atol, make_batches, make_plan

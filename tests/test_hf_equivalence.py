@@ -26,13 +26,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashflex_cli.model.spec import ModelSpec, from_hf_config, to_hf_config
+from flashflex_cli.model.hf_config import from_hf_config, to_hf_config
+from flashflex_cli.model.spec import ModelSpec
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.attention import SDPA
-from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.model import StageModule
-from flashflex_cli.runtime.tensor_parallel import TPContext
+from flashflex_cli.runtime.model.attention import SDPA
+from flashflex_cli.runtime.model.stage import StageModule
+from flashflex_cli.runtime.model.tensor_parallel import TPContext
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
 from flashflex_cli.semantics.parameters import model_params
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 from tests.test_parity import _worker as parity_worker

@@ -18,14 +18,14 @@ from flashflex_cli.cost.params import CostParams
 from flashflex_cli.errors import InputError
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model import flops as F
-from flashflex_cli.model.hf_config import spec_from_hf_dict
-from flashflex_cli.model.spec import PRESETS, ModelSpec, RopeScaling, from_hf_config, to_hf_config
+from flashflex_cli.model.hf_config import from_hf_config, spec_from_hf_dict, to_hf_config
+from flashflex_cli.model.spec import PRESETS, ModelSpec, RopeScaling
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.attention import EAGER, SDPA, attention_fn, band_mask
-from flashflex_cli.runtime.engine import plan_shard_specs
-from flashflex_cli.runtime.groups import slice_holders
-from flashflex_cli.runtime.model import StageModule, llama3_inv_freq
-from flashflex_cli.runtime.tensor_parallel import TPContext
+from flashflex_cli.runtime.model.attention import EAGER, SDPA, attention_fn, band_mask
+from flashflex_cli.runtime.model.stage import StageModule, llama3_inv_freq
+from flashflex_cli.runtime.model.tensor_parallel import TPContext
+from flashflex_cli.runtime.parallel.groups import slice_holders
+from flashflex_cli.runtime.training.engine import plan_shard_specs
 from flashflex_cli.semantics.parameters import model_params, stage_params
 from tests.test_parity import make_plan
 
@@ -202,7 +202,7 @@ def test_window_limits_attention_flops_and_eager_scores() -> None:
     s, q = 64, F.q_width(base)
     assert F.model_flops_per_token(base, s) - F.model_flops_per_token(windowed, s) == 12 * 2 * (s - 16) * q
     assert F.layer_fwd_flops(windowed, 1, 8) == F.layer_fwd_flops(base, 1, 8)  # window >= s: no change
-    # eager keeps exactly the blocks runtime/attention.py computes: count them from the masks it builds
+    # eager keeps exactly the blocks runtime/model/attention.py computes: count them from the masks it builds
     for seq, w in ((64, 16), (50, 16), (16, 5), (16, 16)):
         blocks = [(a, min(seq, a + w), max(0, a - w + 1)) for a in range(0, seq, w)] if w < seq else [(0, seq, 0)]
         held = sum(band_mask(a, z, k0, z, w, torch.device("cpu")).numel() for a, z, k0 in blocks)

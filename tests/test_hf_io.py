@@ -25,10 +25,10 @@ from flashflex_cli.hf.load import SlicedLoader, check_checkpoint
 from flashflex_cli.hf.tiny import write_with_safetensors, write_with_transformers
 from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.attention import SDPA
-from flashflex_cli.runtime.hf_export import export_hf, parse_size, plan_shards, read_hf_weights
-from flashflex_cli.runtime.model import StageModule
-from flashflex_cli.runtime.tensor_parallel import TPContext
+from flashflex_cli.runtime.checkpoint.hf_export import export_hf, parse_size, plan_shards, read_hf_weights
+from flashflex_cli.runtime.model.attention import SDPA
+from flashflex_cli.runtime.model.stage import StageModule
+from flashflex_cli.runtime.model.tensor_parallel import TPContext
 from flashflex_cli.semantics.parameters import model_params
 from flashflex_cli.semantics.run_folder import CHECKPOINT_SCHEMA
 from tests.test_parity import make_plan
@@ -94,9 +94,9 @@ def test_tied_checkpoint_round_trip_in_one_process(tmp_path: Path) -> None:
     """A tied transformers checkpoint (no lm_head.weight) -> engine -> step-0 checkpoint -> export: the same
     tensors bit for bit, still without lm_head.weight, and transformers reads the same logits back."""
     pytest.importorskip("transformers")
-    from flashflex_cli.runtime import checkpoint as ckpt
-    from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-    from flashflex_cli.runtime.groups import build_groups
+    from flashflex_cli.runtime.checkpoint import dcp as ckpt
+    from flashflex_cli.runtime.parallel.groups import build_groups
+    from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
 
     write_with_transformers(tmp_path / "hf", TIED, seed=2)
     source = read_hf_weights(tmp_path / "hf")
@@ -135,9 +135,9 @@ def _rank_main(rank: int, world: int, plan_json: str, hf_dir: str, ckpt_dir: str
                errors: str) -> None:
     """One rank: engine initialised from the HF folder, a step-0 checkpoint, then one training step's loss."""
     try:
-        from flashflex_cli.runtime import checkpoint as ckpt
-        from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-        from flashflex_cli.runtime.groups import build_groups
+        from flashflex_cli.runtime.checkpoint import dcp as ckpt
+        from flashflex_cli.runtime.parallel.groups import build_groups
+        from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -237,7 +237,7 @@ def test_export_refuses_bad_outputs(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_export_refuses_its_input_and_a_full_folder(tmp_path: Path) -> None:
-    from flashflex_cli.runtime import checkpoint as ckpt
+    from flashflex_cli.runtime.checkpoint import dcp as ckpt
 
     step = tmp_path / "ckpt" / "step-000000"
     step.mkdir(parents=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.groups import slice_holders
-from flashflex_cli.runtime.hier_reduce import hierarchical_groups, node_of, node_split, node_splits
+from flashflex_cli.runtime.parallel.groups import slice_holders
+from flashflex_cli.runtime.parallel.hier_reduce import hierarchical_groups, node_of, node_split, node_splits
 
 from .test_grad_overlap import TIED, DPPool, assert_matches_reference, assert_same_runs, dp_pool  # noqa: F401
 from .test_parity import make_plan

@@ -14,8 +14,8 @@ from flashflex_cli.cli import main
 from flashflex_cli.hardware.cluster import load_cluster
 from flashflex_cli.launch.failures import describe_failure, exit_text, root_cause
 from flashflex_cli.plan.schema import load_plan
-from flashflex_cli.runtime import checkpoint as ckpt
-from flashflex_cli.runtime.worker import plan_rank
+from flashflex_cli.runtime.checkpoint import dcp as ckpt
+from flashflex_cli.runtime.training.worker import plan_rank
 from flashflex_cli.semantics.run_folder import CHECKPOINT_SCHEMA, latest_rows
 from tests.conftest import FLASHFLEX
 

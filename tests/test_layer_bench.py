@@ -16,9 +16,9 @@ from flashflex_cli.commands.profile import parse_int_list
 from flashflex_cli.errors import InputError
 from flashflex_cli.layers.schema import LayerProfile, load_layer_profile
 from flashflex_cli.model.flops import layer_matmul_params
-from flashflex_cli.model.spec import resolve_model
-from flashflex_cli.runtime.attention import EAGER, SDPA, attention_fn
-from flashflex_cli.runtime.layer_bench import BenchConfig, devices_available, measure
+from flashflex_cli.model.hf_config import resolve_model
+from flashflex_cli.profiler.layer_bench import BenchConfig, devices_available, measure
+from flashflex_cli.runtime.model.attention import EAGER, SDPA, attention_fn
 
 SEQ = 32
 TINY = resolve_model("llama-tiny")  # hidden 64, 4 heads of 16 (no GQA), MLP 176, vocab 256

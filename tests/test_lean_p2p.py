@@ -18,14 +18,14 @@ import torch.distributed as dist
 from flashflex_cli.cost.comm import transfer_element_bytes
 from flashflex_cli.model.spec import PRESETS
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime import op_timer
-from flashflex_cli.runtime.engine import RankEngine
-from flashflex_cli.runtime.groups import adjacent_stages, build_groups, stage_ranks
-from flashflex_cli.runtime.op_timer import OpTimer
-from flashflex_cli.runtime.options import RuntimeOptions
-from flashflex_cli.runtime.pipeline import PipelineTimes
-from flashflex_cli.runtime.reference import reference_train
+from flashflex_cli.runtime.device import op_timer
+from flashflex_cli.runtime.device.op_timer import OpTimer
+from flashflex_cli.runtime.parallel.groups import adjacent_stages, build_groups, stage_ranks
+from flashflex_cli.runtime.parallel.pipeline import PipelineTimes
+from flashflex_cli.runtime.training.engine import RankEngine
+from flashflex_cli.runtime.training.reference import reference_train
 from flashflex_cli.semantics.boundary import ChunkPlan
+from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 
 from .test_parity import (

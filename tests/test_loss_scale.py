@@ -1,8 +1,8 @@
-"""fp16 plans: dynamic loss scaling global to the job (runtime/loss_scale.py).
+"""fp16 plans: dynamic loss scaling global to the job (runtime/training/loss_scale.py).
 
 An asymmetric plan (two pipelines, TP 2 -> 1 in one and 1 -> 2 in the other, unlike micro-batch counts) trains in
 fp16 on gloo processes with the same skipped steps and loss scales as torch's one-device loop (autocast and
-torch.amp.GradScaler, runtime/reference.py), and losses within the tolerance justified at LOSS_RTOL; an overflow
+torch.amp.GradScaler, runtime/training/reference.py), and losses within the tolerance justified at LOSS_RTOL; an overflow
 injected on one rank is skipped by every rank (no parameter or AdamW moment changes anywhere, the scale backs
 off everywhere); a checkpoint taken mid-run resumes under another plan with the same scale and growth tracker.
 
@@ -26,11 +26,16 @@ from flashflex_cli.cli import main
 from flashflex_cli.errors import InputError
 from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runs.reader import load_run
-from flashflex_cli.runtime import checkpoint as ckpt
-from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.loss_scale import INJECT_ENV, LossScaling, OverflowInjection, injected_steps
-from flashflex_cli.runtime.reference import reference_train
+from flashflex_cli.runtime.checkpoint import dcp as ckpt
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
+from flashflex_cli.runtime.training.loss_scale import (
+    INJECT_ENV,
+    LossScaling,
+    OverflowInjection,
+    injected_steps,
+)
+from flashflex_cli.runtime.training.reference import reference_train
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 from tests.test_launch import GOLDEN, _launch, _rows
 from tests.test_parity import make_batches, make_plan

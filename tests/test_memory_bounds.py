@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from flashflex_cli.model.spec import ModelSpec
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.init import block_draw_is_exact, full_init, shard_init
+from flashflex_cli.runtime.model.init import block_draw_is_exact, full_init, shard_init
 from flashflex_cli.semantics.parameters import stage_params
 from tests.conftest import REPO
 from tests.test_parity import make_plan
@@ -83,9 +83,9 @@ import torch._dynamo  # (so is what torch.optim.AdamW's constructor imports: tor
 
 from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime import checkpoint as ckpt
-from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.init import shard_init
+from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.model.init import shard_init
 
 def status(key):
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -126,8 +126,8 @@ dist.destroy_process_group()
 def _save_as(plan: Plan, root: Path, full: dict[str, torch.Tensor]) -> None:
     """Write the checkpoint every rank of `plan` would write for the full state `full`, from this process
     (a one-process group; each rank's owned shards under their usual keys)."""
-    from flashflex_cli.runtime import checkpoint as ckpt
-    from flashflex_cli.runtime.engine import plan_shard_specs
+    from flashflex_cli.runtime.checkpoint import dcp as ckpt
+    from flashflex_cli.runtime.training.engine import plan_shard_specs
 
     tensors: dict[str, torch.Tensor] = {}
     shards = {}

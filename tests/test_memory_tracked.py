@@ -34,8 +34,8 @@ from flashflex_cli.cost.params import CostParams
 from flashflex_cli.hardware.cluster import Cluster
 from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-from flashflex_cli.runtime.groups import build_groups
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
 from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 from tests.infra.tensor_accounting import TensorAccounting
 from tests.infra.worker_pool import WorkerPool, gloo_rank

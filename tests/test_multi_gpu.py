@@ -24,10 +24,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.engine import RankEngine
-from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.options import RuntimeOptions
-from flashflex_cli.runtime.reference import reference_train
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.training.engine import RankEngine
+from flashflex_cli.runtime.training.reference import reference_train
+from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 
 from .test_grad_overlap import TIED
 from .test_parity import OPTIM, SEED, make_batches, make_plan

@@ -1,4 +1,4 @@
-"""An out-of-memory is one line (docs/reliability.md): the parser and classifier of runtime/oom.py as pure
+"""An out-of-memory is one line (docs/reliability.md): the parser and classifier of runtime/device/oom.py as pure
 functions, the checkpoint kept intact, the launcher's report, and real local launches of llama-tiny on three
 emulated CPU ranks with the allocator's error injected at each phase (FLASHFLEX_OOM_INJECT)."""
 
@@ -21,9 +21,10 @@ from flashflex_cli.hardware.cluster import load_cluster
 from flashflex_cli.launch.failures import describe_failure, root_cause
 from flashflex_cli.launch.local import RankExit
 from flashflex_cli.plan.schema import Plan, load_plan, save_plan
-from flashflex_cli.runtime import checkpoint as ckpt
-from flashflex_cli.runtime import oom
-from flashflex_cli.runtime.shards import ShardSpec
+from flashflex_cli.runtime.checkpoint import dcp as ckpt
+from flashflex_cli.runtime.device import oom
+from flashflex_cli.runtime.parallel.shards import ShardSpec
+from flashflex_cli.semantics.worker_protocol import is_oom_line
 from tests.conftest import FLASHFLEX
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -127,7 +128,7 @@ def test_the_line_names_place_phase_bytes_prediction_and_advice() -> None:
                     "7.51 GiB free of 79.18 GiB; the plan predicted 59.60 GiB of 75.25 GiB for this stage; to fit, "
                     "plan again with --recompute, with a smaller --max-micro-batch or --micro-batch (this pipeline "
                     "runs micro-batches of 8), or with more devices (or devices with more memory)")
-    assert "\n" not in line and oom.is_oom_line(line)
+    assert "\n" not in line and is_oom_line(line)
     bare = oom.oom_line("nccl", _place(recompute=True, micro_batch_size=1, predicted_bytes=None), "nccl", 0,
                         oom.MemoryFigures(free=300 * MIB, total=80 * GIB, allocated=70 * GIB))
     assert bare == ("out of memory inside NCCL on rank 5 (node node1, device node1/2; pipeline 1, stage 2, "

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime import checkpoint as ckpt
-from flashflex_cli.runtime.engine import RankEngine
-from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.optimizer import OptimConfig, lr_at, make_optimizer
-from flashflex_cli.runtime.options import RuntimeOptions
+from flashflex_cli.runtime.checkpoint import dcp as ckpt
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.training.engine import RankEngine
+from flashflex_cli.runtime.training.optimizer import OptimConfig, lr_at, make_optimizer
+from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 from tests.golden import make_adamw_checkpoint as golden
 
 GOLDEN = Path(__file__).parent / "golden" / "adamw-ckpt"

@@ -19,10 +19,10 @@ import torch
 
 from flashflex_cli.model.spec import PRESETS, ModelSpec
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.optimizer import lr_at
-from flashflex_cli.runtime.reference import reference_train
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
+from flashflex_cli.runtime.training.optimizer import lr_at
+from flashflex_cli.runtime.training.reference import reference_train
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 
 STEPS = 3

@@ -73,7 +73,7 @@ def test_torchrun_commands_match_golden_and_parse_as_torchrun() -> None:
         assert args.nproc_per_node == str(nproc) and args.nnodes == "2" and args.module
         assert args.rdzv_endpoint == "10.200.0.1:29511" and args.rdzv_conf == f"is_host={1 - i}"
         assert args.local_addr == f"10.200.0.{i + 1}" and args.max_restarts == 0
-        assert args.training_script == "flashflex_cli.runtime.worker"
+        assert args.training_script == "flashflex_cli.runtime.training.worker"
         # every setting is in the run configuration the launch saves; the line names it and the plan node
         assert args.training_script_args == ["--config", "runs/r1/config.json", "--plan-node", f"node{i}"]
 
@@ -119,7 +119,7 @@ def test_cli_renders_and_refuses_a_mismatched_cluster(tmp_path: Path) -> None:
                           str(tmp_path / "dry")], capture_output=True, text=True)
     assert dry.returncode == 0, dry.stderr
     assert dry.stdout.startswith(f"env {ALLOC_CONF_SHELL} torchrun --standalone --nnodes=1 --nproc-per-node=4 ")
-    assert dry.stdout.rstrip().endswith(f"-m flashflex_cli.runtime.worker --config {tmp_path / 'dry' / 'config.json'}")
+    assert dry.stdout.rstrip().endswith(f"-m flashflex_cli.runtime.training.worker --config {tmp_path / 'dry' / 'config.json'}")
     dry = subprocess.run([FLASHFLEX, "launch", plan, "--cluster", cluster, "--launcher", "slurm", "--dry-run",
                           "--out", str(tmp_path / "dry")], capture_output=True, text=True)
     assert dry.returncode == 0 and "srun " in dry.stdout, dry.stderr

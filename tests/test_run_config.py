@@ -219,7 +219,7 @@ def test_a_launch_names_the_option_of_a_bad_value(options: dict[str, Any], messa
 def test_a_worker_given_a_bad_config_exits_2_in_one_line(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_set(_data(), "optimizer.lr", -1.0)))
-    result = subprocess.run([sys.executable, "-m", "flashflex_cli.runtime.worker", "--config", str(path)],
+    result = subprocess.run([sys.executable, "-m", "flashflex_cli.runtime.training.worker", "--config", str(path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
@@ -290,9 +290,9 @@ def test_a_launched_run_trains_with_the_saved_config(tmp_path: Path) -> None:
     same OptimConfig, and not the reference trained with the policy's (so every setting took effect)."""
     from flashflex_cli.launch.local import launch_local
     from flashflex_cli.plan.schema import load_plan
-    from flashflex_cli.runtime.data import open_source
-    from flashflex_cli.runtime.optimizer import lr_at
-    from flashflex_cli.runtime.reference import reference_train
+    from flashflex_cli.runtime.training.data import open_source
+    from flashflex_cli.runtime.training.optimizer import lr_at
+    from flashflex_cli.runtime.training.reference import reference_train
 
     plan_path = GOLDEN / "plan-3rank.json"
     base = launch_config(plan=str(plan_path), cluster=CLUSTER, out=str(tmp_path / "run"), steps=STEPS,

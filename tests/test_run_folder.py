@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from flashflex_cli.errors import InputError, RuntimeFailure
-from flashflex_cli.runtime import checkpoint as ckpt
-from flashflex_cli.runtime.shards import ShardSpec
+from flashflex_cli.runtime.checkpoint import dcp as ckpt
+from flashflex_cli.runtime.parallel.shards import ShardSpec
 from flashflex_cli.semantics.run_folder import (
     CHECKPOINT_SCHEMA,
     clear_progress,

@@ -10,11 +10,11 @@ import torch
 
 from flashflex_cli.errors import InputError
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-from flashflex_cli.runtime.groups import build_groups
-from flashflex_cli.runtime.optimizer import lr_at
-from flashflex_cli.runtime.options import RuntimeOptions
-from flashflex_cli.runtime.reference import reference_train
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
+from flashflex_cli.runtime.training.optimizer import lr_at
+from flashflex_cli.runtime.training.reference import reference_train
+from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 from tests.test_parity import make_batches, make_plan
 
 OPTIM = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2, total_steps=10)
@@ -80,7 +80,7 @@ def test_checkpoint_state_round_trip(one_rank: Plan) -> None:
 
 def test_slowdown_is_applied(one_rank: Plan) -> None:
     engine = _engine(one_rank, slowdown=2.0)
-    # Run-queue delay is host contention that the slowdown absorbs (runtime/slowdown.py); on a loaded host it
+    # Run-queue delay is host contention that the slowdown absorbs (runtime/device/slowdown.py); on a loaded host it
     # can cover the whole stretch and leave nothing to sleep. Count none, so the check holds at any load.
     engine.slow.queue_clock = lambda: 0.0
     phase = ["pipeline"]

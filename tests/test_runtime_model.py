@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from flashflex_cli.model.spec import PRESETS
-from flashflex_cli.runtime.attention import FLASH, SDPA, attention_fn, choose_backend
-from flashflex_cli.runtime.init import INIT_STD, full_init, param_seed
-from flashflex_cli.runtime.model import apply_rotary, rotary_tables
-from flashflex_cli.runtime.reference import build_reference
+from flashflex_cli.runtime.model.attention import FLASH, SDPA, attention_fn, choose_backend
+from flashflex_cli.runtime.model.init import INIT_STD, full_init, param_seed
+from flashflex_cli.runtime.model.stage import apply_rotary, rotary_tables
+from flashflex_cli.runtime.training.reference import build_reference
 from flashflex_cli.semantics.parameters import layer_params, model_params, shard_bounds
 
 TINY = PRESETS["llama-tiny"]
@@ -140,8 +140,8 @@ def test_reference_layer_matches_plain_torch_llama_math() -> None:
 
 
 def test_recompute_reruns_layer_forward_in_backward() -> None:
-    from flashflex_cli.runtime.model import StageModule
-    from flashflex_cli.runtime.tensor_parallel import TPContext
+    from flashflex_cli.runtime.model.stage import StageModule
+    from flashflex_cli.runtime.model.tensor_parallel import TPContext
 
     calls = {"n": 0}
     tokens = torch.randint(0, TINY.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))

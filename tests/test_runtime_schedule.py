@@ -12,10 +12,10 @@ from pydantic import ValidationError
 
 from flashflex_cli.errors import InputError
 from flashflex_cli.plan.schema import load_plan
-from flashflex_cli.runtime.engine import plan_shard_specs
-from flashflex_cli.runtime.groups import neighbours, slice_holders
-from flashflex_cli.runtime.optimizer import OptimConfig, lr_at, make_optimizer, set_lr
-from flashflex_cli.runtime.slowdown import Slowdown
+from flashflex_cli.runtime.device.slowdown import Slowdown
+from flashflex_cli.runtime.parallel.groups import neighbours, slice_holders
+from flashflex_cli.runtime.training.engine import plan_shard_specs
+from flashflex_cli.runtime.training.optimizer import OptimConfig, lr_at, make_optimizer, set_lr
 from flashflex_cli.semantics.schedule import one_f_one_b
 from tests.test_parity import make_plan
 
@@ -181,7 +181,7 @@ def test_slowdown_stretches_compute() -> None:
 
 
 def test_slowdown_sleeps_for_real() -> None:
-    # no run-queue delay counted: on a loaded host it may absorb the whole stretch (see runtime/slowdown.py)
+    # no run-queue delay counted: on a loaded host it may absorb the whole stretch (see runtime/device/slowdown.py)
     slow = Slowdown(2.0, queue_clock=lambda: 0.0)
     with slow.op():
         busy_until = time.perf_counter() + 0.01
@@ -260,7 +260,7 @@ def test_each_rank_reduces_exactly_its_own_shards() -> None:
 
 
 def test_gpu_ranks_share_the_host_cores_between_local_ranks() -> None:
-    from flashflex_cli.runtime.worker import gpu_rank_threads
+    from flashflex_cli.runtime.training.worker import gpu_rank_threads
 
     assert gpu_rank_threads(4, cores=16) == 4
     assert gpu_rank_threads(4, cores=2) == 1

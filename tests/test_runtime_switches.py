@@ -23,7 +23,7 @@ from flashflex_cli.launch.slurm import SlurmSettings, render_slurm
 from flashflex_cli.launch.torchrun import ElasticRender, RenderSettings, command_lines, render_torchrun
 from flashflex_cli.plan.schema import load_plan
 from flashflex_cli.run_config import RunConfig, load_run_config, save_run_config
-from flashflex_cli.runtime.worker import parse_args
+from flashflex_cli.runtime.training.worker import parse_args
 from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 
 GOLDEN = Path(__file__).parent / "golden"

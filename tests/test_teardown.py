@@ -17,7 +17,7 @@ from pathlib import Path
 
 from flashflex_cli.launch.local import FAILURE_GRACE_S, LocalJob, Worker
 from flashflex_cli.launch.options import launch_config
-from flashflex_cli.runtime import heartbeat
+from flashflex_cli.runtime.training import heartbeat
 
 TIMEOUT_S = 5.0  # the launcher's smallest silence limit (heartbeat.MIN_SILENCE_S)
 
@@ -77,7 +77,7 @@ def test_mark_done_writes_the_launchers_file(tmp_path: Path, monkeypatch) -> Non
 def test_exit_now_flushes_and_skips_teardown(tmp_path: Path) -> None:
     """Buffered output reaches the pipe, the code is kept, and atexit handlers (teardown) do not run."""
     code = ("import atexit, sys\n"
-            "from flashflex_cli.runtime.worker import exit_now\n"
+            "from flashflex_cli.runtime.training.worker import exit_now\n"
             "atexit.register(lambda: print('TEARDOWN', flush=True))\n"
             "sys.stdout.write('last words')\n"
             "exit_now(7)\n")

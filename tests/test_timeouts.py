@@ -1,4 +1,4 @@
-"""Two collective timeouts (runtime/timeouts.py): the long one of set-up, the first step and checkpoint saves,
+"""Two collective timeouts (runtime/parallel/timeouts.py): the long one of set-up, the first step and checkpoint saves,
 then the run's `--timeout`; checked on gloo, where a timeout raises in the waiting rank.
 
 The sleeps only have to lie on the right side of the timeouts, by a wide margin (a 1 s or 2 s timeout against
@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flashflex_cli.runtime.timeouts import PhasedTimeouts, settable
-from flashflex_cli.runtime.worker import injected_delay
+from flashflex_cli.runtime.parallel.timeouts import PhasedTimeouts, settable
+from flashflex_cli.runtime.training.worker import injected_delay
 from tests.conftest import FLASHFLEX
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 

@@ -4,7 +4,7 @@
 `default_optimizer` fills in what the options leave out) and saves it in the run folder before any worker starts:
 launch/local.py before each job (so launch/elastic.py rewrites it, with the new plan and --resume, before each
 relaunch), `--launcher torchrun / slurm` when it renders the script. A worker is started with
-`--config RUN/config.json --plan-node NODE` only (runtime/worker.py) and runs with exactly these settings:
+`--config RUN/config.json --plan-node NODE` only (runtime/training/worker.py) and runs with exactly these settings:
 - the run: plan, cluster, run folder, data, steps, seed, collective timeouts (the steps', and the long one of
   set-up, the first step and checkpoint saves), checkpoints, initial weights;
 - `runtime`: the runtime switches (semantics/runtime_paths.RuntimeOptions, before their per-device resolution);
@@ -41,7 +41,7 @@ from .semantics.runtime_paths import RuntimeOptions
 SCHEMA = "flashflex.run/1"
 CONFIG_FILE = "config.json"  # in the run folder
 DEFAULT_STEPS = 10  # `flashflex launch --steps`
-DEFAULT_SETUP_TIMEOUT_S = 600.0  # the long collective timeout's floor (runtime/timeouts.py)
+DEFAULT_SETUP_TIMEOUT_S = 600.0  # the long collective timeout's floor (runtime/parallel/timeouts.py)
 FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 number: GradScaler keeps its scale in fp32
 MAX_GROWTH_INTERVAL = 2**31 - 1  # GradScaler counts clean steps in an int32
 
@@ -76,7 +76,7 @@ def _path(value: str | None, field: str) -> None:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with a learning-rate schedule (runtime/optimizer.py). lr and min_lr are the peak and final learning
+    """AdamW with a learning-rate schedule (runtime/training/optimizer.py). lr and min_lr are the peak and final learning
     rates; warmup_steps and total_steps count optimizer steps (warm-up to lr, cosine decay to min_lr at
     total_steps); weight_decay applies to matrices only; grad_clip is the global gradient-norm limit (0: none)."""
 
@@ -118,7 +118,7 @@ def default_optimizer(lr: float, total_steps: int) -> OptimConfig:
 
 @dataclass(frozen=True)
 class LossScaling:
-    """Dynamic loss scaling of fp16 plans (runtime/loss_scale.py; torch.amp.GradScaler's defaults): the initial
+    """Dynamic loss scaling of fp16 plans (runtime/training/loss_scale.py; torch.amp.GradScaler's defaults): the initial
     scale, the factor it grows by after `growth_interval` clean steps in a row, the factor it shrinks by on a
     skipped step."""
 
@@ -149,7 +149,7 @@ class RunConfig:
     """One run's settings (module docstring). Paths as the user gave them; timeout_s: collective timeout of the
     steps in seconds (survivors of a dead rank exit instead of hanging); setup_timeout_s: the long collective
     and rendezvous timeout of set-up, compile warm-up, checkpoint load, the first step and checkpoint saves
-    (runtime/timeouts.py; None: `setup_seconds`' default, at least timeout_s); steps: the optimizer step to stop at,
+    (runtime/parallel/timeouts.py; None: `setup_seconds`' default, at least timeout_s); steps: the optimizer step to stop at,
     counting resumed ones (optimizer.total_steps, the schedule's length, may be longer: a run can stop early and
     resume onto the same trajectory); checkpoint_every: steps between checkpoints (0: only at the end and on a
     stop signal); init_from: a local Hugging Face checkpoint folder of the initial weights (hf/load.py);

@@ -21,9 +21,9 @@ import torch.distributed as dist
 
 from flashflex_cli.model.spec import ModelSpec
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime import checkpoint as ckpt
-from flashflex_cli.runtime.engine import OptimConfig, RankEngine
-from flashflex_cli.runtime.groups import build_groups
+from flashflex_cli.runtime.checkpoint import dcp as ckpt
+from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
 
 SPEC = ModelSpec(name="adamw-golden", hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2,
                  intermediate_size=32, vocab_size=32)

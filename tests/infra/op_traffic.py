@@ -12,9 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from flashflex_cli.model.spec import ModelSpec
-from flashflex_cli.runtime.model import StageModule
-from flashflex_cli.runtime.precision import autocast
-from flashflex_cli.runtime.tensor_parallel import TPContext
+from flashflex_cli.runtime.model.precision import autocast
+from flashflex_cli.runtime.model.stage import StageModule
+from flashflex_cli.runtime.model.tensor_parallel import TPContext
 
 # operations that launch no kernel: views, metadata, allocations without a fill
 NO_KERNEL = {"view", "_unsafe_view", "t", "transpose", "expand", "slice", "select", "squeeze", "unsqueeze", "permute",

@@ -26,7 +26,7 @@ def export_command(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
 ) -> None:
     """Export a checkpoint written under any plan as a Hugging Face model folder that transformers loads."""
-    from ..runtime.hf_export import export_hf, parse_size
+    from ..runtime.checkpoint.hf_export import export_hf, parse_size
 
     summary = export_hf(checkpoint, hf, parse_size(max_shard_size), dtype, tokenizer, overwrite)
     if as_json:

@@ -120,7 +120,7 @@ def local_run_summary(plan: Plan, options: RunConfig, first_launch: int,
                       wall_s: float) -> tuple[dict[str, object], list[str]]:
     """After a local launch: its JSON summary and the lines of runtime/metrics.run_summary, from the metrics rows
     the launch wrote (launch index `first_launch` on: an elastic launch restarts its workers) and the run folder."""
-    from ..runtime.metrics import predicted_step_seconds, run_summary
+    from ..runtime.training.metrics import predicted_step_seconds, run_summary
     from ..semantics.run_folder import latest_checkpoint
 
     metrics = Path(options.out) / METRICS

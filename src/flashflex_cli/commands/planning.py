@@ -15,7 +15,8 @@ from ..errors import CheckFailed, FlashflexError, InputError
 from ..fileio import atomic_write_text, check_writable_output, read_json, refuse_same_path
 from ..hardware.cluster import Cluster, load_cluster
 from ..layers.load import check_profile_fits, load_layer_profiles
-from ..model.spec import ModelSpec, resolve_model
+from ..model.hf_config import resolve_model
+from ..model.spec import ModelSpec
 from ..plan.diff import diff_plans
 from ..plan.render import render_baseline, render_diff, render_plan
 from ..plan.schema import Plan, TrainConfig, load_plan

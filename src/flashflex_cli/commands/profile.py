@@ -178,9 +178,9 @@ def _check_out(out: Path, model: str) -> None:
 
 
 def _layer_config(request: LayerRequest, kind: str):  # noqa: ANN202 - a BenchConfig (lazy torch import)
-    from ..model.spec import resolve_model
-    from ..runtime.layer_bench import BenchConfig
-    from ..runtime.options import RuntimeOptions
+    from ..model.hf_config import resolve_model
+    from ..profiler.layer_bench import BenchConfig
+    from ..semantics.runtime_paths import RuntimeOptions
 
     spec = resolve_model(request.model)
     if request.seq_len is None:
@@ -218,7 +218,7 @@ def profile_layers(request: LayerRequest, out: Path) -> None:
     """`flashflex profile --model`: check everything, measure, write the layer profile atomically."""
     from ..errors import InfeasibleError
     from ..layers.schema import save_layer_profile
-    from ..runtime.layer_bench import build_profile, check_request, devices_available, measure
+    from ..profiler.layer_bench import build_profile, check_request, devices_available, measure
 
     _check_out(out, request.model)
     kind, count = devices_available()

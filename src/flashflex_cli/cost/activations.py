@@ -1,6 +1,6 @@
 """Bytes the runtime's own step holds per micro-batch, part by part, counted from its operations.
 
-Counted for runtime/model.py as it runs (eager PyTorch, fp32 parameters, autocast in the plan's 16-bit dtype;
+Counted for runtime/model/stage.py as it runs (eager PyTorch, fp32 parameters, autocast in the plan's 16-bit dtype;
 semantics/runtime_paths.compute_dtype), per device of a TP group of degree t, for one micro-batch of N = b * s
 tokens. Notation: h hidden size; q, k the query and key/value widths and f the MLP width on one device (split t
 ways); a the query heads on one device; V the vocabulary rows on one device; c the compute dtype's bytes (2 for
@@ -115,7 +115,7 @@ def _saved_kv_width(p: PartShape) -> float:
 
 
 def _block_keys(seq: int, window: int | None) -> int:
-    """Keys the blocks of a windowed attention read, summed over its query blocks (runtime/attention.py: block
+    """Keys the blocks of a windowed attention read, summed over its query blocks (runtime/model/attention.py: block
     [a, a + w) reads keys [a - w + 1, a + w)); s without a window (one block of every key)."""
     if window is None or window >= seq:
         return seq
@@ -220,7 +220,7 @@ def head_saved_bytes(p: PartShape) -> float:
     - the whole-vocabulary loss: the cast input of the output projection (its weight copy:
       `head_weight_copies`), the fp32 log-softmax (TP 1) or softmax (vocabulary-parallel) [N, V] and the int64
       targets;
-    - the chunked loss (runtime/chunked_loss.py): the fp32 gradients it computed in the forward, of its input
+    - the chunked loss (runtime/model/chunked_loss.py): the fp32 gradients it computed in the forward, of its input
       [N, h] and of the projection's weight [V, h]."""
     n, h, c = p.tokens, p.h, p.c
     stream = n * (2 * h * FP32 + FP32)  # input, x*rsqrt; rsqrt

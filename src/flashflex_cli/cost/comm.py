@@ -5,7 +5,7 @@ takes a + n / B. A ring all-reduce of n bytes among p devices moves 2 (p - 1) / 
 ring hop in 2 (p - 1) steps (Patarasuk & Yuan 2009), so the slowest hop sets the pace; a ring all-gather
 moves (p - 1) / p * n bytes per hop in p - 1 steps.
 
-Stage-to-stage transfers are charged as the runtime makes them (runtime/pipeline.py): by default the lean
+Stage-to-stage transfers are charged as the runtime makes them (runtime/parallel/pipeline.py): by default the lean
 scatter-gather of semantics/boundary.py in the compute dtype, else full fp32 copies to every receiving rank.
 """
 

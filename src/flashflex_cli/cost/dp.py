@@ -1,7 +1,7 @@
 """Data-parallel gradient reduction across pipelines whose stages hold the same layers: what the runtime's
-runtime/grad_sync.py does, as pure functions.
+runtime/parallel/grad_sync.py does, as pure functions.
 
-Buckets (runtime/grad_buckets.py). Every layer is held by one stage per pipeline (its "holders"); the embedding
+Buckets (runtime/parallel/grad_buckets.py). Every layer is held by one stage per pipeline (its "holders"); the embedding
 by the first stages (with tied embeddings also by the last stages of pipelines of two or more stages), the final
 norm and the head by the last stages. With `dp_overlap` (the runtime's default) there is one bucket per layer and
 holder set, reduced in one global order: head, final norm, layers from the last to the first, embedding last.
@@ -12,7 +12,7 @@ grad_reduce_bytes; the TP slices' rings run in parallel on their own devices, bu
 share the node's NIC, so the volume through a NIC is the whole n x grad_reduce_bytes):
 - flat (one ring over all holders' first devices, in pipeline order): ring all-reduce at the ring's slowest
   hop (comm.ring_allreduce_seconds);
-- hierarchical (`dp_hierarchical`, runtime/hier_reduce.py), where the holders span several nodes and some node
+- hierarchical (`dp_hierarchical`, runtime/parallel/hier_reduce.py), where the holders span several nodes and some node
   has two or more of them: reduce inside every node to its leader and broadcast back afterwards (together one
   ring all-reduce of v among the node's k holders over the intra-node link; nodes in parallel, the slowest
   sets the time), then a ring all-reduce of n x grad_reduce_bytes among the m node leaders over their slowest

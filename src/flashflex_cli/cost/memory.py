@@ -1,7 +1,7 @@
 """Peak memory per device of a pipeline stage, counted the way the runtime allocates it (bytes).
 
 The runtime keeps fp32 parameters (they are the master weights), fp32 gradients and AdamW's fp32 moments, and
-computes under autocast (runtime/precision.py); cost/activations.py counts what each part of a micro-batch keeps
+computes under autocast (runtime/model/precision.py); cost/activations.py counts what each part of a micro-batch keeps
 for its backward and its temporaries. The stage's allocated peak is the largest of these moments of a training
 step (1F1B order of semantics/schedule; w warm-up forwards, k = min(w + 1, m) micro-batches in flight of m):
 

@@ -89,10 +89,10 @@ class CostParams:
     dp_overlap_fraction: IGNORED since the overlap is simulated per layer (`dp_overlap`); still accepted,
         in [0, 1), so older cost-parameter files load.
     grad_reduce_bytes: bytes per gradient element in the DP all-reduce. 4: the runtime keeps fp32
-        parameters and gradients and computes under autocast (runtime/engine.py), as Megatron reduces
+        parameters and gradients and computes under autocast (runtime/training/engine.py), as Megatron reduces
         fp32 main gradients.
     activation_transfer_bytes: bytes per element of the activations and gradients sent between pipeline
-        stages. 4: the runtime sends them in fp32 (runtime/pipeline.py).
+        stages. 4: the runtime sends them in fp32 (runtime/parallel/pipeline.py).
     memory_bandwidth_efficiency: achieved fraction of a device's memory bandwidth (measured by the probe, or the
         catalog's) for the operations besides matrix products (cost/traffic.py). 0.85: the recorded H100 optimizer
         step moved 92 bytes per parameter for 1.50 G parameters in 53.4 ms, 2.58 TB/s, 0.87 of the probe's 2.97.
@@ -141,7 +141,7 @@ class CostParams:
         the counted tensors (allocator and arena slack, gloo buffers). 40 MiB: measured
         here, the median over benchmarks/validate_cost_model.py's plans without DP reduction (19-62 MiB).
     dp_buffer_factor: the flat fp32 copies of the gradients a stage packs for its reduction across pipelines, as a
-        multiple of its gradient bytes: 1.0 (runtime/grad_sync.py packs every shared slice, and the copies live
+        multiple of its gradient bytes: 1.0 (runtime/parallel/grad_sync.py packs every shared slice, and the copies live
         until the reduction finishes).
     memory_fragmentation: the caching allocator's slack, as a fraction of the allocated peak (reserved but not
         allocated bytes). 0.03: the recorded H100 out-of-memory (expandable segments) bounds it by 2.5%; without

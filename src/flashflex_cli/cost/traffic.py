@@ -1,7 +1,7 @@
 """What one micro-batch costs a part besides its matrix products: bytes the other operations move, operations
 the host dispatches and kernels the device launches, forward and backward, for the runtime's paths.
 
-Counted on the runtime's own modules (runtime/model.py) with a dispatch-mode tracer (scripts/count_traffic.py):
+Counted on the runtime's own modules (runtime/model/stage.py) with a dispatch-mode tracer (scripts/count_traffic.py):
 every aten operation of a part's forward and backward, the bytes of the tensors each operation other than a
 view, a matrix product or the fused attention reads and writes, the operations dispatched (views included: each
 costs the host a dispatch) and those that run a kernel. The byte counts are linear in the widths per token, fitted

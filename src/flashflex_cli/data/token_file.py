@@ -1,5 +1,5 @@
 """The flashflex token file: a 64-byte header and the token ids, memory-mapped for scans and read with pread
-while training (runtime/data.py's TokenFileSource).
+while training (runtime/training/data.py's TokenFileSource).
 
 Token file layout (little-endian): a 64-byte header, then `num_tokens` tokens of `dtype`.
 

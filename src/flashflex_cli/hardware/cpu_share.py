@@ -31,7 +31,7 @@ def core_for_device(device_index: int, cores: list[int] | None = None) -> int:
 
 def core_loads(device_slowdowns: list[tuple[int, float]], cores: list[int] | None = None) -> dict[int, float]:
     """Busy fraction each host core must give the emulated devices pinned to it: a device of slowdown s
-    computes 1/s of the time (it sleeps the rest, runtime/slowdown.py). `device_slowdowns`: (device_index as
+    computes 1/s of the time (it sleeps the rest, runtime/device/slowdown.py). `device_slowdowns`: (device_index as
     core_for_device takes it, slowdown) per emulated device that runs on this host. Above 1, the devices of that
     core run slower than emulated, by about that factor."""
     found = cores if cores is not None else usable_cores()

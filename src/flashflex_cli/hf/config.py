@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..model.spec import ModelSpec, from_hf_config, to_hf_config
+from ..model.hf_config import from_hf_config, to_hf_config
+from ..model.spec import ModelSpec
 from .files import CONFIG
 
 # ModelSpec fields that do not change the network's weights or outputs (max_position_embeddings: informational)

@@ -1,4 +1,4 @@
-"""Global parameter names of the runtime (runtime/model.py) <-> Hugging Face Llama-family tensor names.
+"""Global parameter names of the runtime (runtime/model/stage.py) <-> Hugging Face Llama-family tensor names.
 
 Both sides store linear weights as [out_features, in_features], and the runtime's rotary embedding uses the
 same "rotate_half" layout as transformers' Llama (the two halves of each head are rotated against each other),

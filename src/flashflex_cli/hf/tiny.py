@@ -17,7 +17,8 @@ import torch
 
 from ..errors import FlashflexError
 from ..fileio import atomic_write_text, check_writable_dir, dumps_json
-from ..model.spec import ModelSpec, resolve_model
+from ..model.hf_config import resolve_model
+from ..model.spec import ModelSpec
 from .config import hf_config
 from .files import WEIGHTS
 from .names import to_hf

@@ -7,7 +7,7 @@ configuration on it with the planner (`RUN/elastic/plan-N.json`: same strategy, 
 plan in force, whose `inputs` record them) and relaunches from the newest checkpoint with `--resume`: the run
 configuration RUN/config.json is rewritten with the new plan and cluster and resume on (local.run_job). The global
 batch is kept and the data order depends only on (seed, step), so step k trains on the same tokens under any
-plan (runtime/data.py); the learning-rate schedule is kept too (--steps / --schedule-steps).
+plan (runtime/training/data.py); the learning-rate schedule is kept too (--steps / --schedule-steps).
 
 With `--cluster-watch FILE`, a change of FILE (cluster_watch.py) is planned at once; when the new plan's
 predicted tokens/s beats the plan in force on that cluster by at least --replan-gain percent, every rank is
@@ -39,7 +39,7 @@ from ..hardware.cluster import Cluster
 from ..plan.schema import Plan
 from ..run_config import RunConfig
 from .cluster_watch import ClusterWatch
-from .elastic_options import ElasticSettings
+from .elastic_options import ElasticSettings, cost_params
 from .failures import checkpoint_stamp, describe_local_failure
 from .local import JobOutcome, LocalJob, RankExit, interrupted, run_job
 
@@ -112,25 +112,6 @@ def reduced_cluster(cluster: Cluster, lost: list[str]) -> Cluster:
     inter["pairs"] = [p for p in inter.get("pairs", []) if p["a"] in names and p["b"] in names]
     data.update(nodes=nodes, inter_node=inter, description=f"{cluster.name} without {', '.join(lost)}")
     return Cluster.model_validate(data)
-
-
-def cost_params(plan: Plan, layers: tuple[str, ...]) -> CostParams:
-    """The cost parameters to re-plan `plan` with: the layer profiles its `inputs.layer_profiles` name, found
-    among `layers` by sha256 (InputError naming the missing ones). Other cost overrides are not recorded in a
-    plan: re-planning uses the defaults."""
-    params = CostParams()
-    wanted = set(plan.inputs.layer_profiles or ())
-    if not wanted:
-        return params
-    from ..layers.load import load_layer_profiles
-
-    profiles = load_layer_profiles(list(layers)) if layers else ()
-    chosen = tuple(p for p in profiles if p.sha256() in wanted)
-    missing = wanted - {p.sha256() for p in chosen}
-    if missing:
-        raise InputError(f"the plan was costed with layer profile(s) {', '.join(sorted(m[:12] for m in missing))}, "
-                         "not among --layers: pass the same files so that re-planning is costed as the plan was")
-    return params.with_layer_profiles(chosen)
 
 
 def predicted_tokens_per_s(plan: Plan, cluster: Cluster, params: CostParams) -> float | None:

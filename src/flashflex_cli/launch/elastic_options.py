@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import validate_numbers
+from ..cost.params import CostParams
 from ..errors import InputError
 
 if TYPE_CHECKING:
@@ -62,6 +63,23 @@ def check_elastic_plan(plan: Plan, settings: ElasticSettings | None) -> None:
     """Before anything starts: the layer profiles a re-plan needs are among --layers (InputError otherwise)."""
     if settings is None:
         return
-    from .elastic import cost_params
-
     cost_params(plan, settings.layers)
+
+
+def cost_params(plan: Plan, layers: tuple[str, ...]) -> CostParams:
+    """The cost parameters to re-plan `plan` with: the layer profiles its `inputs.layer_profiles` name, found
+    among `layers` by sha256 (InputError naming the missing ones). Other cost overrides are not recorded in a
+    plan: re-planning uses the defaults."""
+    params = CostParams()
+    wanted = set(plan.inputs.layer_profiles or ())
+    if not wanted:
+        return params
+    from ..layers.load import load_layer_profiles
+
+    profiles = load_layer_profiles(list(layers)) if layers else ()
+    chosen = tuple(p for p in profiles if p.sha256() in wanted)
+    missing = wanted - {p.sha256() for p in chosen}
+    if missing:
+        raise InputError(f"the plan was costed with layer profile(s) {', '.join(sorted(m[:12] for m in missing))}, "
+                         "not among --layers: pass the same files so that re-planning is costed as the plan was")
+    return params.with_layer_profiles(chosen)

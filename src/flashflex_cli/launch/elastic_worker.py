@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     """Settle this round's run configuration, then run the worker under it (its exit code)."""
     from ..plan.schema import load_plan
     from ..run_config import load_run_config
-    from ..runtime import worker
+    from ..runtime.training import worker
 
     args = _args(list(sys.argv[1:] if argv is None else argv))
     try:
@@ -128,6 +128,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ..runtime.worker import exit_now
+    from ..runtime.training.worker import exit_now
 
     exit_now(main())

@@ -1,8 +1,8 @@
 """Turn the ranks' exits into one line naming the plan rank, its node and device; say what a stop left behind.
 
 Several ranks usually fail together: the one that crashed, then its peers whose collectives broke
-(they exit with `runtime.worker.PEER_LOST`). The root cause is, in this order: a rank that ran out of memory
-(its one line, runtime/oom.py, names it), a rank the launcher found frozen (no heartbeat), a signal the job
+(they exit with `semantics/worker_protocol.PEER_LOST`). The root cause is, in this order: a rank that ran out of memory
+(its one line, runtime/device/oom.py, names it), a rank the launcher found frozen (no heartbeat), a signal the job
 does not send itself, an error of its own, a rank the launcher stopped, a rank that lost a peer; the earliest
 among equals. An out-of-memory's line names its rank, device and stage itself and is reported as it is. A failure record has the fields of torch
 elastic's ProcessFailure that matter here (local_rank, exitcode, timestamp), and optionally `reason` (the
@@ -13,7 +13,7 @@ always, ended by ProcessGroupNCCL's watchdog: a collective outlived its timeout 
 (NCCL raises no Python exception, so the worker's "lost a peer" path never ran). Such a rank counts as one that
 lost a peer, not as the cause: the rank that failed on its own, froze, or never came to the collective (and was
 stopped by the launcher) is named, with the count of ranks the watchdog aborted and where the flight recorder's
-dumps are (runtime/flight_recorder.py). When every failed rank was aborted so, none is blamed: the line says so
+dumps are (semantics/flight_recorder.py). When every failed rank was aborted so, none is blamed: the line says so
 and points at the dumps, which tell which collective each rank waited in.
 """
 
@@ -27,12 +27,11 @@ from typing import Any
 from ..errors import FlashflexError, RuntimeFailure
 from ..hardware.cluster import Cluster
 from ..plan.schema import Plan
-from ..runtime import flight_recorder
-from ..runtime.oom import is_oom_line
+from ..semantics import flight_recorder
+from ..semantics.worker_protocol import PEER_LOST, is_oom_line
 
 _STOP_SIGNALS = {int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGHUP)}
 CPU_TYPES = ("cpu", "host")  # emulated CPU devices (gloo); every other device type is a GPU (NCCL)
-PEER_LOST = 3  # keep equal to runtime.worker.PEER_LOST (the launcher does not import the runtime)
 
 CheckpointStamp = tuple[str, int]  # a checkpoint folder and its manifest's modification time (ns)
 

@@ -1,19 +1,19 @@
 """Launch every rank of a plan on this host and supervise them until they end.
 
-One worker process per plan device (`python -u -m flashflex_cli.runtime.worker --config RUN/config.json`: the run
+One worker process per plan device (`python -u -m flashflex_cli.runtime.training.worker --config RUN/config.json`: the run
 configuration, run_config.py, is written before the first worker starts), in the launcher's process group, with
 the environment torchrun would give (LOCAL_RANK, RANK, WORLD_SIZE, and MASTER_ADDR / MASTER_PORT of a TCP store
 this process serves). The launcher then polls every `poll_s` seconds:
 - a rank that exits non-zero ends the job: the others exit on their own once their collectives break (no
   signal: one arriving while a process shuts down can abort it and blur the report), else get SIGKILL after
   FAILURE_GRACE_S; one line names the rank that started it (failures.py), with its own error if it left one;
-- a rank whose heartbeat (runtime/heartbeat.py) is older than --timeout (at least 5 s) is frozen: it is
+- a rank whose heartbeat (semantics/worker_protocol.py, runtime/training/heartbeat.py) is older than --timeout (at least 5 s) is frozen: it is
   killed and named;
 - SIGTERM, SIGINT or SIGHUP (to the launcher alone, or to every process at once: scancel, systemd, Ctrl-C)
   is passed on once; the workers stop at their next step boundary and save a checkpoint; the launcher
   waits up to STOP_GRACE_S + --timeout before SIGKILL, and a second signal kills at once. The last line says
   whether a checkpoint was written, looked up in the checkpoint folder;
-- when the launcher dies, even by SIGKILL, the workers die with it (parent-death signal, runtime/heartbeat.py).
+- when the launcher dies, even by SIGKILL, the workers die with it (parent-death signal, runtime/training/heartbeat.py).
 `RUN/workers.json` names each rank's pid, plan rank and device while the job runs (for operators and tests).
 `run_job` is the same supervision without the final report, for the elastic loop (launch/elastic.py): a poll
 hook may ask every worker to stop at the next step boundary with a checkpoint (`LocalJob.request_stop`).
@@ -40,7 +40,7 @@ from ..errors import RuntimeFailure
 from ..fileio import atomic_write_text
 from ..plan.schema import Plan
 from ..run_config import RunConfig, save_run_config
-from ..runtime import flight_recorder, heartbeat
+from ..semantics import flight_recorder, worker_protocol
 from .failures import (
     CheckpointStamp,
     Interrupted,
@@ -123,7 +123,7 @@ def worker_env(local_rank: int, world: int, port: int, job_dir: str, timeout_s: 
                gpus: tuple[int, ...] | None = None) -> dict[str, str]:
     """The environment of local rank `local_rank`: torchrun's variables and the launcher's (heartbeat.py), the
     CUDA caching allocator's expandable segments unless the user set PYTORCH_CUDA_ALLOC_CONF, NCCL's flight
-    recorder with its dumps in `run_dir`/nccl-trace/ unless the user set them (runtime/flight_recorder.py), and
+    recorder with its dumps in `run_dir`/nccl-trace/ unless the user set them (semantics/flight_recorder.py), and
     with `share_gpu` the rank's own NCCL host (launch/share_gpu.py), with `gpus` only those GPUs visible
     (launch/gpu_subset.py)."""
     rank, size = str(local_rank), str(world)
@@ -133,8 +133,8 @@ def worker_env(local_rank: int, world: int, port: int, job_dir: str, timeout_s: 
             "LOCAL_WORLD_SIZE": size, "WORLD_SIZE": size, "ROLE_WORLD_SIZE": size, "GROUP_WORLD_SIZE": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            heartbeat.JOB_DIR_ENV: job_dir, heartbeat.LAUNCHER_PID_ENV: str(os.getpid()),
-            heartbeat.INTERVAL_ENV: f"{heartbeat.heartbeat_interval(timeout_s):g}"}
+            worker_protocol.JOB_DIR_ENV: job_dir, worker_protocol.LAUNCHER_PID_ENV: str(os.getpid()),
+            worker_protocol.INTERVAL_ENV: f"{worker_protocol.heartbeat_interval(timeout_s):g}"}
 
 
 class LocalJob:
@@ -178,7 +178,7 @@ class LocalJob:
             if code is not None:
                 self.exits[worker.local_rank] = RankExit(
                     worker.local_rank, code, time.monotonic(),
-                    reason=worker.silent or heartbeat.read_error(self.job_dir, worker.local_rank),
+                    reason=worker.silent or worker_protocol.read_error(self.job_dir, worker.local_rank),
                     silent=worker.silent is not None, stopped=worker.killed and worker.silent is None)
 
     def failures(self) -> dict[int, RankExit]:
@@ -231,16 +231,16 @@ class LocalJob:
         if self.failing:
             return
         timeout = self.options.timeout_s
-        quiet = max(3 * heartbeat.heartbeat_interval(timeout) + 1.0, heartbeat.MIN_SILENCE_S)
-        limit = quiet if self.failures() else heartbeat.silence_limit(timeout)
+        quiet = max(3 * worker_protocol.heartbeat_interval(timeout) + 1.0, worker_protocol.MIN_SILENCE_S)
+        limit = quiet if self.failures() else worker_protocol.silence_limit(timeout)
         for worker in self.running():
-            done = heartbeat.finished_at(self.job_dir, worker.local_rank)
+            done = worker_protocol.finished_at(self.job_dir, worker.local_rank)
             if done is not None:  # training over: its teardown beats no heartbeat, but must end
-                if time.time() - done > heartbeat.silence_limit(timeout) + FAILURE_GRACE_S and not worker.killed:
+                if time.time() - done > worker_protocol.silence_limit(timeout) + FAILURE_GRACE_S and not worker.killed:
                     worker.lingered = worker.killed = True
                     self._send(worker, signal.SIGKILL)
                 continue
-            age = heartbeat.heartbeat_age(self.job_dir, worker.local_rank, worker.since)
+            age = worker_protocol.heartbeat_age(self.job_dir, worker.local_rank, worker.since)
             if age > limit:
                 worker.silent = f"no heartbeat for {age:.0f} s (--timeout {timeout:g}): the process is frozen or stopped"
                 worker.killed = True

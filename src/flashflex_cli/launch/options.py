@@ -15,24 +15,24 @@ from typing import Any
 
 from ..errors import InputError
 from ..run_config import DEFAULT_STEPS, FieldError, LossScaling, RunConfig, build_checked, default_optimizer
-from ..runtime.flight_recorder import FIXED as FLIGHT_RECORDER_FIXED
+from ..semantics.flight_recorder import FIXED as FLIGHT_RECORDER_FIXED
 from ..semantics.run_folder import default_checkpoint_dir, recorded_checkpoint_dir
 from ..semantics.runtime_paths import RuntimeOptions
 
-WORKER_MODULE = "flashflex_cli.runtime.worker"
+WORKER_MODULE = "flashflex_cli.runtime.training.worker"
 # The workers' CUDA caching allocator grows its segments instead of caching fixed blocks (less fragmentation over
 # steps whose activations differ in size); a value the user set is kept.
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOC_CONF_DEFAULT = "expandable_segments:True"
 # The same default in a rendered shell command: the user's value where it is set on the host that runs it.
 ALLOC_CONF_SHELL = f'{ALLOC_CONF_ENV}="${{{ALLOC_CONF_ENV}:-{ALLOC_CONF_DEFAULT}}}"'
-# NCCL's flight recorder (runtime/flight_recorder.py) in a rendered shell command, the user's values kept; the
+# NCCL's flight recorder (semantics/flight_recorder.py) in a rendered shell command, the user's values kept; the
 # worker adds the dump file's prefix in the run folder itself.
 FLIGHT_RECORDER_SHELL = " ".join(f'{names[0]}="${{{names[0]}:-{value}}}"' for names, value in FLIGHT_RECORDER_FIXED)
 
 
 def worker_argv(config: str | os.PathLike[str], node: str | None = None) -> list[str]:
-    """Arguments after `-m flashflex_cli.runtime.worker` (or `-m flashflex_cli.launch.elastic_worker`): the run
+    """Arguments after `-m flashflex_cli.runtime.training.worker` (or `-m flashflex_cli.launch.elastic_worker`): the run
     configuration file, and the plan node this host runs (None: every node of the plan runs on this host)."""
     return ["--config", str(config), *(["--plan-node", node] if node is not None else [])]
 

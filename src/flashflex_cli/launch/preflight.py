@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..data.checks import check_training_data
 from ..errors import CheckFailed, InputError
 from ..fileio import check_writable_dir
 from ..hardware.cluster import Cluster
@@ -26,7 +27,6 @@ from .layout import node_layouts
 
 if TYPE_CHECKING:
     from ..run_config import RunConfig
-    from ..runtime.data import BatchSource
     from ..semantics.run_folder import StartDecision
 
 CHECKPOINT_BYTES_PER_PARAM = 16  # fp32 weights and two AdamW moments (12 bytes), plus headroom
@@ -183,14 +183,11 @@ def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, che
 
     Numbers (steps, seed, ...) are range-checked by RunConfig (run_config.py); token ids are scanned against the
     vocabulary."""
-    from ..runtime.data import open_source
-
     warnings: list[str] = []
     if (checkpoint_every or resume) and not checkpoint_dir:
         raise InputError("--checkpoint-every and --resume need checkpoints (not --no-checkpoint)")
     train, model = plan.inputs.train, plan.inputs.model
-    source = open_source(data, model.vocab_size, train.global_batch, train.seq_len)  # a bad or oversized vocab
-    check_token_ids(source, model.vocab_size)
+    check_training_data(data, model.vocab_size, train.seq_len)
     if resume and checkpoint_dir:
         from ..semantics.run_folder import latest_checkpoint, read_manifest
 
@@ -248,19 +245,6 @@ def _checked_manifest(found: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     if "steps" in manifest and not isinstance(manifest["steps"], int):
         raise InputError(f"{found}: checkpoint manifest field 'steps' is not an integer")
     return manifest
-
-
-def check_token_ids(source: BatchSource, vocab_size: int) -> None:
-    """Every id of a token file lies below the model's vocabulary (a chunked scan of the memory map)."""
-    from ..data.token_file import vocabulary_advice
-    from ..runtime.data import TokenFileSource
-
-    if not isinstance(source, TokenFileSource):
-        return
-    largest = source.file.max_token()
-    if largest >= vocab_size:
-        raise InputError(f"{source.file.path}: largest token id {largest} is not below the model's vocab_size "
-                         f"{vocab_size}; {vocabulary_advice(source.file.vocab_size)}")
 
 
 def check_run_dirs(out: str, checkpoint_dir: str | None) -> None:

@@ -142,7 +142,7 @@ def layer_activation_bytes(model: ModelSpec, micro_batch: int, seq_len: int, tp:
 
 
 def score_pairs(seq_len: int, window: int | None) -> int:
-    """(query, key) score elements per head that the eager attention of runtime/attention.py materialises
+    """(query, key) score elements per head that the eager attention of runtime/model/attention.py materialises
     for one sequence: s * s without a window (or with one of s or more); with a window w < s, query blocks of
     w rows each against the keys they can reach (block [a, a + w) against keys [a - w + 1, a + w)), so at
     most 2w - 1 keys per query and about s * (2w - 1) in all."""

@@ -1,4 +1,5 @@
-"""Hugging Face `config.json` <-> ModelSpec for the Llama (2, 3, 3.1), Mistral and Qwen2 families.
+"""Hugging Face `config.json` <-> ModelSpec for the Llama (2, 3, 3.1), Mistral and Qwen2 families, and
+`resolve_model`: a model named by a preset (model/spec.py) or by the path of such a file.
 
 Reading follows what `transformers` (checked against 5.23) builds from the same file, so a config means the
 same model here and there:
@@ -25,7 +26,7 @@ from pydantic import ValidationError
 
 from ..errors import InputError
 from ..fileio import read_json
-from .spec import FAMILIES, ModelSpec, RopeScaling
+from .spec import FAMILIES, PRESETS, ModelSpec, RopeScaling
 
 
 @dataclass(frozen=True)
@@ -227,12 +228,12 @@ def spec_from_hf_dict(data: Any, source: str | os.PathLike[str] = "config.json")
         raise InputError(f"{source}: {key}: {msg}{shown}{suffix}"[:400]) from None
 
 
-def read_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
+def from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
     """Read a Hugging Face `config.json` of a Llama, Mistral or Qwen2 model into a ModelSpec."""
     return spec_from_hf_dict(read_json(path), path)
 
 
-def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
+def to_hf_config(spec: ModelSpec) -> dict[str, Any]:
     """The config.json dict `transformers` (4.45+ and 5.x) loads back into the same model: family,
     shapes, rotary base and scaling (under both the 5.x `rope_parameters` and the 4.x `rope_theta` /
     `rope_scaling` keys), window, ties, norm epsilon."""
@@ -265,3 +266,12 @@ def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
         out.update(use_sliding_window=window is not None, sliding_window=window,
                    max_window_layers=0 if window is not None else spec.num_layers)
     return out
+
+
+def resolve_model(name_or_path: str) -> ModelSpec:
+    """A preset name, or a path to a Hugging Face config.json."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if name_or_path.endswith(".json") or os.path.sep in name_or_path or Path(name_or_path).exists():
+        return from_hf_config(name_or_path)
+    raise InputError(f"unknown model {name_or_path!r}; presets: {', '.join(PRESETS)}, or a path to a config.json")

@@ -3,8 +3,6 @@ Hugging Face config.json (read by model/hf_config.py)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
@@ -15,7 +13,6 @@ from pydantic import (
     model_validator,
 )
 
-from ..errors import InputError
 from ..physical_limits import MODEL_DEPTH, MODEL_WIDTH, NORM_EPS, POSITIONS, RATIO, ROPE_THETA, VOCAB, limited
 
 Family = Literal["llama", "mistral", "qwen2"]
@@ -147,26 +144,3 @@ PRESETS: dict[str, ModelSpec] = {
         _preset("llama-100m", 768, 12, 12, 12, 2048, 32000),
     )
 }
-
-
-def from_hf_config(path: str | os.PathLike[str]) -> ModelSpec:
-    """Read a Hugging Face `config.json` (Llama, Mistral or Qwen2) into a ModelSpec; see model/hf_config.py."""
-    from .hf_config import read_hf_config
-
-    return read_hf_config(path)
-
-
-def to_hf_config(spec: ModelSpec) -> dict[str, Any]:
-    """The Hugging Face `config.json` dict of `spec`; see model/hf_config.py."""
-    from .hf_config import hf_config_dict
-
-    return hf_config_dict(spec)
-
-
-def resolve_model(name_or_path: str) -> ModelSpec:
-    """A preset name, or a path to a Hugging Face config.json."""
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
-    if name_or_path.endswith(".json") or os.path.sep in name_or_path or Path(name_or_path).exists():
-        return from_hf_config(name_or_path)
-    raise InputError(f"unknown model {name_or_path!r}; presets: {', '.join(PRESETS)}, or a path to a config.json")

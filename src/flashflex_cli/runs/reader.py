@@ -1,6 +1,6 @@
 """Load and check a run folder written by `flashflex launch --out RUN_DIR`.
 
-RUN_DIR holds metrics.jsonl (one JSON object per step, runtime/metrics.py; a step redone after a resume counts by
+RUN_DIR holds metrics.jsonl (one JSON object per step, runtime/training/metrics.py; a step redone after a resume counts by
 its last row), plan.json and cluster.json (copies of what the workers ran) and timeline.jsonl (per-op times of the
 last step). Measured values are medians over the steps, leaving out each launch's first (its warm-up) when there
 are more.

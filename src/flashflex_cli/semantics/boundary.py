@@ -10,7 +10,7 @@ remainder theorem each (sender, receiver) pair exchanges at most one chunk. Each
 chunks inside its TP group: receiver j contributes chunks j, j + t', j + 2 t', ..., so the gathered
 [t', n / t', c] buffer, read in [n / t', t', c] order, is the padded tensor.
 
-The runtime sends by this mapping (runtime/pipeline.py) and the cost model charges each link the chunks this
+The runtime sends by this mapping (runtime/parallel/pipeline.py) and the cost model charges each link the chunks this
 mapping puts on it (cost/comm.py `lean_transfer_time`), so both follow `chunk_route`.
 """
 

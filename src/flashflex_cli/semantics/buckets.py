@@ -1,6 +1,6 @@
 """The order in which a step's gradients become final, so reductions can start during the backward pass: one key
 per global parameter, larger keys finishing earlier. The runtime posts its gradient buckets by descending key
-(runtime/grad_buckets.py) and the cost model schedules its DP reductions by the same keys (cost/dp.py).
+(runtime/parallel/grad_buckets.py) and the cost model schedules its DP reductions by the same keys (cost/dp.py).
 
 The head finishes first, then the final norm, then the transformer layers from the last to the first (a layer's
 key is its index), the embedding last (its lookup is the first stage's last backward; with tied embeddings the

@@ -2,7 +2,7 @@
 both the runtime (building, checkpointing and reducing the stage's tensors) and the Hugging Face weight files
 (hf/: names, slicing on load) follow. Torch-free: shapes and index ranges only.
 
-Global names and shapes are listed in runtime/model.py's docstring; `shard_dim` is the dimension a TP group
+Global names and shapes are listed in runtime/model/stage.py's docstring; `shard_dim` is the dimension a TP group
 splits (0: column-parallel weights and the vocabulary-parallel embedding and head; 1: row-parallel weights;
 None: replicated norms). Shards are floor splits, nested across degrees (`shard_bounds`), so a shard of a TP-2
 group is exactly the union of two shards of a TP-4 group.

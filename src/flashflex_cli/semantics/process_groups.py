@@ -1,6 +1,6 @@
 """Which ranks of a plan form which process groups: pure functions of the plan's layout, torch-free.
 
-The runtime creates exactly these groups (runtime/groups.py `build_groups`, in `group_members`' order) and the
+The runtime creates exactly these groups (runtime/parallel/groups.py `build_groups`, in `group_members`' order) and the
 cost model charges each GPU rank one NCCL communicator per group it belongs to (cost/memory.py), so both read
 the one list here. The plan is taken as it is (duck-typed: `pipelines[p].stages[s]` with `tp`, `layers` and
 `devices`, `inputs.model` a ModelSpec), since this part may not import the plan format.
@@ -11,7 +11,7 @@ full tensor into the finest common slices; each such slice is summed over exactl
 contribution per holding stage (`SliceHolders.contributors`). Tied embeddings: in a pipeline of two or more
 stages, the first stage (lookup) and the last stage (output projection) both hold "embed".
 
-Hierarchical reduction (runtime/hier_reduce.py): the holders of a slice grouped by node (the part of the device
+Hierarchical reduction (runtime/parallel/hier_reduce.py): the holders of a slice grouped by node (the part of the device
 name before "/"); where they span two or more nodes and some node has two or more of them, each node's part and
 the nodes' leaders (lowest rank per node) get a group.
 """

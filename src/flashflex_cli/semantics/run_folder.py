@@ -6,13 +6,13 @@ starts again or is refused. Torch-free: the launcher reads it without importing 
     RUN/plan.json          copies of what the workers ran (rank 0): plan, cluster, resolved runtime paths
     RUN/cluster.json
     RUN/runtime.json
-    RUN/metrics.jsonl      one JSON object per optimizer step, appended, never rewritten (runtime/metrics.py)
+    RUN/metrics.jsonl      one JSON object per optimizer step, appended, never rewritten (runtime/training/metrics.py)
     RUN/timeline.jsonl     per-op times of the last step
     RUN/events.jsonl       elastic re-plans (launch/elastic.py), RUN/elastic/ their plan and cluster files
     RUN/workers.json       the running workers (pid, plan rank, device)
     RUN/checkpoints/       the checkpoint folder unless --checkpoint-dir names another one
 
-    CK/step-000010/        one complete checkpoint: DCP files and manifest.json (runtime/checkpoint.py)
+    CK/step-000010/        one complete checkpoint: DCP files and manifest.json (runtime/checkpoint/dcp.py)
     CK/step-000010.tmp/    a save in progress (ignored by loads, removed by the next save)
     CK/latest              the name of the newest complete checkpoint, replaced atomically; it never moves back
 

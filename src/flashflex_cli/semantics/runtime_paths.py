@@ -7,7 +7,7 @@ path existed is charged by the behaviour it really had: a key absent from an old
 existed then (`LEGACY`).
 
 Paths:
-- lean_p2p, overlap_dp, hierarchical_dp: the communication paths (runtime/pipeline.py, runtime/grad_sync.py).
+- lean_p2p, overlap_dp, hierarchical_dp: the communication paths (runtime/parallel/pipeline.py, runtime/parallel/grad_sync.py).
 - compile: each decoder layer compiled with torch.compile (default: on CUDA devices only).
 - chunked_loss: the output projection and cross-entropy computed in chunks of tokens (`loss_chunk_tokens`), so no
   [tokens, vocab] fp32 logits are ever held; False: the whole logits tensor, upcast to fp32 for the loss.
@@ -16,7 +16,7 @@ Paths:
 - compute_dtype: the dtype matmuls run in: the plan's bf16/fp16 under autocast on every device, fp32 for fp32
   plans (tf32: fp32 tensors; on CUDA with TF32 matmuls).
 - loss_scaling (fp16 runs only, written beside these by the worker): the dynamic loss scaling's settings
-  (run_config.LossScaling, applied by runtime/loss_scale.py: init_scale, growth_factor, backoff_factor, growth_interval); absent: no loss scaling
+  (run_config.LossScaling, applied by runtime/training/loss_scale.py: init_scale, growth_factor, backoff_factor, growth_interval); absent: no loss scaling
   (bf16 and fp32 runs, and fp16 runs recorded before it existed). It changes no time or memory the cost model
   charges, so `from_record` does not read it.
 """

@@ -1,5 +1,5 @@
 """The 1F1B order of one pipeline stage (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM's default schedule):
-what the runtime executes (runtime/pipeline.py) and what the cost model simulates (cost/schedule.py).
+what the runtime executes (runtime/parallel/pipeline.py) and what the cost model simulates (cost/schedule.py).
 
 Stage s of S with m micro-batches first runs w = min(S - s - 1, m) warm-up forwards, then alternates one
 forward and one backward until every forward ran, then runs the remaining backwards. At most w + 1 micro-batches

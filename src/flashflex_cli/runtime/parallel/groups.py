@@ -21,8 +21,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from ..plan.schema import Plan
-from ..semantics.process_groups import (
+from ...plan.schema import Plan
+from ...semantics.process_groups import (
     NodeSplit,
     SliceHolders,
     group_members,
@@ -31,7 +31,7 @@ from ..semantics.process_groups import (
     slice_holders,
     stage_ranks,
 )
-from .tensor_parallel import TPContext
+from ..model.tensor_parallel import TPContext
 
 __all__ = ["PlanGroups", "SliceHolders", "adjacent_stages", "build_groups", "neighbours", "slice_holders",
            "stage_ranks"]
@@ -58,12 +58,12 @@ class PlanGroups:
     dp_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
     prev_stage: tuple[int, ...] = ()  # ranks of the previous stage of this pipeline (TP order; () on the first)
     next_stage: tuple[int, ...] = ()  # ranks of the next stage (() on the last)
-    # hierarchical DP (runtime/hier_reduce.py): the node split of every holder set spanning nodes, and the
+    # hierarchical DP (runtime/parallel/hier_reduce.py): the node split of every holder set spanning nodes, and the
     # intra-node and leader groups this rank belongs to, keyed by sorted member ranks
     node_splits: dict[tuple[int, ...], NodeSplit] = field(default_factory=dict)
     node_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
     # gloo: the timeout the pipeline's point-to-point waits use (gloo's sends and receives keep the timeout their
-    # group was made with; runtime/timeouts.py sets this when it changes the groups'); None: that one
+    # group was made with; runtime/parallel/timeouts.py sets this when it changes the groups'); None: that one
     p2p_wait: timedelta | None = None
 
     def member_groups(self) -> list[dist.ProcessGroup]:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..run_config import OptimConfig
+from ...run_config import OptimConfig
 
 
 def lr_at(step: int, cfg: OptimConfig) -> float:

@@ -27,7 +27,7 @@ flag is a separate small collective, run only by fp16 plans; bf16 and fp32 plans
 
 The learning-rate schedule follows iterations, as in a torch loop that calls its scheduler every iteration
 (GradScaler leaves the scheduler to the caller): a skipped step consumes its batch and its slot of the schedule,
-on every rank alike and in the one-device reference (runtime/reference.py). AdamW's own step count (its bias
+on every rank alike and in the one-device reference (runtime/training/reference.py). AdamW's own step count (its bias
 correction) counts the updates actually taken; the engine keeps that count ("optimizer_steps" in checkpoints).
 
 Test injection: FLASHFLEX_OVERFLOW_INJECT="rank=R,step=K" makes plan rank R's first local gradient inf at step K
@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..errors import InputError
-from ..run_config import LossScaling
-from .injection_spec import parse_injection
+from ...errors import InputError
+from ...run_config import LossScaling
+from ...semantics.worker_protocol import parse_injection
 
 INJECT_ENV = "FLASHFLEX_OVERFLOW_INJECT"
 SCALE_KEY = "loss_scale"  # checkpoint keys: fp32 scalar (the scale the next step uses) ...

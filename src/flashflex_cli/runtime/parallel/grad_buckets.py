@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..semantics.buckets import KEY_UNORDERED, backward_key, overlap_order
+from ...semantics.buckets import KEY_UNORDERED, backward_key, overlap_order
 from .groups import SliceHolders
 
 

@@ -19,7 +19,7 @@ strictly one after the other, in the order they were posted, and never blocks th
 
 Order and deadlock: a chain's first step is issued only once every step of the previous chain has been issued,
 so each rank issues its collectives in the order (chain, step). When every rank posts the chains it shares with
-others as a subsequence of one global list (runtime/grad_buckets.py), every process group sees its collectives
+others as a subsequence of one global list (runtime/parallel/grad_buckets.py), every process group sees its collectives
 in the same order on all its members. A step is held back only until an earlier step completes, and the
 earliest incomplete step of the global order has been issued by all its members, so it completes: nothing can
 wait in a cycle. (Gloo matches collectives of one group by their order; NCCL needs the same order per

@@ -2,10 +2,10 @@
 
 API (stable; later versions only add optional keyword arguments)::
 
-    groups = build_groups(plan, rank)                 # runtime/groups.py, collective, after init_process_group
+    groups = build_groups(plan, rank)                 # runtime/parallel/groups.py, collective, after init_process_group
     engine = RankEngine(plan, rank, groups, device, optim: OptimConfig, seed=0, slowdown=1.0,
-                        options=RuntimeOptions(),         # the runtime's paths (runtime/options.py)
-                        loss_scaling=LossScaling())       # fp16 plans: dynamic loss scaling (runtime/loss_scale.py)
+                        options=RuntimeOptions(),         # the runtime's paths (semantics/runtime_paths.py)
+                        loss_scaling=LossScaling())       # fp16 plans: dynamic loss scaling (runtime/training/loss_scale.py)
     result = engine.train_step(tokens)                # -> StepResult
     engine.pipeline_slice(global_batch) -> slice      # rows of the global batch this rank's pipeline takes
     engine.shard_specs() -> list[ShardSpec]           # global name, full shape, (dim, start, stop), owner
@@ -16,7 +16,7 @@ API (stable; later versions only add optional keyword arguments)::
     engine.gather_full_grads() / gather_full_params() # test helpers, collective over the TP group
     engine.step                                       # steps taken (batches consumed, skipped ones included)
     engine.optimizer_steps                            # AdamW updates taken (fp16: steps not skipped)
-    engine.scaler                                     # fp16: the job's loss scaler (runtime/loss_scale.py), else None
+    engine.scaler                                     # fp16: the job's loss scaler (runtime/training/loss_scale.py), else None
     engine.options                                    # the paths that run (resolved; compile off after a fallback)
     engine.compile_seconds                            # the compile warm-up before step 0 (None: not compiled)
 
@@ -31,15 +31,15 @@ same global batch. `StepResult.loss` is that value, identical on every rank.
 State keys: "<name>" (fp32 master parameter shard), "<name>.exp_avg", "<name>.exp_avg_sq" (AdamW moments, same
 shard), "step" (int64 scalar tensor: steps taken), "optimizer_steps" (int64: AdamW updates taken, fewer than
 "step" by the steps fp16 loss scaling skipped) and, in fp16 plans, "loss_scale" (fp32) and
-"loss_scale_growth_tracker" (int32). Global names are plan-independent (see runtime/model.py). A checkpoint that
+"loss_scale_growth_tracker" (int32). Global names are plan-independent (see runtime/model/stage.py). A checkpoint that
 lacks the optional scalars loads with optimizer_steps = step and the initial loss scale.
 
 Precision: fp32 parameters always; the compute runs under autocast in the plan's dtype on every device (bf16 or
 fp16; semantics/runtime_paths.compute_dtype); fp32 and tf32 plans compute in fp32 (tf32: TF32 matmuls on CUDA).
-fp16 plans scale the loss dynamically, one scale for the whole job (runtime/loss_scale.py): a step whose
+fp16 plans scale the loss dynamically, one scale for the whole job (runtime/training/loss_scale.py): a step whose
 gradients overflow anywhere is skipped on every rank (`StepResult.skipped`) and the scale backs off.
 
-Compilation (options.compile): the stage's layers, final norm and chunked loss are compiled (runtime/compiled.py)
+Compilation (options.compile): the stage's layers, final norm and chunked loss are compiled (runtime/model/compiled.py)
 and warmed up in the constructor, on dummy inputs of the real shapes, so no step pays for it; if compiling fails
 on any rank, every rank runs eager (one warning line, `options.compile` then False). The step itself never waits
 for the device before its end: the loss and the gradient norm are read once, after the optimizer step.
@@ -55,24 +55,24 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from ..errors import InputError
-from ..plan.schema import Plan
-from ..semantics.parameters import ParamInfo, stage_params
-from .attention import EAGER, FLASH, LOG, SDPA, choose_backend
-from .compiled import CompileBackend, compile_stage, eager_stage, warm_up
-from .grad_sync import GradSync
-from .groups import PlanGroups
-from .init import shard_init
+from ...errors import InputError
+from ...plan.schema import Plan
+from ...semantics.parameters import ParamInfo, stage_params
+from ...semantics.runtime_paths import RuntimeOptions
+from ..device.oom import PhaseTracker
+from ..device.op_timer import OpTimer
+from ..device.slowdown import Slowdown
+from ..model.attention import EAGER, FLASH, LOG, SDPA, choose_backend
+from ..model.compiled import CompileBackend, compile_stage, eager_stage, warm_up
+from ..model.init import shard_init
+from ..model.precision import autocast_dtype
+from ..model.stage import StageModule
+from ..parallel.grad_sync import GradSync
+from ..parallel.groups import PlanGroups
+from ..parallel.pipeline import PipelineRunner, PipelineTimes
+from ..parallel.shards import ShardSpec
 from .loss_scale import SCALE_KEY, TRACKER_KEY, JobScaler, LossScaling, poison
-from .model import StageModule
-from .oom import PhaseTracker
-from .op_timer import OpTimer
 from .optimizer import OptimConfig, lr_at, make_optimizer, restore_moments, set_lr
-from .options import RuntimeOptions
-from .pipeline import PipelineRunner, PipelineTimes
-from .precision import autocast_dtype
-from .shards import ShardSpec
-from .slowdown import Slowdown
 
 # the plan's attention setting -> the runtime's backend (flash-attn only where supported, else SDPA, logged)
 PLAN_ATTENTION = {"flash": FLASH, "sdpa": SDPA, "eager": EAGER}
@@ -125,7 +125,7 @@ class RankEngine:
     returning the local shard, e.g. from a Hugging Face checkpoint), its optimizer and its schedule.
     `compile_backend`: torch.compile's backend when `options` compile (tests pass a cheaper one).
     `loss_scaling`: the dynamic loss scaling of fp16 plans (ignored by others); `overflow_steps`: steps at which
-    this rank's first gradient is made inf after the reduction (tests: runtime/loss_scale.py's injection)."""
+    this rank's first gradient is made inf after the reduction (tests: runtime/training/loss_scale.py's injection)."""
 
     def __init__(self, plan: Plan, rank: int, groups: PlanGroups, device: torch.device, optim: OptimConfig,
                  seed: int = 0, slowdown: float = 1.0, attention: str | None = None,
@@ -138,7 +138,7 @@ class RankEngine:
             raise InputError(f"rank {rank} does not match the plan (world size {plan.world_size}) or its groups")
         self.plan, self.rank, self.groups, self.device, self.optim = plan, rank, groups, device, optim
         self.options = (options or RuntimeOptions()).resolved(device.type == "cuda")
-        self.phases = phases or PhaseTracker()  # told the phase of each step (runtime/oom.py)
+        self.phases = phases or PhaseTracker()  # told the phase of each step (runtime/device/oom.py)
         me = plan.ranks()[rank]
         self.pipe = plan.pipelines[me.pipeline]
         self.stage_plan = self.pipe.stages[me.stage]

@@ -18,7 +18,7 @@ absent), what the real allocator raises: torch.OutOfMemoryError with CUDA's text
 defaults: those of a recorded H100 run), or for phase "nccl" the DistBackendError NCCL raises. `free` and
 `total` also stand in for the device's free-memory query (so an emulated CPU device can report low memory).
 
-No torch import at module level: the launcher reads `is_oom_line` without loading the runtime.
+The launcher recognises these lines by their first words (semantics/worker_protocol.py's `is_oom_line`).
 """
 
 from __future__ import annotations
@@ -29,17 +29,16 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from .injection_spec import parse_injection
+from ...semantics.worker_protocol import OOM_LINE_PREFIX, parse_injection
 
 if TYPE_CHECKING:
-    from ..plan.schema import Plan
+    from ...plan.schema import Plan
 
 PHASES = ("setup", "nccl", "forward", "backward", "optimizer", "checkpoint")
 STEP_PHASES = ("forward", "backward", "optimizer", "checkpoint")
 PHASE_TEXT = {"setup": "set-up (building the engine)", "nccl": "NCCL set-up", "forward": "the forward pass",
               "backward": "the backward pass", "optimizer": "the optimizer step", "checkpoint": "the checkpoint save"}
 INJECT_ENV = "FLASHFLEX_OOM_INJECT"
-LINE_PREFIX = "out of memory"  # every line `oom_line` writes starts with it (the launcher's report looks for it)
 
 GIB = 1024**3
 LOW_FREE_BYTES = GIB  # below this many free bytes, or LOW_FREE_FRACTION of the device, memory is low
@@ -251,13 +250,8 @@ def oom_line(kind: str, place: StagePlace, phase: str, step: int, figures: Memor
         predicted = f"the plan predicted {format_size(place.predicted_bytes)}{capacity} for this stage"
     else:
         predicted = "the plan carries no memory prediction for this stage"
-    return (f"{LINE_PREFIX}{inside} on {where} {when}: {_figures_text(kind, figures)}; {predicted}; "
+    return (f"{OOM_LINE_PREFIX}{inside} on {where} {when}: {_figures_text(kind, figures)}; {predicted}; "
             f"{advice(place)}")
-
-
-def is_oom_line(text: str | None) -> bool:
-    """Whether a rank's one-line error is an out-of-memory report of `oom_line`."""
-    return bool(text) and text.startswith(LINE_PREFIX)  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)
@@ -346,7 +340,7 @@ def device_memory(device: Any, injection: OomInjection | None = None) -> MemoryF
         except RuntimeError:
             pass  # the CUDA context itself is broken: report without figures
     elif device is not None:
-        from .metrics import resident_bytes
+        from .memory import resident_bytes
 
         figures = MemoryFigures(in_use=resident_bytes() or None)
     if injection is not None:

@@ -9,7 +9,7 @@ forward_s, backward_s, comm_s (pipeline p2p + gradient sync), optimizer_s and, o
 tensor-parallel all-reduces, included in forward_s and backward_s) of that step; comm_s split into p2p_s and
 dp_s, pipeline_s (the whole 1F1B schedule: compute, transfers and waits), memory_bytes (largest over the
 stage's TP ranks) and rank_memory_bytes (each TP rank's, in TP order). fp16 runs add `loss_scale` (the scale the step's loss was multiplied by) and `skipped`
-(true when inf/NaN gradients made every rank skip the update; the scale then backed off: runtime/loss_scale.py).
+(true when inf/NaN gradients made every rank skip the update; the scale then backed off: runtime/training/loss_scale.py).
 
 `RUN_DIR/timeline.jsonl` (`write_timeline`): the compute ops of the last step, one JSON object per stage:
 {"step", "pipeline", "stage", "ops": [[kind "F"/"B", micro-batch, start_s, end_s], ...]}, seconds since the
@@ -29,64 +29,10 @@ from typing import Any
 
 from rich.console import Console
 
-from ..fileio import atomic_write_text
-from ..hardware.catalog import GIB
-from ..semantics.run_folder import METRICS, launch_index
-from ..semantics.stated_error import mfu_advice
-
-
-def rank_memory_bytes(device_type: str) -> int:
-    """Peak memory of this process: CUDA max allocated on GPUs, max resident set size on CPU (bytes)."""
-    if device_type == "cuda":
-        import torch
-
-        return int(torch.cuda.max_memory_allocated())
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-def held_memory_bytes(device_type: str) -> int:
-    """Memory this process holds now: CUDA allocated on GPUs, resident set size on CPU (bytes); and the peak
-    counter is reset (CUDA peak stats; Linux VmHWM through /proc/self/clear_refs), so that `peak_since_reset`
-    sees only what comes after. Taken before the first step: the baseline of `memory_growth_bytes`."""
-    if device_type == "cuda":
-        import torch
-
-        torch.cuda.reset_peak_memory_stats()
-        return int(torch.cuda.memory_allocated())
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")  # resets the peak resident set size (Linux >= 4.0)
-    except OSError:
-        pass  # then the peak includes initialisation: an overstatement, never an understatement
-    return _status_bytes("VmRSS")
-
-
-def peak_since_reset(device_type: str) -> int:
-    """Peak memory since `held_memory_bytes` reset the counter (bytes)."""
-    if device_type == "cuda":
-        import torch
-
-        return int(torch.cuda.max_memory_allocated())
-    return _status_bytes("VmHWM")
-
-
-def resident_bytes() -> int:
-    """Resident set size of this process now (bytes; 0 where unavailable)."""
-    return _status_bytes("VmRSS")
-
-
-def _status_bytes(field: str) -> int:
-    """A kB field of /proc/self/status in bytes (0 where unavailable)."""
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+from ...fileio import atomic_write_text
+from ...hardware.catalog import GIB
+from ...semantics.run_folder import METRICS, launch_index
+from ...semantics.stated_error import mfu_advice
 
 
 def stage_times(plan_ranks: list[Any], per_rank: list[dict[str, float]],
@@ -227,7 +173,7 @@ def run_summary(rows: list[dict[str, Any]], total_steps: int, wall_s: float, pre
     """The end of a run in plain lines: steps trained, wall time (seconds, the launch's), tokens, loss from first
     to last, the median step time against the prediction (flagged when outside the stated band), peak memory,
     the newest checkpoint and the metrics file. `rows`: this launch's metrics rows (each step once)."""
-    from ..semantics.stated_error import ratio_is_suspect, suspect_ratio_advice
+    from ...semantics.stated_error import ratio_is_suspect, suspect_ratio_advice
 
     if not rows:
         return [f"done: no step trained in {duration_text(wall_s)}"

@@ -11,7 +11,7 @@ Activations and gradients [mbs, seq, hidden] cross a boundary in one of two ways
   the receiving TP group all-gathering them; the received tensor is cast back to fp32 for the stage;
 - full (lean off): every receiving TP rank takes the whole fp32 tensor from one sending rank (`groups`).
 
-fp16 plans send gradients multiplied by the job's loss scale (runtime/loss_scale.py), in fp16 on the lean path.
+fp16 plans send gradients multiplied by the job's loss scale (runtime/training/loss_scale.py), in fp16 on the lean path.
 An element beyond fp16's range (65504) becomes inf in the cast, never a wrong finite value; every weight gradient
 the receiving stage computes from it is then inf or NaN (inf times any activation, zero included), so that
 rank's overflow check finds it and every rank skips the step and halves the scale. One-device training has the
@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..semantics.boundary import ChunkPlan
-from ..semantics.schedule import one_f_one_b
+from ...semantics.boundary import ChunkPlan
+from ...semantics.schedule import one_f_one_b
+from ..device.oom import PhaseTracker
+from ..device.op_timer import OpTimer
+from ..device.slowdown import Slowdown
 from .groups import PlanGroups
-from .oom import PhaseTracker
-from .op_timer import OpTimer
-from .slowdown import Slowdown
 
 FWD_TAG, BWD_TAG = 1, 2
 # all-gather into one output tensor (stacked inputs): torch >= 2.13 names it all_gather_single, earlier
@@ -113,7 +113,7 @@ class PipelineRunner:
         self.num_micro, self.act_shape = num_micro, act_shape
         self.autocast, self.slowdown = autocast, slowdown or Slowdown(1.0)
         self.lean, self.transfer_dtype = lean, transfer_dtype
-        self.phases = phases or PhaseTracker()  # told "forward" / "backward" as each op begins (runtime/oom.py)
+        self.phases = phases or PhaseTracker()  # told "forward" / "backward" as each op begins (runtime/device/oom.py)
         self.numel = act_shape[0] * act_shape[1] * act_shape[2]
         # On CUDA the device is never synchronised for timing; an emulated slowdown still needs the op's device
         # time on the host, so it alone keeps the synchronize.
@@ -224,7 +224,7 @@ class PipelineRunner:
         """Forward and backward every micro-batch; returns the summed (unscaled) loss of this pipeline's tokens
         as an fp64 scalar on the last stage (zero elsewhere). Gradients accumulate into the parameters, scaled
         by `loss_scale` (1 / global token count) and then, with `scale_loss` (fp16: the job's dynamic loss scale,
-        runtime/loss_scale.py), by what it multiplies the last stage's loss by; the gradients crossing stage
+        runtime/training/loss_scale.py), by what it multiplies the last stage's loss by; the gradients crossing stage
         boundaries carry the same factor.
 
         Communication follows the schedule: a forward followed by a backward sends its activation and receives

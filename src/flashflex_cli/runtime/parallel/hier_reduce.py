@@ -13,7 +13,7 @@ Holmes, arXiv 2312.03549, designs for, and the emulated hosts of this project) b
 2 (m - 1) / m x S bytes through each node's NIC, against 2 (N - 1) / N x S per ring hop for the flat ring over
 all N = sum k_i holders, in 2 (m - 1) instead of 2 (N - 1) latency-bound steps.
 
-Each rank issues its steps as a chain of asynchronous collectives (`hier_chain`, runtime/collective_chain.py),
+Each rank issues its steps as a chain of asynchronous collectives (`hier_chain`, runtime/parallel/collective_chain.py),
 so the training thread never blocks on the reduction before the end of the step's schedule.
 
 The node splits are pure (semantics/process_groups.py: plan -> splits); the groups they name are created by
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..semantics.process_groups import NodeSplit, hierarchical_groups, node_of, node_split, node_splits
+from ...semantics.process_groups import NodeSplit, hierarchical_groups, node_of, node_split, node_splits
 from .collective_chain import Chain, Step
 
 __all__ = ["NodeSplit", "hier_chain", "hierarchical_groups", "node_of", "node_split", "node_splits"]
@@ -35,7 +35,7 @@ def hier_chain(flat: torch.Tensor, split: NodeSplit, rank: int,
                groups: dict[tuple[int, ...], dist.ProcessGroup]) -> Chain:
     """This rank's part of summing `flat` (any shape; this rank's contribution, the sum once the chain is done)
     over `split.members` by the three-step schedule above, as a chain of asynchronous collectives
-    (runtime/collective_chain.py): a reduce inside the node, for the node's leader the all-reduce across the
+    (runtime/parallel/collective_chain.py): a reduce inside the node, for the node's leader the all-reduce across the
     leaders (the chain's timed step), then the broadcast inside the node. Each step reads what the one before it
     wrote, so the chain issues it only once that is there."""
     part = next(p for p in split.parts if rank in p)

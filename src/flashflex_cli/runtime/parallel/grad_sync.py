@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..semantics.parameters import ParamInfo
+from ...semantics.parameters import ParamInfo
 from .collective_chain import Chain, ChainQueue
 from .grad_buckets import Bucket, holder_set_buckets, overlap_buckets, rank_buckets
 from .groups import PlanGroups, SliceHolders

@@ -1,4 +1,4 @@
-"""The per-rank entry point: `python -m flashflex_cli.runtime.worker --config RUN/config.json [--plan-node NODE]`.
+"""The per-rank entry point: `python -m flashflex_cli.runtime.training.worker --config RUN/config.json [--plan-node NODE]`.
 
 Every setting of the run comes from the run configuration file (run_config.py), which the launcher wrote: the plan,
 cluster, data, steps, checkpoints, the runtime switches, the optimizer and its schedule, the loss scaling.
@@ -15,15 +15,15 @@ Exit codes: 0 done (or stopped by SIGTERM / SIGINT after saving a checkpoint); 1
 Signals: SIGTERM and SIGINT before training began end the process quietly; during training they stop it at
 the next step boundary, with a checkpoint (repeats are ignored: the launcher escalates with SIGKILL).
 Started by `flashflex launch` (local), it also dies with the launcher, beats a heartbeat the launcher watches
-and leaves its one-line error for the launcher's report (runtime/heartbeat.py).
+and leaves its one-line error for the launcher's report (runtime/training/heartbeat.py).
 Fault injection for tests: FLASHFLEX_FAULT_INJECT="rank=R,step=K" kills plan rank R with SIGKILL at the
-start of step K; FLASHFLEX_OOM_INJECT="rank=R,phase=P,step=K" raises an out-of-memory there (runtime/oom.py);
+start of step K; FLASHFLEX_OOM_INJECT="rank=R,phase=P,step=K" raises an out-of-memory there (runtime/device/oom.py);
 FLASHFLEX_OVERFLOW_INJECT="rank=R,step=K" makes plan rank R's gradient inf at step K of an fp16 plan
-(runtime/loss_scale.py: every rank skips that step); FLASHFLEX_DELAY_INJECT="rank=R,seconds=S[,step=K]" makes
+(runtime/training/loss_scale.py: every rank skips that step); FLASHFLEX_DELAY_INJECT="rank=R,seconds=S[,step=K]" makes
 plan rank R sleep S seconds in its set-up (without step) or at the start of step K (`injected_delay`).
-Collective timeouts (runtime/timeouts.py): the long one (RunConfig.setup_seconds) from joining the process group
+Collective timeouts (runtime/parallel/timeouts.py): the long one (RunConfig.setup_seconds) from joining the process group
 to the end of the first step and around every checkpoint save, `--timeout` for the other steps.
-An out-of-memory is one line (runtime/oom.py: rank, device, stage, phase, bytes, the plan's prediction, what
+An out-of-memory is one line (runtime/device/oom.py: rank, device, stage, phase, bytes, the plan's prediction, what
 to change) and exit code 1. On GPUs NCCL sets up its communicators at process-group init (`device_id`), so
 its buffers are taken before the model's tensors.
 """
@@ -41,14 +41,16 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
-from ..hardware.cpu_share import pin_emulated_device, usable_cores
-from . import flight_recorder, heartbeat, oom
+from ...hardware.cpu_share import pin_emulated_device, usable_cores
+from ...semantics import flight_recorder
+from ...semantics.worker_protocol import PEER_LOST
+from ..device import oom
+from . import heartbeat
 
 if TYPE_CHECKING:
-    from ..hardware.cluster import Cluster, Device
-    from ..run_config import RunConfig
+    from ...hardware.cluster import Cluster, Device
+    from ...run_config import RunConfig
 
-PEER_LOST = 3
 
 
 def plan_rank(plan, node: str | None, local_rank: int) -> int:  # type: ignore[no-untyped-def]
@@ -76,7 +78,7 @@ DELAY_ENV = "FLASHFLEX_DELAY_INJECT"
 def injected_delay(env: Mapping[str, str], rank: int, step: int | None) -> float:
     """Seconds FLASHFLEX_DELAY_INJECT asks plan rank `rank` to sleep at the start of step `step` (None: in its
     set-up, before the stage is built): "rank=R,seconds=S[,step=K]", several joined by ";"."""
-    from .injection_spec import parse_injection
+    from ...semantics.worker_protocol import parse_injection
 
     total = 0.0
     for text in filter(None, (part.strip() for part in env.get(DELAY_ENV, "").split(";"))):
@@ -168,7 +170,7 @@ def claim_host_share(on_cpu: bool, device_index: int) -> None:
 def local_cuda_ordinal(device_id: str, recorded: Device) -> int:
     """The visible CUDA ordinal of plan device `device_id` (hardware/gpu_identity.py: by the UUID or PCI bus id
     the cluster file records, else by its index on the node). InputError naming the device when it is not here."""
-    from ..hardware.gpu_identity import cuda_ordinal, visible_gpus
+    from ...hardware.gpu_identity import cuda_ordinal, visible_gpus
 
     return cuda_ordinal(device_id, recorded.uuid, recorded.pci_bus_id, int(device_id.rpartition("/")[2]),
                         visible_gpus())
@@ -203,28 +205,26 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     import torch
     import torch.distributed as dist
 
-    from ..fileio import atomic_write_text
-    from ..hardware.cluster import load_cluster
-    from ..model.flops import model_flops_per_token
-    from ..plan.schema import load_plan
-    from ..semantics.run_folder import decide_start, folder_progress, run_identity
-    from . import checkpoint as ckpt
+    from ...fileio import atomic_write_text
+    from ...hardware.cluster import load_cluster
+    from ...model.flops import model_flops_per_token
+    from ...plan.schema import load_plan
+    from ...semantics.run_folder import decide_start, folder_progress, run_identity
+    from ..checkpoint import dcp as ckpt
+    from ..device.memory import held_memory_bytes, peak_since_reset, rank_memory_bytes
+    from ..parallel.groups import build_groups
+    from ..parallel.timeouts import PhasedTimeouts
     from .data import open_source, stage_tokens
     from .engine import RankEngine
-    from .groups import build_groups
     from .loss_scale import injected_steps
     from .metrics import (
         MetricsLog,
-        held_memory_bytes,
-        peak_since_reset,
         predicted_step_seconds,
-        rank_memory_bytes,
         run_summary,
         stage_ops,
         stage_times,
         write_timeline,
     )
-    from .timeouts import PhasedTimeouts
 
     started = time.monotonic()
     plan, cluster = load_plan(config.plan), load_cluster(config.cluster)
@@ -266,7 +266,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     if not on_cpu:  # the watchdog's dump on a timeout, in RUN/nccl-trace/ (before the process group exists)
         flight_recorder.prepare(config.out)
     phases.enter("nccl")
-    # the long timeout until the first step is done (runtime/timeouts.py), the run's own after it
+    # the long timeout until the first step is done (runtime/parallel/timeouts.py), the run's own after it
     _init_process_group(rank, world, "gloo" if on_cpu else "nccl", config.setup_seconds, None if on_cpu else device)
 
     stop = StopRequest()
@@ -276,7 +276,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     _delay(rank, None)
     initial = None
     if config.init_from:
-        from ..hf.load import SlicedLoader
+        from ...hf.load import SlicedLoader
 
         initial = SlicedLoader(config.init_from, model)
     engine = RankEngine(plan, rank, groups, device, config.optimizer, seed=config.seed,
@@ -375,17 +375,17 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one rank; print one line naming the rank on failure (an out-of-memory: runtime/oom.py's line)."""
+    """Run one rank; print one line naming the rank on failure (an out-of-memory: runtime/device/oom.py's line)."""
     heartbeat.start()
     exit_quietly_on_stop_signals()
     args = parse_args(argv)
     phases = oom.PhaseTracker()
     try:
-        from ..run_config import load_run_config
+        from ...run_config import load_run_config
 
         return run(load_run_config(args.config), args.node, phases)
     except Exception as exc:  # report one line with the rank, then exit non-zero
-        from ..errors import FlashflexError
+        from ...errors import FlashflexError
 
         line = oom.report(exc, phases)
         if line is not None:

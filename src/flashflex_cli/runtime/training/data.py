@@ -17,10 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..data.token_file import TokenFile, vocabulary_advice
-from ..errors import InputError
-
-SYNTHETIC = "synthetic"
+from ...data.checks import SYNTHETIC, check_vocabulary, sequence_windows
+from ...data.token_file import TokenFile
 
 
 class BatchSource:
@@ -57,10 +55,7 @@ class TokenFileSource(BatchSource):
         self.global_batch_size = global_batch
         self.seq_len = seq_len
         self.seed = seed
-        self.windows = (len(self.file) - 1) // seq_len
-        if self.windows < 1:
-            raise InputError(f"{self.file.path}: {len(self.file)} tokens, fewer than one sequence of "
-                             f"{seq_len + 1}")
+        self.windows = sequence_windows(self.file, seq_len)
         self._perm_cache: dict[int, np.ndarray] = {}
 
     def _perm(self, epoch: int) -> np.ndarray:
@@ -112,9 +107,7 @@ def open_source(data: str, vocab_size: int, global_batch: int, seq_len: int, see
     if data == SYNTHETIC:
         return SyntheticSource(vocab_size, global_batch, seq_len, seed)
     source = TokenFileSource(data, global_batch, seq_len, seed)
-    if source.vocab_size > vocab_size:
-        raise InputError(f"{data}: token vocabulary {source.vocab_size} exceeds the model's vocab_size "
-                         f"{vocab_size}; {vocabulary_advice(source.vocab_size)}")
+    check_vocabulary(source.file, vocab_size)
     return source
 
 

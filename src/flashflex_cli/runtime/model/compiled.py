@@ -11,7 +11,7 @@ modules themselves untouched (parameter names, checkpoints and hooks unchanged):
   keep_collectives_eager`): each is a graph break, so a layer runs as the compiled pieces between its
   all-reduces (still shared by all layers); tracing a gloo or NCCL all-reduce into the graph would need
   functional collectives and would lose the collectives' timing.
-- the last stage's final RMSNorm, and the chunked loss's per-chunk functions (runtime/chunked_loss.py, which
+- the last stage's final RMSNorm, and the chunked loss's per-chunk functions (runtime/model/chunked_loss.py, which
   says how they split around the vocabulary-parallel all-reduces). The unchunked loss (`chunked_loss` off)
   stays eager: it is kept as the recorded runs' path, for comparison.
 - not the embedding: a lookup (plus, at TP > 1, a masked lookup and an all-reduce) has nothing to fuse.
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .chunked_loss import EAGER_KERNELS, compile_kernels
-from .model import StageModule, StageRunners
+from .stage import StageModule, StageRunners
 
 CompileBackend = str | Callable[..., Any]
 

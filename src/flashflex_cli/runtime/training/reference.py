@@ -3,7 +3,7 @@ torch's AdamW and clip_grad_norm_, one device, no parallelism. The parity tests 
 
 In a 16-bit dtype it is the plain torch mixed-precision loop: the forward under torch.autocast, and in fp16 a
 torch.amp.GradScaler (scale the loss, unscale_, clip, step, update), the loop every rank of a plan must agree
-with (runtime/loss_scale.py)."""
+with (runtime/training/loss_scale.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.spec import ModelSpec
-from .attention import SDPA
-from .init import full_init
+from ...model.spec import ModelSpec
+from ..model.attention import SDPA
+from ..model.init import full_init
+from ..model.precision import autocast, autocast_dtype
+from ..model.stage import StageModule
+from ..model.tensor_parallel import TPContext
 from .loss_scale import LossScaling, poison
-from .model import StageModule
 from .optimizer import OptimConfig, lr_at, set_lr
-from .precision import autocast, autocast_dtype
-from .tensor_parallel import TPContext
 
 
 @dataclass

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from ..model.spec import ModelSpec
+from ...model.spec import ModelSpec
 
 INIT_STD = 0.02
 BLOCK_ELEMENTS = 1 << 18  # values drawn per block by shard_init (1 MiB of fp32); a multiple of 16

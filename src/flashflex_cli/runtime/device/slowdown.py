@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ..errors import InputError
+from ...errors import InputError
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 

@@ -25,7 +25,7 @@ out-of-memory included) at any point leaves the previous checkpoint and pointer 
 before (a run restarted without --resume) is swapped out only once the new one is complete. The two newest
 checkpoints are kept. A save that fails for want of space or permission (`one_line_save_errors`) is one line
 naming the folder and the OS error; one that a rank's out-of-memory stopped raises that rank's own error there
-(runtime/oom.py reports it) and a peer error on the others.
+(runtime/device/oom.py reports it) and a peer error on the others.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ..errors import InputError, RuntimeFailure
-from ..fileio import atomic_write_text, dumps_json
-from ..semantics.run_folder import (
+from ...errors import InputError, RuntimeFailure
+from ...fileio import atomic_write_text, dumps_json
+from ...semantics.run_folder import (
     CHECKPOINT_SCHEMA,
     LATEST,
     MANIFEST,
@@ -59,8 +59,8 @@ from ..semantics.run_folder import (
     read_manifest,
     step_dir,
 )
-from .oom import classify
-from .shards import ShardSpec
+from ..device.oom import classify
+from ..parallel.shards import ShardSpec
 
 KEEP = 2
 

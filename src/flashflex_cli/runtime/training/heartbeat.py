@@ -12,8 +12,8 @@ and FLASHFLEX_HEARTBEAT_S. `start()` then, first thing in the worker:
 `mark_done()` leaves JOB_DIR/rank-L.done once the rank's training is over: from then on the launcher no longer
 reads silence as a freeze (a process's teardown runs after its Python threads have stopped), only bounds how
 long the rank may take to exit.
-Under torchrun or SLURM these variables are unset and nothing happens. No torch here: the launcher reads the
-same files.
+Under torchrun or SLURM these variables are unset and nothing happens. The files' names and how the launcher
+reads them: semantics/worker_protocol.py.
 """
 
 from __future__ import annotations
@@ -26,63 +26,17 @@ import threading
 import time
 from pathlib import Path
 
-JOB_DIR_ENV = "FLASHFLEX_JOB_DIR"
-LAUNCHER_PID_ENV = "FLASHFLEX_LAUNCHER_PID"
-INTERVAL_ENV = "FLASHFLEX_HEARTBEAT_S"
+from ...semantics.worker_protocol import (
+    INTERVAL_ENV,
+    JOB_DIR_ENV,
+    LAUNCHER_PID_ENV,
+    alive_file,
+    done_file,
+    error_file,
+)
+
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-MIN_SILENCE_S = 5.0  # a worker's first `import torch` may hold the interpreter lock for a second or two
 ORPHANED = 1
-
-
-def heartbeat_interval(timeout_s: float) -> float:
-    """Seconds between two heartbeats: a fifth of the collective timeout, between 0.2 and 2 s."""
-    return min(2.0, max(0.2, timeout_s / 5))
-
-
-def silence_limit(timeout_s: float) -> float:
-    """Age of a rank's newest heartbeat at which the launcher ends the job: the timeout, at least 5 s."""
-    return max(timeout_s, MIN_SILENCE_S)
-
-
-def alive_file(job_dir: str | os.PathLike[str], local_rank: int) -> Path:
-    """The file whose modification time is local rank `local_rank`'s last heartbeat."""
-    return Path(job_dir) / f"rank-{local_rank}.alive"
-
-
-def error_file(job_dir: str | os.PathLike[str], local_rank: int) -> Path:
-    """The file holding local rank `local_rank`'s one-line failure."""
-    return Path(job_dir) / f"rank-{local_rank}.error"
-
-
-def done_file(job_dir: str | os.PathLike[str], local_rank: int) -> Path:
-    """The file whose existence says local rank `local_rank` finished its training (mtime: when)."""
-    return Path(job_dir) / f"rank-{local_rank}.done"
-
-
-def finished_at(job_dir: str | os.PathLike[str], local_rank: int) -> float | None:
-    """When (`time.time()`) local rank `local_rank` said its training was over; None while it has not."""
-    try:
-        return os.stat(done_file(job_dir, local_rank)).st_mtime
-    except OSError:
-        return None
-
-
-def heartbeat_age(job_dir: str | os.PathLike[str], local_rank: int, started: float) -> float:
-    """Seconds since the last heartbeat of `local_rank` (since `started`, a `time.time()`, before its first)."""
-    try:
-        last = os.stat(alive_file(job_dir, local_rank)).st_mtime
-    except OSError:
-        last = started
-    return time.time() - max(last, started)
-
-
-def read_error(job_dir: str | os.PathLike[str], local_rank: int) -> str | None:
-    """The one-line failure `local_rank` reported, None when it reported none."""
-    try:
-        text = error_file(job_dir, local_rank).read_text(encoding="utf-8", errors="replace").strip()
-    except OSError:
-        return None
-    return text.splitlines()[0] if text else None
 
 
 def _exit_if_orphaned(parent_pid: int) -> None:

@@ -2,7 +2,7 @@
 
 For every requested (micro_batch_size, tp) this gives, per micro-batch and per device of the TP group:
 forward seconds, backward seconds and `activation_bytes` (what one micro-batch keeps alive until its
-backward) of three parts, each a `StageModule` of runtime/model.py:
+backward) of three parts, each a `StageModule` of runtime/model/stage.py:
 
 - layer: one `DecoderLayer` (with activation recompute when asked), input fp32 [b, s, hidden] -> [b, s, hidden];
 - embedding: the vocabulary-parallel embedding, int64 tokens [b, s] -> [b, s, hidden];
@@ -10,7 +10,7 @@ backward) of three parts, each a `StageModule` of runtime/model.py:
 
 The parts run on the runtime's paths (`BenchConfig.runtime`, resolved for the device as a run resolves them): the
 chunked loss in the head, and with compile (default on CUDA) each part's layer, norm and loss compiled as in a
-run (runtime/compiled.py), warmed up once on the first micro-batch size before anything is timed (a compile
+run (runtime/model/compiled.py), warmed up once on the first micro-batch size before anything is timed (a compile
 failure anywhere in the group: every part eager, one warning line); each later micro-batch size compiles in its
 first untimed warm-up run (at least one when compiled).
 
@@ -52,13 +52,13 @@ from ..errors import InputError, RuntimeFailure
 from ..hardware.cpu_share import pin_emulated_device, usable_cores
 from ..layers.schema import LayerProfile, ModelShape, PartCost, ProfileEntry, ProfilePaths
 from ..model.spec import ModelSpec
-from .attention import EAGER, FLASH, LOG, SDPA, flash_attn_available
-from .compiled import compile_stage, eager_stage, warm_up
-from .model import StageModule
-from .options import RuntimeOptions
-from .precision import autocast
-from .slowdown import runqueue_seconds
-from .tensor_parallel import TPContext
+from ..runtime.device.slowdown import runqueue_seconds
+from ..runtime.model.attention import EAGER, FLASH, LOG, SDPA, flash_attn_available
+from ..runtime.model.compiled import compile_stage, eager_stage, warm_up
+from ..runtime.model.precision import autocast
+from ..runtime.model.stage import StageModule
+from ..runtime.model.tensor_parallel import TPContext
+from ..semantics.runtime_paths import RuntimeOptions
 
 PARTS = ("layer", "embedding", "head")
 BACKENDS = {"flash": FLASH, "sdpa": SDPA, "eager": EAGER}
@@ -249,7 +249,7 @@ def _time_part(forward: Callable[[], torch.Tensor], tp: TPContext, device: torch
     backward gets a gradient of ones shaped like the output ([b, s, hidden], or a scalar for the head).
 
     On CPU the time a run spent runnable but waiting for its core (another process on it: Linux schedstat)
-    is left out, as the runtime's emulated slowdown leaves it out (runtime/slowdown.py): a device's time is
+    is left out, as the runtime's emulated slowdown leaves it out (runtime/device/slowdown.py): a device's time is
     its on-core compute plus its blocking communication, whatever else the host runs. The kernel books run-queue
     delay when the thread gets its core back, so on a busy host the booked delay of a short run can exceed its
     elapsed time: a sample is never taken below the CPU time this thread spent in it (forward on the calling

@@ -12,7 +12,7 @@ Global parameter names (plan-independent; weights [out, in] like torch.nn.Linear
   "norm" [hidden] (replicated), "head" [vocab, hidden] (last stage; vocabulary-parallel, dim 0)
 Tied embeddings: there is no "head"; the last stage holds its own shard of "embed" and projects with it. When
 the first and last stages differ, both hold "embed" (same init), their gradients are summed before the
-optimizer step (runtime/groups.py lists both stages as holders), so the copies stay bit-identical.
+optimizer step (runtime/parallel/groups.py lists both stages as holders), so the copies stay bit-identical.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..model.spec import ModelSpec, RopeScaling
-from ..semantics.parameters import ParamInfo, shard_bounds, stage_params
-from ..semantics.runtime_paths import loss_chunk_tokens
+from ...model.spec import ModelSpec, RopeScaling
+from ...semantics.parameters import ParamInfo, shard_bounds, stage_params
+from ...semantics.runtime_paths import loss_chunk_tokens
 from .attention import SDPA, attention_fn
 from .chunked_loss import EAGER_KERNELS, LossKernels, chunked_head_loss
 from .tensor_parallel import (
@@ -162,13 +162,13 @@ class StageModule(nn.Module):
     [b, s, hidden] (replicated over the TP group), or on the last stage the fp32 scalar SUM of per-token
     cross-entropy over the b*s targets (int64 [b, s]).
 
-    `chunked_loss`: the projection and loss in chunks of `loss_chunk_tokens` tokens (runtime/chunked_loss.py,
+    `chunked_loss`: the projection and loss in chunks of `loss_chunk_tokens` tokens (runtime/model/chunked_loss.py,
     no [b*s, vocab] fp32 logits); False: the whole logits tensor, upcast to fp32 for the loss.
     `capture_logits`: None, or a list to which the last stage appends each forward's detached logits shard
     [b, s, vocab / tp] (vocabulary rows [vocab_start, +vocab / tp)) in the compute dtype; for equivalence tests.
 
     What runs is `runners` (`StageRunners`): each layer, the final norm and the chunked loss's per-chunk
-    functions, as they are or compiled (runtime/compiled.py); compiling never renames a parameter.
+    functions, as they are or compiled (runtime/model/compiled.py); compiling never renames a parameter.
     """
 
     def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, tp: TPContext,

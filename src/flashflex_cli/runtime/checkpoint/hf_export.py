@@ -2,7 +2,7 @@
 model.safetensors (or model-0000K-of-0000N.safetensors shards with model.safetensors.index.json) and the
 tokenizer files when the run had a tokenizer.
 
-Tensors are read by global name through runtime/checkpoint.py `load_full` (which reassembles TP shards from
+Tensors are read by global name through runtime/checkpoint/dcp.py `load_full` (which reassembles TP shards from
 any plan), one output shard at a time, so host memory peaks near one shard (--max-shard-size). The folder is
 built in a temporary folder beside OUT_DIR, then renamed onto it: a failure leaves no partial OUT_DIR.
 """
@@ -20,19 +20,19 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError
-from ..fileio import atomic_write_text, dumps_json, give_usual_mode, read_json
-from ..hf.byte_tokenizer import (
+from ...errors import InputError
+from ...fileio import atomic_write_text, dumps_json, give_usual_mode, read_json
+from ...hf.byte_tokenizer import (
     BYTE_VOCAB,
     TOKENIZER_CONFIG,
     TOKENIZER_FILE,
     byte_tokenizer_config,
     byte_tokenizer_json,
 )
-from ..hf.config import HF_DTYPES, hf_config
-from ..hf.files import CONFIG, INDEX, WEIGHTS
-from ..hf.names import HEAD, to_hf
-from ..model.spec import ModelSpec
+from ...hf.config import HF_DTYPES, hf_config
+from ...hf.files import CONFIG, INDEX, WEIGHTS
+from ...hf.names import HEAD, to_hf
+from ...model.spec import ModelSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD = "5GB"  # transformers' save_pretrained default
@@ -70,7 +70,7 @@ class ExportSummary:
 def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     """A checkpoint step folder (holding manifest.json), a checkpoint root's newest complete one, or a run
     folder's (its config.json's checkpoint folder, else RUN/checkpoints)."""
-    from ..semantics.run_folder import MANIFEST, is_run_folder, latest_checkpoint, run_checkpoint_dir
+    from ...semantics.run_folder import MANIFEST, is_run_folder, latest_checkpoint, run_checkpoint_dir
 
     folder = Path(path)
     if not folder.is_dir():
@@ -91,7 +91,7 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
 def _manifest_spec(step_dir: Path, manifest: dict[str, Any]) -> ModelSpec:
     from pydantic import ValidationError
 
-    from ..fileio import validation_message
+    from ...fileio import validation_message
 
     try:
         return ModelSpec.model_validate(manifest.get("model"))
@@ -119,7 +119,7 @@ def plan_shards(names: list[str], sizes: dict[str, int], max_bytes: int) -> list
 def _check_out(out: Path, sources: list[Path], overwrite: bool) -> None:
     """OUT_DIR is none of the inputs, not inside one and holds none (--overwrite would delete it), and is
     new, empty, or replaced with --overwrite."""
-    from ..fileio import check_writable_dir
+    from ...fileio import check_writable_dir
 
     check_writable_dir(out, "--hf")
     target = out.resolve()
@@ -151,9 +151,9 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], m
     dtype: "fp32" (the master weights, exact), "bf16" or "fp16" (rounded to nearest even by torch)."""
     from safetensors.torch import save_file
 
-    from ..semantics.parameters import model_params
-    from ..semantics.run_folder import read_manifest
-    from .checkpoint import load_full
+    from ...semantics.parameters import model_params
+    from ...semantics.run_folder import read_manifest
+    from .dcp import load_full
 
     if dtype not in TORCH_DTYPES:
         raise InputError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {dtype!r}")
@@ -218,7 +218,7 @@ def export_hf(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], m
 def _byte_level_data(manifest: dict[str, Any]) -> bool:
     """True when the run trained on a byte-level token file (`data prepare` without --tokenizer) that is still
     where the run read it."""
-    from ..data.token_file import token_file_vocab
+    from ...data.token_file import token_file_vocab
 
     data = manifest.get("data")
     return isinstance(data, str) and data != "synthetic" and token_file_vocab(data) == BYTE_VOCAB

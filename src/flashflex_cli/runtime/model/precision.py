@@ -8,7 +8,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from ..semantics.runtime_paths import compute_dtype
+from ...semantics.runtime_paths import compute_dtype
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

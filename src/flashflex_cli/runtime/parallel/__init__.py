@@ -1,0 +1,1 @@
+"""Parallelism on one rank: process groups, the 1F1B pipeline schedule and stage boundaries, gradient sync across unlike pipelines (buckets, hierarchical reduction), tensor shards and collective timeouts."""

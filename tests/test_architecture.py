@@ -272,3 +272,48 @@ def test_the_cost_model_and_the_runtime_import_what_they_share_and_restate_none_
     restated = [f"{_module_name(p)}.{n}" for p in _sources() if _part(_module_name(p)) != "semantics"
                 for n in sorted(_top_level_names(p.read_text()) & public)]
     assert not restated, f"defined again outside {shared}: {restated}"
+
+
+def _private_imports(source: str, module: str | None, is_package: bool = False) -> list[str]:
+    """`from X import _name` statements of `source` naming a private name of a flashflex_cli module X other than
+    `module` itself (relative imports resolved against `module`; None: a file outside the package)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom) or (node.level and module is None):
+            continue
+        target = _absolute(node, module if is_package else module.rpartition(".")[0]) if node.level else \
+            (node.module or "")
+        if target.split(".")[0] != ROOT or target == module:
+            continue
+        found += [f"{target}.{alias.name}" for alias in node.names
+                  if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_the_private_name_checker_finds_one() -> None:
+    assert _private_imports("from ..cost.params import _LIMITS\n", f"{ROOT}.plan.probe") == \
+        [f"{ROOT}.cost.params._LIMITS"]
+    assert _private_imports("from flashflex_cli.cost import params\n", None) == []
+
+
+def test_no_module_imports_another_modules_private_name() -> None:
+    """A leading underscore means "only this module uses it": the package, its tests and its benchmarks import
+    public names only."""
+    repo = PACKAGE.parent.parent
+    found = [f"{_module_name(p)}: {name}" for p in _sources()
+             for name in _private_imports(p.read_text(), _module_name(p), p.name == "__init__.py")]
+    found += [f"{p.relative_to(repo)}: {name}" for folder in ("tests", "benchmarks", "scripts")
+              for p in sorted((repo / folder).rglob("*.py")) for name in _private_imports(p.read_text(), None)]
+    assert found == []
+
+
+def test_no_one_letter_module_alias() -> None:
+    """`import x as F` says nothing of what F is (it meant torch's functional API in some modules and the
+    model's FLOP counts in others)."""
+    found = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                found += [f"{_module_name(path)}: {alias.name} as {alias.asname}" for alias in node.names
+                          if alias.asname is not None and len(alias.asname) == 1]
+    assert found == []

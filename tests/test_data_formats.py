@@ -141,7 +141,7 @@ def test_progress_reports_input_bytes(tmp_path: Path) -> None:
 
     from rich.console import Console
 
-    from flashflex_cli.commands.data import _progress
+    from flashflex_cli.commands.data import progress_reporter
 
     files = [write_jsonl(tmp_path / f"{i}.jsonl", DOCS * 200) for i in range(2)]
     seen: list[tuple[int, int]] = []
@@ -150,8 +150,8 @@ def test_progress_reports_input_bytes(tmp_path: Path) -> None:
     assert seen[-1] == (total, total) and all(a <= b for (a, _), (b, _) in zip(seen, seen[1:], strict=False))
     assert len(seen) > 2  # reported during the work, not only at the end
     console = Console(file=io.StringIO(), force_terminal=True, width=80)
-    with _progress(console) as report:
+    with progress_reporter(console) as report:
         assert report is not None
         report(5, 10)
-    with _progress(Console(file=io.StringIO(), force_terminal=False)) as report:
+    with progress_reporter(Console(file=io.StringIO(), force_terminal=False)) as report:
         assert report is None

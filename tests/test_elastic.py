@@ -334,14 +334,14 @@ def test_elastic_worker_writes_the_run_configuration_of_a_replanned_round(tmp_pa
     """Global rank 0 of a rendered elastic job, in a round that lost node1: the round's plan, cluster and run
     configuration (resume on) go to RUN/elastic/, RUN/config.json stays the rendered one, the event names them;
     the first round with every node present keeps the launched configuration."""
-    from flashflex_cli.launch.elastic_worker import _decide
+    from flashflex_cli.launch.elastic_worker import decide_round
     from flashflex_cli.run_config import save_run_config
 
     launched = launch_config(plan=str(GOLDEN / "plan-4rank.json"), cluster=str(GOLDEN_CLUSTER),
                              out=str(tmp_path / "run"), checkpoint_dir=str(tmp_path / "ck"), steps=5, lr=2e-3)
     path = str(save_run_config(launched))
-    assert _decide(launched, path, ["node0", "node1"], 0) == path
-    written = _decide(launched, path, ["node0"], 1)
+    assert decide_round(launched, path, ["node0", "node1"], 0) == path
+    written = decide_round(launched, path, ["node0"], 1)
     assert written == str(tmp_path / "run" / "elastic" / "config-round-1.json")
     config = load_run_config(written)
     assert config == dataclasses.replace(launched, plan=str(tmp_path / "run" / "elastic" / "plan-round-1.json"),

@@ -216,14 +216,14 @@ def test_without_model_the_layer_options_are_refused(tmp_path, capsys):
 
 
 def test_compile_needs_model_and_reaches_the_bench_config(tmp_path, capsys):
-    from flashflex_cli.commands.profile import LayerRequest, _layer_config
+    from flashflex_cli.commands.profile import LayerRequest, layer_config
 
     out = tmp_path / "c.json"
     assert main(["profile", "--synthetic", "1x1xcpu", "--compile", "--out", str(out)]) == 2
     assert "--compile" in capsys.readouterr().err and not out.exists()
     for flag in (True, False, None):
         request = LayerRequest("llama-tiny", 8, "1", "1", None, "sdpa", False, 1, 0, flag)
-        config = _layer_config(request, "cpu")
+        config = layer_config(request, "cpu")
         assert config.runtime.compile is flag and config.runtime.chunked_loss
         assert config.runtime.resolved(False).compile is (flag is True)
         assert config.runtime.resolved(True).compile is (flag is not False)

@@ -22,7 +22,7 @@ from flashflex_cli.launch.failures import describe_failure, root_cause
 from flashflex_cli.launch.local import RankExit
 from flashflex_cli.plan.schema import Plan, load_plan, save_plan
 from flashflex_cli.runtime.checkpoint import dcp as ckpt
-from flashflex_cli.runtime.device import oom
+from flashflex_cli.runtime.device import oom, oom_injection
 from flashflex_cli.runtime.parallel.shards import ShardSpec
 from flashflex_cli.semantics.worker_protocol import is_oom_line
 from tests.conftest import FLASHFLEX
@@ -68,14 +68,14 @@ def test_parse_reads_the_allocator_figures_in_each_layout() -> None:
     h = oom.parse_oom_text(NOTHING_FREE)
     assert _near(h.asked, 20 * MIB, MIB) and h.free == 0 and _near(h.total, 8 * GIB, GIB)
     assert oom.parse_oom_text(HOST).asked == 64 * GIB
-    assert oom.parse_oom_text(oom.NCCL_TEXT) == oom.MemoryFigures()  # NCCL's text carries no figures
+    assert oom.parse_oom_text(oom_injection.NCCL_TEXT) == oom.MemoryFigures()  # NCCL's text carries no figures
 
 
 @pytest.mark.parametrize("figures", [(_gib(7.83), _gib(79.18), _gib(7.51), _gib(71.66)),
                                      (512, 24 * GIB, 0, 23 * GIB), (3 * MIB + 17, 16 * GIB, 900 * 1024, 5 * GIB)])
 def test_the_injected_text_reads_back_as_its_figures(figures: tuple[int, int, int, int]) -> None:
     asked, total, free, used = figures
-    parsed = oom.parse_oom_text(oom.cuda_oom_message(asked, total, free, used))
+    parsed = oom.parse_oom_text(oom_injection.cuda_oom_message(asked, total, free, used))
     for got, want in ((parsed.asked, asked), (parsed.total, total), (parsed.free, free), (parsed.in_use, used)):
         assert oom.format_size(got) == oom.format_size(want)  # equal to the text's precision
     assert [oom.format_size(n) for n in (1024, 1025, MIB + 1, GIB + 1)] == \
@@ -91,7 +91,7 @@ def test_memory_is_low_below_one_gib_or_five_percent() -> None:
 def test_classify_names_the_out_of_memory_kinds_and_nothing_else() -> None:
     alloc = torch.OutOfMemoryError(H100)
     assert oom.classify(alloc) == ("allocator", alloc)
-    nccl = dist.DistBackendError(oom.NCCL_TEXT)
+    nccl = dist.DistBackendError(oom_injection.NCCL_TEXT)
     assert oom.classify(nccl, free=200 * MIB, total=80 * GIB) == ("nccl", nccl)
     assert oom.classify(nccl, free=40 * GIB, total=80 * GIB) is None  # plenty free: some other CUDA failure
     assert oom.classify(nccl) is None  # free memory unknown: not called memory
@@ -142,23 +142,23 @@ def test_the_line_names_place_phase_bytes_prediction_and_advice() -> None:
 
 
 def test_injection_spec_is_parsed_strictly_and_raises_what_torch_raises() -> None:
-    spec = oom.OomInjection.parse("rank=2,phase=backward,step=3,asked=1024")
+    spec = oom_injection.OomInjection.parse("rank=2,phase=backward,step=3,asked=1024")
     assert (spec.rank, spec.phase, spec.step, spec.asked) == (2, "backward", 3, 1024)
     assert spec.matches(2, "backward", 3) and not spec.matches(2, "backward", 2) and not spec.matches(1, "backward", 3)
-    assert oom.OomInjection.parse("rank=0,phase=setup").matches(0, "setup", 7)  # no step: any
+    assert oom_injection.OomInjection.parse("rank=0,phase=setup").matches(0, "setup", 7)  # no step: any
     for bad in ("rank=1", "phase=forward", "rank=x,phase=forward", "rank=1,phase=loss", "rank=1,phase=setup,when=3",
                 "rank=-1,phase=setup", "rank=1,phase=setup,step"):
-        with pytest.raises(InputError, match=oom.INJECT_ENV):
-            oom.OomInjection.parse(bad)
-    error = oom.OomInjection.parse("rank=0,phase=forward").error()
+        with pytest.raises(InputError, match=oom_injection.INJECT_ENV):
+            oom_injection.OomInjection.parse(bad)
+    error = oom_injection.OomInjection.parse("rank=0,phase=forward").error()
     assert type(error) is torch.OutOfMemoryError and oom.parse_oom_text(str(error)) == oom.parse_oom_text(H100)
-    nccl = oom.OomInjection.parse("rank=0,phase=nccl").error()
+    nccl = oom_injection.OomInjection.parse("rank=0,phase=nccl").error()
     assert type(nccl) is dist.DistBackendError and "unhandled cuda error" in str(nccl)
-    assert oom.injection_from_env({}) is None and oom.injection_from_env({oom.INJECT_ENV: " "}) is None
+    assert oom_injection.injection_from_env({}) is None and oom_injection.injection_from_env({oom_injection.INJECT_ENV: " "}) is None
 
 
 def test_tracker_fires_once_at_the_phase_and_step_asked() -> None:
-    tracker = oom.PhaseTracker(1, oom.OomInjection.parse("rank=1,phase=optimizer,step=1"))
+    tracker = oom.PhaseTracker(1, oom_injection.OomInjection.parse("rank=1,phase=optimizer,step=1"))
     for step in range(2):
         tracker.begin_step(step)
         tracker.enter("backward")
@@ -190,15 +190,15 @@ def test_report_reads_the_free_memory_for_nccl_and_is_none_for_other_errors(pred
     assert (place.predicted_bytes, place.capacity_bytes) == (stage["memory_bytes"], stage["memory_capacity_bytes"])
     tracker = oom.PhaseTracker()
     assert oom.report(torch.OutOfMemoryError(H100), tracker) is None  # before the worker knows its place
-    low = oom.OomInjection.parse(f"rank=2,phase=nccl,free={200 * MIB},total={80 * GIB}")
+    low = oom_injection.OomInjection.parse(f"rank=2,phase=nccl,free={200 * MIB},total={80 * GIB}")
     tracker.attach(place, torch.device("cpu"), low)
     tracker.enter("setup")
-    line = oom.report(dist.DistBackendError(oom.NCCL_TEXT), tracker)
+    line = oom.report(dist.DistBackendError(oom_injection.NCCL_TEXT), tracker)
     assert line is not None and line.startswith("out of memory inside NCCL on rank 2 (node node1, device node1/0;")
     assert "during set-up (building the engine): the allocation failed inside NCCL, " in line
     assert re.search(r"NCCL, [0-9.]+ MiB in use, 200.00 MiB free of 80.00 GiB;", line), line  # resident bytes
-    tracker.attach(place, torch.device("cpu"), oom.OomInjection.parse(f"rank=2,phase=nccl,free={40 * GIB}"))
-    assert oom.report(dist.DistBackendError(oom.NCCL_TEXT), tracker) is None
+    tracker.attach(place, torch.device("cpu"), oom_injection.OomInjection.parse(f"rank=2,phase=nccl,free={40 * GIB}"))
+    assert oom.report(dist.DistBackendError(oom_injection.NCCL_TEXT), tracker) is None
     assert oom.report(RuntimeError("Connection closed by peer"), tracker) is None
 
 
@@ -279,7 +279,7 @@ def test_out_of_memory_at_each_phase_is_one_line_and_exit_1(phase: str, predicte
     result = subprocess.run([FLASHFLEX, "launch", str(predicted_plan), "--cluster", CLUSTER, "--out",
                              str(tmp_path / "run"), "--steps", "3", "--timeout", "30", "--checkpoint-dir", str(ck),
                              "--checkpoint-every", "1"], capture_output=True, text=True, timeout=240,
-                            env={**os.environ, oom.INJECT_ENV: inject})
+                            env={**os.environ, oom_injection.INJECT_ENV: inject})
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     rank = int(inject.split(",")[0].removeprefix("rank="))

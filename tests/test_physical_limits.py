@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flashflex_cli.cost.params import _LIMITS, CostParams
+from flashflex_cli.cost.params import LIMITS, CostParams
 from flashflex_cli.errors import InputError
 from flashflex_cli.hardware.catalog import CATALOG
 from flashflex_cli.hardware.cluster import load_cluster
@@ -90,10 +90,10 @@ def test_a_recorded_hostname_may_hold_underscores() -> None:
 def test_every_cost_parameter_number_has_a_limit() -> None:
     """A number CostParams adds must get its physical limit here (from_overrides refuses by it)."""
     numeric = {f.name for f in dataclasses.fields(CostParams) if f.type in ("float", "Mapping[str, float]")}
-    assert numeric and numeric <= set(_LIMITS), sorted(numeric - set(_LIMITS))
+    assert numeric and numeric <= set(LIMITS), sorted(numeric - set(LIMITS))
     defaults = CostParams()
     for name in numeric - {"compute_efficiency", "compute_intercept"}:
-        assert _LIMITS[name].problem(getattr(defaults, name)) is None, name
+        assert LIMITS[name].problem(getattr(defaults, name)) is None, name
 
 
 def test_every_catalog_device_and_link_class_is_inside_the_limits() -> None:

@@ -221,8 +221,8 @@ def test_pipeline_counts_past_the_sure_ones_stop_where_they_cannot_pay_and_go_on
     from flashflex_cli.planner.space.graph import DeviceGraph
 
     ran: list[int] = []
-    unit = search._unit
-    monkeypatch.setattr(search, "_unit", lambda cache, item: ran.append(item[2]) or unit(cache, item))
+    unit = search.collect_unit
+    monkeypatch.setattr(search, "collect_unit", lambda cache, item: ran.append(item[2]) or unit(cache, item))
     spec = ("1x8xA100-80G-SXM:nic=ib:link=nvlink,1x8xRTX-4090:nic=eth,1x8xRTX-3090:nic=eth,1x8xA100-40G-SXM:nic=roce,"
             * 4).rstrip(",")
     cluster, train = build_cluster(spec), TrainConfig(global_batch=256, seq_len=4096)
@@ -233,7 +233,7 @@ def test_pipeline_counts_past_the_sure_ones_stop_where_they_cannot_pay_and_go_on
     for every in (True, False):
         ran.clear()
         with SearchPool(cache, 1) as pool:
-            cands = search._collect(pool, 256, 0, float("inf"), search.SearchStats(), every_k=every)
+            cands = search.collect_candidates(pool, 256, 0, float("inf"), search.SearchStats(), every_k=every)
         found[every] = (ran[:ran.index(1, 1)], min(c.score_s for c in cands))  # (phase 2 starts again at k = 1)
     assert found[True][0] == ks and found[False][0] == list(range(1, 11))
     assert found[False][1] == found[True][1]

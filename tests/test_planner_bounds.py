@@ -276,9 +276,9 @@ def test_a_descent_from_starts_that_do_not_fit_picks_what_the_plain_descent_pick
 
 
 def test_a_trials_stage_terms_from_its_pieces_equal_the_pipelines() -> None:
-    """`Trials._terms` (per stage: one layer's seconds, embedding / head seconds, the layers that fit, read from
-    the pieces and their shared memory-cap rows) gives exactly `pipeline._terms` of the assembled stages."""
-    from flashflex_cli.planner.scoring.pipeline_score import _terms
+    """`Trials.stage_terms` (per stage: one layer's seconds, embedding / head seconds, the layers that fit, read from
+    the pieces and their shared memory-cap rows) gives exactly `pipeline.stage_terms` of the assembled stages."""
+    from flashflex_cli.planner.scoring.pipeline_score import stage_terms
 
     rng = random.Random(5)
     compared = 0
@@ -287,7 +287,7 @@ def test_a_trials_stage_terms_from_its_pieces_equal_the_pipelines() -> None:
         blocks = st.node_blocks(cache, range(cache.graph.size))
         trials = Trials(cache, blocks, 8, 64)
         for pieces, stages in _assembled_trials(rng, trials, blocks, 10):
-            assert trials._terms(pieces, len(stages)) == _terms(cache, stages)
+            assert trials.stage_terms(pieces, len(stages)) == stage_terms(cache, stages)
             compared += 1
     assert compared > 60
 
@@ -307,8 +307,8 @@ def test_a_trial_fits_exactly_when_its_layer_split_does() -> None:
         blocks = st.node_blocks(cache, range(cache.graph.size))
         trials = Trials(cache, blocks, 8, 64)
         for pieces, stages in _assembled_trials(rng, trials, blocks, 40):
-            split = split_layers(*trials._terms(pieces, len(stages)), cache.model.num_layers)
+            split = split_layers(*trials.stage_terms(pieces, len(stages)), cache.model.num_layers)
             assert trials.fits(pieces) == (split is not None)
-            assert trials._shape(pieces) == shape_key(cache, stages)
+            assert trials.shape(pieces) == shape_key(cache, stages)
             seen[split is not None] += 1
     assert seen[True] > 20 and seen[False] > 20

@@ -36,7 +36,7 @@ def prepare_command(
 
     check_writable_output(out)
     refuse_same_path(out, [*text_files, tokenizer])
-    with _progress(diagnostics()) as report:
+    with progress_reporter(diagnostics()) as report:
         summary = prepare_files(text_files, out, tokenizer, field=field, column=column, append=append, eot=eot,
                                 progress=report)
     result = {"out": str(out), "tokens": summary.tokens, "added_tokens": summary.added,
@@ -50,7 +50,7 @@ def prepare_command(
 
 
 @contextmanager
-def _progress(console: Console) -> Iterator[Callable[[int, int], None] | None]:
+def progress_reporter(console: Console) -> Iterator[Callable[[int, int], None] | None]:
     """A progress bar over input bytes on a terminal (stderr); nothing otherwise."""
     if not console.is_terminal:
         yield None

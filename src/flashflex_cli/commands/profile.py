@@ -177,7 +177,7 @@ def _check_out(out: Path, model: str) -> None:
     refuse_same_path(out, [model] if Path(model).exists() else [])
 
 
-def _layer_config(request: LayerRequest, kind: str):  # noqa: ANN202 - a BenchConfig (lazy torch import)
+def layer_config(request: LayerRequest, kind: str):  # noqa: ANN202 - a BenchConfig (lazy torch import)
     from ..model.hf_config import resolve_model
     from ..profiler.layer_bench import BenchConfig
     from ..semantics.runtime_paths import RuntimeOptions
@@ -222,7 +222,7 @@ def profile_layers(request: LayerRequest, out: Path) -> None:
 
     _check_out(out, request.model)
     kind, count = devices_available()
-    config = _layer_config(request, kind)
+    config = layer_config(request, kind)
     tps = parse_int_list(request.tp, "--tp")
     check_request(config, tps, kind, count)
     console = results()

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import flops as F
+from ..model import flops as model_flops
 from ..model.spec import ModelSpec
 from ..semantics.runtime_paths import compute_dtype, loss_chunk_tokens
 
@@ -75,7 +75,7 @@ class PartShape:
     @property
     def c(self) -> int:
         """Bytes per element of the compute dtype."""
-        return F.dtype_bytes(compute_dtype(self.dtype))
+        return model_flops.dtype_bytes(compute_dtype(self.dtype))
 
     @property
     def autocast(self) -> bool:
@@ -88,11 +88,11 @@ class PartShape:
 
     @property
     def q(self) -> float:
-        return F.q_width(self.model) / self.tp
+        return model_flops.q_width(self.model) / self.tp
 
     @property
     def k(self) -> float:
-        return F.kv_width(self.model) / self.tp
+        return model_flops.kv_width(self.model) / self.tp
 
     @property
     def f(self) -> float:
@@ -133,13 +133,13 @@ def attention_saved_bytes(p: PartShape) -> float:
     kv = _saved_kv_width(p)
     if p.attention == "eager":
         per_score = FP32 + c if (p.on_cuda and p.autocast) else c
-        scores = p.mbs * p.heads * float(F.score_pairs(p.seq, p.model.sliding_window))
+        scores = p.mbs * p.heads * float(model_flops.score_pairs(p.seq, p.model.sliding_window))
         keys = p.mbs * float(_block_keys(p.seq, p.model.sliding_window))  # each block's matmuls copy its keys
         return n * c * 2 * p.q + keys * c * 2 * kv + scores * per_score
     saved = n * c * (2 * p.q + 2 * kv) + n * FP32 * p.heads  # q, k, v, output, log-sum-exp
     if _windowed(p):  # one SDPA per block of queries: their outputs and the concatenated output; block masks
         window = p.model.sliding_window or p.seq
-        saved += n * c * p.q + F.score_pairs(p.seq, window)
+        saved += n * c * p.q + model_flops.score_pairs(p.seq, window)
     return saved
 
 
@@ -178,7 +178,7 @@ def weight_copy_bytes(p: PartShape, matmul_params: float) -> float:
 
 def layer_weight_copies(p: PartShape) -> float:
     """Autocast weight copies of one layer on one device, kept per micro-batch in flight."""
-    return weight_copy_bytes(p, F.layer_matmul_params(p.model) / p.tp)
+    return weight_copy_bytes(p, model_flops.layer_matmul_params(p.model) / p.tp)
 
 
 def recompute_saved_bytes(p: PartShape) -> float:

@@ -28,7 +28,7 @@ from functools import lru_cache
 
 from ..hardware.cluster import Cluster
 from ..layers.schema import LayerProfile
-from ..model import flops as F
+from ..model import flops as model_flops
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
 from ..semantics.runtime_paths import compute_dtype
@@ -123,7 +123,8 @@ def measured_layer_comm(cluster: Cluster, devices: Sequence[str], model: ModelSp
     if single.tp_measured and not single.extrapolated:
         return (max(0.0, costs.layer.fwd_s - single.layer.fwd_s / tp),
                 max(0.0, costs.layer.bwd_s - single.layer.bwd_s / tp))
-    ar = allreduce_time(cluster, devices, F.layer_input_bytes(model, mbs, train.seq_len, train.dtype), params)
+    layer_input = model_flops.layer_input_bytes(model, mbs, train.seq_len, train.dtype)
+    ar = allreduce_time(cluster, devices, layer_input, params)
     return 2 * ar, (4 if train.recompute else 2) * ar
 
 
@@ -152,7 +153,7 @@ def _layer_times(cluster: Cluster, devices: tuple[str, ...], model: ModelSpec, t
         return found
     tp = len(devices)
     seq = train.seq_len
-    act = F.layer_input_bytes(model, mbs, seq, train.dtype)
+    act = model_flops.layer_input_bytes(model, mbs, seq, train.dtype)
     ar = allreduce_time(cluster, devices, act, params) if tp > 1 else 0.0
     tp_fwd = 2 * ar
     tp_bwd = (4 if train.recompute else 2) * ar
@@ -211,7 +212,8 @@ def _measured_times(cluster: Cluster, devices: tuple[str, ...], model: ModelSpec
     backward)."""
     ar = 0.0
     if len(devices) > 1 and not measured.comm_in_times:
-        ar = allreduce_time(cluster, devices, F.layer_input_bytes(model, mbs, train.seq_len, train.dtype), params)
+        layer_input = model_flops.layer_input_bytes(model, mbs, train.seq_len, train.dtype)
+        ar = allreduce_time(cluster, devices, layer_input, params)
     tp_fwd, tp_bwd = 2 * ar, (4 if train.recompute else 2) * ar
     return LayerTimes(measured.layer.fwd_s + tp_fwd, measured.layer.bwd_s + tp_bwd, measured.embedding.fwd_s + ar,
                       measured.embedding.bwd_s, measured.head.fwd_s, measured.head.bwd_s + ar, tp_fwd, tp_bwd,
@@ -229,7 +231,7 @@ def stage_flops_per_micro_batch(model: ModelSpec, train: TrainConfig, num_layers
                                 mbs: int) -> float:
     """Model FLOPs (no recompute) one stage performs per micro-batch, forward + backward, whole TP group."""
     seq = train.seq_len
-    total = num_layers * (F.layer_fwd_flops(model, mbs, seq) + F.layer_bwd_flops(model, mbs, seq))
+    total = num_layers * (model_flops.layer_fwd_flops(model, mbs, seq) + model_flops.layer_bwd_flops(model, mbs, seq))
     if last:
-        total += F.head_fwd_flops(model, mbs, seq) + F.head_bwd_flops(model, mbs, seq)
+        total += model_flops.head_fwd_flops(model, mbs, seq) + model_flops.head_bwd_flops(model, mbs, seq)
     return total

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..hardware.cluster import Cluster
-from ..model import flops as F
+from ..model import flops as model_flops
 from ..plan.schema import Plan
 from ..semantics.buckets import KEY_EMBED, KEY_HEAD, KEY_NORM, KEY_UNORDERED, overlap_order
 from .comm import ring_allreduce_seconds, ring_link
@@ -123,15 +123,15 @@ def _holder_sets(plan: Plan) -> list[tuple[int, list[StageKey], float]]:
         for p, pipe in enumerate(plan.pipelines):
             s = next(s for s, st in enumerate(pipe.stages) if st.layers[0] <= layer < st.layers[1])
             holders.append((p, s))
-        out.append((layer, holders, F.layer_params(model)))
+        out.append((layer, holders, model_flops.layer_params(model)))
     firsts = [(p, 0) for p in range(len(plan.pipelines))]
     lasts = [(p, len(pipe.stages) - 1) for p, pipe in enumerate(plan.pipelines)]
     out.append((KEY_NORM, lasts, float(model.hidden_size)))
     if model.tie_embeddings:  # the last stages' copies of the embedding reduce with the first stages'
-        out.append((KEY_EMBED, firsts + [k for k in lasts if k[1] > 0], F.embedding_params(model)))
+        out.append((KEY_EMBED, firsts + [k for k in lasts if k[1] > 0], model_flops.embedding_params(model)))
     else:
-        out.append((KEY_HEAD, lasts, F.head_params(model) - model.hidden_size))  # head_params counts the norm
-        out.append((KEY_EMBED, firsts, F.embedding_params(model)))
+        out.append((KEY_HEAD, lasts, model_flops.head_params(model) - model.hidden_size))  # head_params counts the norm
+        out.append((KEY_EMBED, firsts, model_flops.embedding_params(model)))
     return out
 
 

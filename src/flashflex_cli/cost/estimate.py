@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..hardware.cluster import Cluster
-from ..model import flops as F
+from ..model import flops as model_flops
 from ..plan.schema import Plan
 from ..semantics.process_groups import rank_communicators
 from ..units import byte_size
@@ -273,7 +273,7 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
     dp_exposed = max(0.0, max(st.end_s - st.optimizer_s for st in final) - slowest_pipeline)
     tokens = train.global_batch * train.seq_len
     tokens_per_s = tokens / iteration if iteration > 0 else 0.0
-    mfpt = F.model_flops_per_token(model, train.seq_len)
+    mfpt = model_flops.model_flops_per_token(model, train.seq_len)
     peak = sum(cv.peak(d, train.dtype) for st in final for d in st.devices)
     mfu = mfpt * tokens_per_s / peak if peak > 0 else 0.0
     return Estimate(iteration, tokens_per_s, mfu, mfpt, peak, dp_exposed, pipelines, final,

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..hardware.cluster import Cluster
-from ..model import flops as F
+from ..model import flops as model_flops
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
 from ..semantics.runtime_paths import compute_dtype
-from . import activations as A
+from . import activations
 from .measured import MeasuredCosts
 from .params import CostParams
 from .view import view
@@ -83,19 +83,19 @@ def stage_params_per_device(model: ModelSpec, tp: int, num_layers: int, first: b
     is both first and last with tied embeddings holds the table once."""
     extra = 0.0
     if first:
-        extra += F.embedding_params(model) / tp
+        extra += model_flops.embedding_params(model) / tp
     if last:
         extra += model.hidden_size
         if not (first and model.tie_embeddings):
-            extra += F.embedding_params(model) / tp  # the head, or the last stage's copy of a tied table
-    return num_layers * F.layer_params_per_device(model, tp), extra
+            extra += model_flops.embedding_params(model) / tp  # the head, or the last stage's copy of a tied table
+    return num_layers * model_flops.layer_params_per_device(model, tp), extra
 
 
 def decay_params_per_device(model: ModelSpec, tp: int, num_layers: int, first: bool, last: bool) -> float:
     """Parameters of the optimizer's weight-decay group (every matrix) one device of the stage holds."""
     layers, extra = stage_params_per_device(model, tp, num_layers, first, last)
     norms = num_layers * 2 * model.hidden_size + (model.hidden_size if last else 0)
-    biases = num_layers * F.layer_bias_params(model) / tp
+    biases = num_layers * model_flops.layer_bias_params(model) / tp
     return layers + extra - norms - biases
 
 
@@ -113,7 +113,7 @@ class _MicroBatch:
     fwd: float
 
 
-def _micro_batch(p: A.PartShape, num_layers: int, first: bool, last: bool, recompute: bool,
+def _micro_batch(p: activations.PartShape, num_layers: int, first: bool, last: bool, recompute: bool,
                  measured: MeasuredCosts | None, activation_factor: float) -> _MicroBatch:
     """The per-micro-batch terms of a stage (see `_MicroBatch`)."""
     if measured is not None:
@@ -122,38 +122,40 @@ def _micro_batch(p: A.PartShape, num_layers: int, first: bool, last: bool, recom
         head = measured.head.activation_bytes if last else 0.0
         copies = 0.0  # inside the measured bytes
     else:
-        layer = A.recompute_saved_bytes(p) if recompute else A.layer_saved_bytes(p) + A.layer_weight_copies(p)
-        embedding = A.embedding_saved_bytes(p) if first else 0.0
-        head = A.head_saved_bytes(p) + A.head_weight_copies(p) if last else 0.0
-        copies = (0.0 if recompute else num_layers * A.layer_weight_copies(p)) + \
-            (A.head_weight_copies(p) if last else 0.0)
-    boundary = p.tokens * p.h * A.FP32
+        layer = activations.recompute_saved_bytes(p) if recompute else \
+            activations.layer_saved_bytes(p) + activations.layer_weight_copies(p)
+        embedding = activations.embedding_saved_bytes(p) if first else 0.0
+        head = activations.head_saved_bytes(p) + activations.head_weight_copies(p) if last else 0.0
+        copies = (0.0 if recompute else num_layers * activations.layer_weight_copies(p)) + \
+            (activations.head_weight_copies(p) if last else 0.0)
+    boundary = p.tokens * p.h * activations.FP32
     if measured is not None:  # a measured part counts its output, not its input: the stage's input is extra
         held = 0.0 if first else boundary
     else:  # a counted layer holds its input; a non-last stage also holds its output until its backward
         held = 0.0 if last else boundary
     saved = activation_factor * (num_layers * layer + embedding + head) + held
     if recompute and num_layers:
-        layer_again = A.layer_saved_bytes(p) + A.layer_weight_copies(p) - A.recompute_saved_bytes(p)
+        layer_again = activations.layer_saved_bytes(p) + activations.layer_weight_copies(p) - \
+            activations.recompute_saved_bytes(p)
     else:
         layer_again = 0.0
-    layer_start = layer_again + A.layer_backward_transient_bytes(p)
-    layer_accumulating = layer_again + A.layer_backward_transient_bytes(p, accumulating=True)
+    layer_start = layer_again + activations.layer_backward_transient_bytes(p)
+    layer_accumulating = layer_again + activations.layer_backward_transient_bytes(p, accumulating=True)
     if last:
         # the head's saved tensors are released before the layers' backward starts; its weight's gradient stays
         # when it is the first (it becomes the parameter's), and is added and freed otherwise
-        below = A.head_saved_bytes(p) if num_layers else float("inf")
-        head_grad = p.vocab * p.h * A.FP32
-        start = max(A.head_backward_transient_bytes(p), layer_start - below + head_grad)
-        accumulating = max(A.head_backward_transient_bytes(p, accumulating=True), layer_accumulating - below)
+        below = activations.head_saved_bytes(p) if num_layers else float("inf")
+        head_grad = p.vocab * p.h * activations.FP32
+        start = max(activations.head_backward_transient_bytes(p), layer_start - below + head_grad)
+        accumulating = max(activations.head_backward_transient_bytes(p, accumulating=True), layer_accumulating - below)
     else:
         start, accumulating = layer_start, layer_accumulating
-    fwd_top = A.head_forward_transient_bytes(p) if last else A.layer_forward_transient_bytes(p)
+    fwd_top = activations.head_forward_transient_bytes(p) if last else activations.layer_forward_transient_bytes(p)
     if recompute and measured is None:  # autocast's cache keeps every layer's weight copies until the forward ends
-        fwd_top += num_layers * A.layer_weight_copies(p)
+        fwd_top += num_layers * activations.layer_weight_copies(p)
     return _MicroBatch(saved=saved, copies=copies * activation_factor, bwd_start=start,
                        bwd_start_accumulating=accumulating,
-                       embedding_bwd=A.embedding_backward_transient_bytes(p) if first else 0.0, fwd=fwd_top)
+                       embedding_bwd=activations.embedding_backward_transient_bytes(p) if first else 0.0, fwd=fwd_top)
 
 
 @lru_cache(maxsize=65536)
@@ -178,24 +180,26 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     m = num_micro if num_micro is not None else in_flight + 1
     w = warmup if warmup is not None else in_flight - 1
     dtype = params.compute_dtype or compute_dtype(train.dtype)
-    p = A.PartShape(model, tp, mbs, train.seq_len, dtype, train.attention, on_cuda, chunked_loss=paths.chunked_loss,
-                    loss_chunk=params.loss_chunk_tokens, compiled=bool(paths.compile))
+    p = activations.PartShape(model, tp, mbs, train.seq_len, dtype, train.attention, on_cuda,
+                              chunked_loss=paths.chunked_loss, loss_chunk=params.loss_chunk_tokens,
+                              compiled=bool(paths.compile))
     layer_params, extra_params = stage_params_per_device(model, tp, num_layers, first, last)
     n_params = layer_params + extra_params
     weights, grads, moments = 4.0 * n_params, 4.0 * n_params, params.optimizer_state_bytes * n_params
     mb = _micro_batch(p, num_layers, first, last, train.recompute, measured, params.activation_bytes_factor)
 
     # boundary sends no receive follows: held until the step ends
-    send_bytes = p.tokens * p.h * (p.c if paths.lean_p2p else A.FP32)
+    send_bytes = p.tokens * p.h * (p.c if paths.lean_p2p else activations.FP32)
     lone_forward = 0 if last else min(w, m - 1)
     copy_held = lone_forward * send_bytes if paths.lean_p2p and p.autocast else 0.0
     # fp32 sends hold a view: the output of micro-batch 0 outlives its backward when its send was lone
     view_held_after_first = send_bytes if (lone_forward and not copy_held) else 0.0
     lone_backward_first = (not first) and m <= w + 1  # the first backward is followed by another backward
-    back_held = (p.tokens * p.h * (p.c if paths.lean_p2p and p.autocast else A.FP32)) if lone_backward_first else 0.0
+    boundary_width = p.c if paths.lean_p2p and p.autocast else activations.FP32
+    back_held = p.tokens * p.h * boundary_width if lone_backward_first else 0.0
 
     # the step's token rows on the device (int64 [m * mbs, s + 1]) and the stage's rotary tables (2 x [s, head_dim])
-    buffers = m * mbs * (train.seq_len + 1) * A.INT64 + 2 * train.seq_len * model.head_dim * A.FP32
+    buffers = m * mbs * (train.seq_len + 1) * activations.INT64 + 2 * train.seq_len * model.head_dim * activations.FP32
     weights += buffers
     candidates: list[tuple[float, str, float, float, float, float]] = []  # (total, phase, grads, acts, transient, dp)
     acts_first = in_flight * mb.saved + copy_held

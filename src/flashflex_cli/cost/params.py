@@ -267,7 +267,7 @@ class CostParams:
 NOT_IN_FILES = ("layer_profiles", "runtime", "compute_dtype", "loss_chunk_tokens")
 
 # The physical limit of each number a cost-parameter file may set (physical_limits.py gives each bound's reason).
-_LIMITS: dict[str, Limit] = {
+LIMITS: dict[str, Limit] = {
     **dict.fromkeys(("default_compute_efficiency", "measured_compute_efficiency", "tf32_compute_efficiency",
                      "cpu_attention_efficiency", "tp_comm_efficiency", "p2p_efficiency", "dp_comm_efficiency",
                      "memory_bandwidth_efficiency", "compute_efficiency"), EFFICIENCY),
@@ -287,7 +287,7 @@ _ANY_NUMBER = Limit("", 0.0, 1e15)
 
 def _number(name: str, value: Any) -> float:
     """`value` within the limit of parameter `name` (`name` may carry a table key: "compute_efficiency[A100]")."""
-    limit = _LIMITS.get(name.partition("[")[0], _ANY_NUMBER)
+    limit = LIMITS.get(name.partition("[")[0], _ANY_NUMBER)
     return float(limit.check(value, f"cost parameters: {name}"))
 
 

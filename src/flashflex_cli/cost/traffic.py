@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..model import flops as F
+from ..model import flops as model_flops
 from ..semantics.runtime_paths import loss_chunk_tokens
 from .activations import FP32, PartShape, compiled_layer, layer_saved_bytes, layer_weight_copies
 
@@ -86,9 +86,9 @@ def _grouped(p: PartShape) -> bool:
 def layer_traffic(p: PartShape, recompute: bool = False) -> PartTraffic:
     """One decoder layer (module docstring); with `recompute` its backward runs the forward again."""
     n, h, q, k, f = p.tokens, p.h, p.q, p.k, p.f
-    weights = F.layer_matmul_params(p.model) / p.tp
+    weights = model_flops.layer_matmul_params(p.model) / p.tp
     matmul = 2.0 * n * weights
-    attention = 4.0 * n * F.attended_keys(p.model, p.seq) * q
+    attention = 4.0 * n * model_flops.attended_keys(p.model, p.seq) * q
     if p.attention == "eager":  # batched matrix products and a softmax, not a fused kernel
         matmul, attention = matmul + attention, 0.0
     # the seven products' inputs (q, k, v, gate, up: [N, h]; o: [N, q]; down: [N, f]) and outputs per token

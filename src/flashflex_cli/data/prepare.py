@@ -128,12 +128,13 @@ def prepare_files(inputs: Sequence[str | os.PathLike[str]], out: str | os.PathLi
     encoder = _Encoder(tokenizer, eot)
     dtype = token_dtype(encoder.vocab_size)
     total = sum(path.stat().st_size for path in files)
-    done = [0]
+    done = 0
 
     def advance(size: int) -> None:
-        done[0] += size
+        nonlocal done
+        done += size
         if progress is not None:
-            progress(min(done[0], total), total)
+            progress(min(done, total), total)
 
     target = Path(out)
     existing = append and target.is_file()

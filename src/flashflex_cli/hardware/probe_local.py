@@ -26,6 +26,7 @@ from ..hostnames import host_problem
 from .catalog import AMPERE_ON, FP16_TENSOR_CORES, FP32_ONLY, device_type
 from .cluster import Device, DevicePair, IntraLink, Node
 from .cpu_share import as_emulated_device
+from .device_sync import synchronize
 from .gpu_identity import visible_gpus
 from .probe_gloo import FULL_GLOO, QUICK_GLOO, GlooProbe, gloo_link
 
@@ -102,20 +103,15 @@ class NodeProbe:
     gloo: GlooProbe | None = None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _best_time(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Shortest wall time (seconds) of `repeats` runs of `fn` after one warm-up run."""
     fn()
-    _sync(device)
+    synchronize(device)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return max(best, 1e-9)
 
@@ -145,7 +141,7 @@ def copy_bandwidth(src_device: torch.device, dst_device: torch.device, nbytes: i
 
     def copy() -> None:
         dst.copy_(src, non_blocking=False)
-        _sync(src_device)
+        synchronize(src_device)
 
     seconds = _best_time(copy, dst_device, repeats)
     return src.numel() * 4 / seconds

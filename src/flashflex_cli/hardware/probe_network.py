@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..errors import InputError, RuntimeFailure
 from .cluster import Cluster, Node, NodePair
+from .device_sync import synchronize
 from .merge import cluster_of_nodes
 from .probe_local import check_node_options, profile_node, sig
 
@@ -55,8 +56,7 @@ def _ping_pong(peer: int, payload: torch.Tensor, ack: torch.Tensor, group: dist.
     start = time.perf_counter()
     dist.send(payload, dst=peer, group=group)
     dist.recv(ack, src=peer, group=group)
-    if ack.is_cuda:  # NCCL calls only enqueue work on a stream
-        torch.cuda.synchronize(ack.device)
+    synchronize(ack.device)  # NCCL calls only enqueue work on a stream
     return time.perf_counter() - start
 
 

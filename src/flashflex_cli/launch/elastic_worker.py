@@ -56,12 +56,12 @@ def settle_config(config: RunConfig, config_path: str, node: str) -> str:
         store.set(f"node/{os.environ.get('GROUP_RANK', '0')}", node)
     if os.environ.get("RANK", "0") == "0":
         present = [store.get(f"node/{i}").decode() for i in range(hosts)]
-        store.set("config", _decide(config, config_path, present,
+        store.set("config", decide_round(config, config_path, present,
                                     int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))))
     return store.get("config").decode()
 
 
-def _decide(config: RunConfig, config_path: str, present: list[str], round_: int) -> str:
+def decide_round(config: RunConfig, config_path: str, present: list[str], round_: int) -> str:
     """Global rank 0: the run configuration of this round for the plan nodes `present`."""
     from ..cost.params import CostParams
     from ..fileio import atomic_write_text

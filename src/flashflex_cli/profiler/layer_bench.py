@@ -50,18 +50,18 @@ import torch.distributed as dist
 
 from ..errors import InputError, RuntimeFailure
 from ..hardware.cpu_share import pin_emulated_device, usable_cores
+from ..hardware.device_sync import synchronize
 from ..layers.schema import LayerProfile, ModelShape, PartCost, ProfileEntry, ProfilePaths
 from ..model.spec import ModelSpec
 from ..runtime.device.slowdown import runqueue_seconds
-from ..runtime.model.attention import EAGER, FLASH, LOG, SDPA, flash_attn_available
-from ..runtime.model.compiled import compile_stage, eager_stage, warm_up
-from ..runtime.model.precision import autocast
+from ..runtime.model.attention import PLAN_BACKENDS, flash_attn_available
+from ..runtime.model.compiled import all_reduce_max, compile_or_fall_back
+from ..runtime.model.precision import autocast, use_tf32_matmuls
 from ..runtime.model.stage import StageModule
 from ..runtime.model.tensor_parallel import TPContext
 from ..semantics.runtime_paths import RuntimeOptions
 
 PARTS = ("layer", "embedding", "head")
-BACKENDS = {"flash": FLASH, "sdpa": SDPA, "eager": EAGER}
 DTYPES = ("bf16", "fp16", "fp32", "tf32")
 INIT_STD = 0.02
 
@@ -152,8 +152,8 @@ def _check_numbers(config: BenchConfig, tps: tuple[int, ...]) -> None:
 def _check_dtype(config: BenchConfig, kind: str) -> None:
     if config.dtype not in DTYPES:
         raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
-    if config.attention not in BACKENDS:
-        raise InputError(f"--attention must be one of {', '.join(BACKENDS)}, got {config.attention!r}")
+    if config.attention not in PLAN_BACKENDS:
+        raise InputError(f"--attention must be one of {', '.join(PLAN_BACKENDS)}, got {config.attention!r}")
     if kind == "cpu" and config.dtype == "tf32":
         raise InputError("--dtype tf32 needs a GPU: TF32 is a CUDA matmul mode (use fp32 on CPU)")
     if config.attention == "flash":
@@ -168,15 +168,10 @@ def _check_dtype(config: BenchConfig, kind: str) -> None:
 # --------------------------------------------------------------------------------------------- measuring (rank)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _align(tp: TPContext, device: torch.device) -> None:
     """Start a timed region together on every rank of the group (the times then include waiting in
     collectives for slower ranks, as in training, but not the skew of the previous region)."""
-    _sync(device)
+    synchronize(device)
     if tp.size > 1:
         dist.barrier(group=tp.group)
 
@@ -191,9 +186,9 @@ def _init_weights(module: StageModule, seed: int) -> None:
 
 
 def _build_parts(config: BenchConfig, tp: TPContext, device: torch.device) -> dict[str, StageModule]:
-    """The three parts as StageModules on `device`: one layer, the embedding alone, the head alone (compiled
-    when the resolved runtime paths compile; `_compile_parts` warms them up)."""
-    backend = BACKENDS[config.attention]
+    """The three parts as StageModules on `device`: one layer, the embedding alone, the head alone (eager;
+    `_compile_parts` compiles them when the resolved runtime paths compile)."""
+    backend = PLAN_BACKENDS[config.attention]
     paths = config.runtime.resolved(device.type == "cuda")
     layouts = {"layer": ((0, 1), False, False), "embedding": ((0, 0), True, False), "head": ((0, 0), False, True)}
     parts: dict[str, StageModule] = {}
@@ -202,31 +197,16 @@ def _build_parts(config: BenchConfig, tp: TPContext, device: torch.device) -> di
                              chunked_loss=paths.chunked_loss)
         _init_weights(module, seed=1000 * tp.rank + len(parts))
         parts[name] = module.to(device)
-        if paths.compile:
-            compile_stage(parts[name])
     return parts
 
 
 def _compile_parts(parts: dict[str, StageModule], config: BenchConfig, tp: TPContext,
                    device: torch.device) -> bool:
-    """Warm the compiled parts up at the first micro-batch size (collectives muted); when compiling failed on
-    any rank of the group every part runs eager, with one warning line. True when the parts stay compiled."""
-    errors = []
-    for module in parts.values():
-        _, error = warm_up(module, config.micro_batches[0], config.seq_len, device,
-                           lambda: autocast(device, config.dtype))
-        if error:
-            errors.append(error)
-    failed = torch.tensor([float(tp.rank + 1 if errors else 0)], device=device)
-    tp.all_reduce(failed, op=dist.ReduceOp.MAX)
-    worst = int(failed.item()) - 1  # the highest failing rank reports
-    if worst < 0:
-        return True
-    for module in parts.values():
-        eager_stage(module)
-    if worst == tp.rank:
-        LOG.warning("flashflex: rank %d: torch.compile failed (%s); measuring eager", tp.rank, errors[0])
-    return False
+    """Compile the parts and warm them up at the first micro-batch size (collectives muted); when compiling failed
+    on any rank of the group every part runs eager, with one warning line. True when the parts stay compiled."""
+    return compile_or_fall_back(list(parts.values()), config.micro_batches[0], config.seq_len, device,
+                                lambda: autocast(device, config.dtype), tp.rank,
+                                all_reduce_max(tp.group if tp.size > 1 else None), fallback_text="measuring eager")
 
 
 def _inputs(part: str, spec: ModelSpec, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -266,13 +246,13 @@ def _time_part(forward: Callable[[], torch.Tensor], tp: TPContext, device: torch
         _align(tp, device)
         start, waited, cpu = time.perf_counter(), queued(), time.thread_time()
         out = forward()
-        _sync(device)
+        synchronize(device)
         fwd_s = on_core(start, waited, cpu)
         grad = torch.ones_like(out)
         _align(tp, device)
         start, waited, cpu = time.perf_counter(), queued(), time.thread_time()
         out.backward(grad)
-        _sync(device)
+        synchronize(device)
         bwd_s = on_core(start, waited, cpu)
         del out, grad
         if i >= warmup:
@@ -316,10 +296,10 @@ def saved_activation_bytes(forward: Callable[[], torch.Tensor]) -> int:
 
 def cuda_activation_bytes(forward: Callable[[], torch.Tensor], device: torch.device) -> int:
     """torch.cuda.memory_allocated after a forward (output kept) minus before it, in bytes."""
-    _sync(device)
+    synchronize(device)
     before = torch.cuda.memory_allocated(device)
     out = forward()
-    _sync(device)
+    synchronize(device)
     used = torch.cuda.memory_allocated(device) - before
     del out
     return max(used, 0)
@@ -408,9 +388,9 @@ def _rank_device(rank: int, kind: str, dtype: str) -> torch.device:
         pin_emulated_device(rank)
         return torch.device("cpu")
     torch.cuda.set_device(rank)
-    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
-    torch.backends.cudnn.allow_tf32 = dtype == "tf32"
-    return torch.device("cuda", rank)
+    device = torch.device("cuda", rank)
+    use_tf32_matmuls(device, dtype)
+    return device
 
 
 def _measure_rank(rank: int, tp_size: int, config: BenchConfig, device: torch.device,

@@ -31,7 +31,7 @@ from ..cost.params import CostParams
 from ..errors import InputError
 from ..hardware.cluster import Cluster
 from ..layers.schema import LayerProfile, ModelShape, PartCost, ProfileEntry, ProfilePaths
-from ..model import flops as F
+from ..model import flops as model_flops
 from ..plan.schema import Plan
 from .reader import RunRecord
 
@@ -78,7 +78,7 @@ def _activation(plan: Plan, est: Estimate, run: RunRecord, p: int, s: int, on_cp
         if kept > 0:
             return kept / (in_flight * stage.num_layers), True
     act_dtype = "fp32" if train.dtype in ("fp32", "tf32") else train.dtype
-    return F.layer_activation_bytes(model, pipe.micro_batch_size, train.seq_len, stage.tp, act_dtype), False
+    return model_flops.layer_activation_bytes(model, pipe.micro_batch_size, train.seq_len, stage.tp, act_dtype), False
 
 
 def stage_fits(plan: Plan, cluster: Cluster, run: RunRecord, params: CostParams | None = None) -> list[StageFit]:

@@ -10,7 +10,9 @@ torch or DCP.
   blames the peer; a rank out of memory reports one line starting with OOM_LINE_PREFIX
   (runtime/device/oom.py writes it), which the launcher's report quotes as the root cause.
 - Fault injection: the "key=value,key=value" requests tests put in environment variables
-  (FLASHFLEX_OOM_INJECT, FLASHFLEX_OVERFLOW_INJECT, FLASHFLEX_DELAY_INJECT), parsed strictly by `parse_injection`.
+  (FLASHFLEX_FAULT_INJECT, FLASHFLEX_DELAY_INJECT: runtime/training/worker.py; FLASHFLEX_OOM_INJECT:
+  runtime/device/oom_injection.py; FLASHFLEX_OVERFLOW_INJECT: runtime/training/loss_scale.py), parsed strictly by
+  `parse_injection`: every bad field is one InputError naming the variable and the field.
 """
 
 from __future__ import annotations

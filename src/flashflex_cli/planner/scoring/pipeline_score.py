@@ -78,7 +78,7 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...],
     found = _memoised(cache, stages)
     if isinstance(found, PipeEval):
         return found
-    pipe = _finish(cache, stages, found, *_terms(cache, stages), links)
+    pipe = _finish(cache, stages, found, *stage_terms(cache, stages), links)
     assert pipe is not None
     return pipe
 
@@ -91,7 +91,7 @@ def evaluate_unless(cache: CostCache, stages: tuple[Devs, ...], links: Callable[
     split is known: `fill` is the exact fill (seconds) and `pace_low` a lower bound on the pace (its slowest
     stage and adjacent pairs of stages, the windows of at most two stages of `steady_period_s`), so a caller that
     only wants pipelines below some cost learns early that this one is not (the window search is skipped). A
-    pipeline whose layers do not fit is returned (`ok` False) but not memoised. `terms`: `_terms(cache, stages)`,
+    pipeline whose layers do not fit is returned (`ok` False) but not memoised. `terms`: `stage_terms(cache, stages)`,
     `shape`: gives `shape_key(cache, stages)`, where the caller has them (a caller with the shape knows the stages
     are new: the memo by devices is not consulted). The memo by shape is consulted only for a pipeline not skipped
     (the figures are the same either way)."""
@@ -99,7 +99,7 @@ def evaluate_unless(cache: CostCache, stages: tuple[Devs, ...], links: Callable[
         hit = cache.memo(PipelineMemo).by_devices.get(tuple(stages))
         if hit is not None:
             return hit
-    return _finish(cache, stages, None, *(terms or _terms(cache, stages)), links, skip, looked_up=False,
+    return _finish(cache, stages, None, *(terms or stage_terms(cache, stages)), links, skip, looked_up=False,
                    known_shape=shape)
 
 
@@ -135,7 +135,7 @@ def _same_shape(cache: CostCache, stages: tuple[Devs, ...], shape: tuple) -> Pip
     return hit
 
 
-def _terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float], list[float], list[int]]:
+def stage_terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float], list[float], list[int]]:
     """Per stage: one layer's seconds, the embedding / head seconds, and the layers that fit in memory."""
     count, end = len(stages), len(stages) - 1
     rows = []

@@ -52,7 +52,7 @@ def pipeline_counts(cache: CostCache, total_micro: int, devices: int | None = No
     return ks
 
 
-def _collect(pool: SearchPool, total_micro: int, seed: int, deadline: float, stats: SearchStats,
+def collect_candidates(pool: SearchPool, total_micro: int, seed: int, deadline: float, stats: SearchStats,
              every_k: bool = False) -> list[Candidate]:
     """Phase 1: every k on the whole cluster up to `SURE_KS`, then the larger k values (`pipeline_counts`)
     `TAIL_BATCH` at a time until a batch's best new candidate is `TAIL_STOP` times slower than the best found
@@ -68,7 +68,7 @@ def _collect(pool: SearchPool, total_micro: int, seed: int, deadline: float, sta
     ks = pipeline_counts(cache, total_micro, len(full))
     sure = [k for k in ks if k <= SURE_KS]
     units = [(total_micro, seed, k, full, deadline, n > 0) for n, k in enumerate(sure)]
-    if _merge(cache, units, pool.map(_unit, units), found, stats):
+    if _merge(cache, units, pool.map(collect_unit, units), found, stats):
         return found
     tail = [(total_micro, seed, k, full, deadline, True) for k in ks[len(sure):]]
     for start in range(0, len(tail), TAIL_BATCH):
@@ -76,7 +76,7 @@ def _collect(pool: SearchPool, total_micro: int, seed: int, deadline: float, sta
         before = min((c.score_s for c in found), default=float("inf"))
         seen = {c.signature() for c in found}
         count = len(found)
-        if _merge(cache, units, pool.map(_unit, units), found, stats):
+        if _merge(cache, units, pool.map(collect_unit, units), found, stats):
             return found
         # (a partition repeated at a larger k, e.g. striped past the devices per node, is not news)
         best = min((c.score_s for c in found[count:] if c.signature() not in seen), default=float("inf"))
@@ -96,13 +96,13 @@ def _collect(pool: SearchPool, total_micro: int, seed: int, deadline: float, sta
             scaled = max(1, round(k * len(active) / len(full)))
             near.update(x for x in (scaled - 1, scaled, scaled + 1, k) if x in allowed)
         units.extend((total_micro, seed, k, tuple(active), deadline, True) for k in sorted(near))
-    _merge(cache, units, pool.map(_unit, units), found, stats)
+    _merge(cache, units, pool.map(collect_unit, units), found, stats)
     return found
 
 
-def _unit(cache: CostCache, item: tuple[int, int, int, tuple[int, ...], float, bool]
+def collect_unit(cache: CostCache, item: tuple[int, int, int, tuple[int, ...], float, bool]
           ) -> tuple[list[Candidate], int, bool]:
-    """One unit of `_collect`: (candidates, how many were scored, whether the deadline had passed)."""
+    """One unit of `collect_candidates`: (candidates, how many were scored, whether the deadline had passed)."""
     total_micro, seed, k, active, deadline, check = item
     if check and time.monotonic() >= deadline:
         return [], 0, True
@@ -120,7 +120,7 @@ def _merge(cache: CostCache, units: list, results: list[tuple[list[Candidate], i
             stats.budget_hit = True
             return True
         if hit:
-            cands, count, _ = _unit(cache, (*unit[:-1], False))
+            cands, count, _ = collect_unit(cache, (*unit[:-1], False))
         found.extend(cands)
         stats.candidates += count
     return False

@@ -40,7 +40,7 @@ from ..scoring.feasibility import check_feasible
 from ..scoring.pipeline_score import PipeEval, evaluate_pipeline
 from ..space.batch_split import micro_batches
 from ..space.graph import DeviceGraph
-from .collect import SearchStats, _collect
+from .collect import SearchStats, collect_candidates
 from .exhaustive import exhaustive_candidates
 from .finalise import FINALISTS, finalise, nothing_fits, ranked_unique
 from .microbatch import MicroBatchSearch
@@ -128,9 +128,7 @@ def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strateg
     if strategy == "uniform":
         plan = best_uniform(cache, total, seed)
     elif strategy == "exhaustive":
-        cut = [False]
-        cands = exhaustive_candidates(cache, total, deadline, cut)
-        stats.budget_hit = cut[0]
+        cands, stats.budget_hit = exhaustive_candidates(cache, total, deadline)
         if not cands:
             raise nothing_fits(cache)
         plan = finalise(cache, cands, strategy, seed, stats=stats, limit=2 * FINALISTS)
@@ -139,7 +137,7 @@ def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strateg
         reasons: dict[int, dict[int, str]] = {}
         refined = []
         with SearchPool(cache, jobs) as pool:
-            cands = ranked_unique(_collect(pool, total, seed, deadline, stats) + resplit)
+            cands = ranked_unique(collect_candidates(pool, total, seed, deadline, stats) + resplit)
             units = [(cand, total, seed, deadline, device_moves) for cand in cands[:REFINED]]
             for result in pool.map(_refine_unit, units):
                 if result is None:
@@ -172,5 +170,5 @@ def scored_candidates(cluster: Cluster, model: ModelSpec, train: TrainConfig, se
     check_feasible(cache, total)
     resplit, _ = _uniform_seeds(cache, total)
     with SearchPool(cache, 1) as pool:
-        found = _collect(pool, total, seed, float("inf"), SearchStats(), every_k=True)
+        found = collect_candidates(pool, total, seed, float("inf"), SearchStats(), every_k=True)
     return cache, ranked_unique(found + resplit)

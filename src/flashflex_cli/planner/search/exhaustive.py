@@ -70,12 +70,11 @@ def _structures(cache: CostCache, blocks: list[list[int]]) -> list[tuple[Devs, .
     return out
 
 
-def exhaustive_candidates(cache: CostCache, total_micro: int, deadline: float = math.inf,
-                          cut: list[bool] | None = None) -> list[Candidate]:
-    """Every layout of the space (module docstring), scored; InputError above 12 devices.
-
-    The enumeration stops at `deadline` (time.monotonic()) and then sets `cut[0]`: the result is then
-    the best of the layouts enumerated so far, not the optimum."""
+def exhaustive_candidates(cache: CostCache, total_micro: int,
+                          deadline: float = math.inf) -> tuple[list[Candidate], bool]:
+    """Every layout of the space (module docstring), scored; InputError above 12 devices. Returns the
+    candidates and whether the enumeration stopped at `deadline` (time.monotonic()): the candidates are then the
+    layouts enumerated so far, and their best is not the optimum."""
     g = cache.graph
     if g.size > MAX_DEVICES:
         raise InputError(f"--strategy exhaustive handles at most {MAX_DEVICES} devices; the cluster has {g.size}")
@@ -107,8 +106,8 @@ def exhaustive_candidates(cache: CostCache, total_micro: int, deadline: float = 
 
     def recurse(start: int, left: tuple[int, ...], layout: list[tuple[int, ...]]) -> None:
         if time.monotonic() >= deadline:
-            if cut is not None:
-                cut[0] = True
+            nonlocal cut
+            cut = True
             return
         if layout:
             options = pipelines_for(layout)
@@ -125,5 +124,6 @@ def exhaustive_candidates(cache: CostCache, total_micro: int, deadline: float = 
             if all(n <= a for n, a in zip(vec, left, strict=True)):
                 recurse(v, tuple(a - n for a, n in zip(left, vec, strict=True)), layout + [vec])
 
+    cut = False
     recurse(0, avail, [])
-    return out
+    return out, cut

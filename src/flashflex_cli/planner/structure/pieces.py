@@ -153,13 +153,14 @@ class TrialSpace:
         return [raw[keep[s]] if keep[s + 1] == keep[s] + 1 else p2p(stages[s], stages[s + 1])
                 for s in range(len(stages) - 1)]
 
-    def _terms(self, pieces: list[Piece], count: int) -> tuple[list[float], list[float], list[int]]:
-        """`pipeline_score._terms` of the stages of `pieces` (all kept, `count` of them) from the pieces' figures."""
+    def stage_terms(self, pieces: list[Piece], count: int) -> tuple[list[float], list[float], list[int]]:
+        """`pipeline_score.stage_terms` of the stages of `pieces` (all kept, `count` of them) from the pieces'
+        figures."""
         return self._terms_and_room(pieces, count)[:3]  # type: ignore[return-value]
 
     def _terms_and_room(self, pieces: Sequence[Piece], count: int
                         ) -> tuple[list[float], list[float], list[int], int]:
-        """`_terms` and the pieces' layer rooms summed (`layer_room`): the layers fit exactly when it is at least
+        """`stage_terms` and the pieces' layer rooms summed (`layer_room`): the layers fit exactly when it is at least
         L."""
         per_layer: list[float] = []
         caps: list[int] = []
@@ -180,7 +181,7 @@ class TrialSpace:
         return per_layer, extra, caps, room
 
     def _room_caps(self, piece: Piece, depth: int, first: bool, last: bool) -> tuple[int, tuple[int, ...]]:
-        """(`layer_room`, the caps `_terms` gives the piece's stages) of `piece` at `depth` (memoised)."""
+        """(`layer_room`, the caps `stage_terms` gives the piece's stages) of `piece` at `depth` (memoised)."""
         key = (depth, first, last)
         found = piece.rooms.get(key)
         if found is None:
@@ -204,7 +205,7 @@ class TrialSpace:
     def layer_room(self, piece: Piece, depth: int, first: bool, last: bool) -> int:
         """How many layers the stages of `piece` can hold in memory, each at most L, when its first stage is
         `depth` stages from the pipeline's end (in flight there: `depth` micro-batches) and it starts (`first`) /
-        ends (`last`) the pipeline: the caps `_terms` gives them, summed; `NO_ROOM` when one of them holds none.
+        ends (`last`) the pipeline: the caps `stage_terms` gives them, summed; `NO_ROOM` when one of them holds none.
         A trial's layers fit (`split_layers` finds a split) exactly when its pieces' rooms sum to L or more."""
         return self._room_caps(piece, depth, first, last)[0]
 
@@ -218,7 +219,7 @@ class TrialSpace:
             depth -= piece.summary.count
         return room >= self.cache.model.num_layers
 
-    def _shape(self, pieces: Sequence[Piece]) -> tuple:
+    def shape(self, pieces: Sequence[Piece]) -> tuple:
         """`pipeline_score.shape_key` of the stages of `pieces` (all kept), from the pieces' figures."""
         bw = self.cache.graph.node_bw_rows
         keys: tuple[int, ...] = ()

@@ -76,7 +76,7 @@ class Trials(TrialSpace):
                 if probed is not None:
                     self._bounds[key] = probed
                     return INFEASIBLE
-            shape = lambda: self._shape(pieces)  # noqa: E731
+            shape = lambda: self.shape(pieces)  # noqa: E731
         stages, keep = self._assemble(pieces)
         low: list[float] = []
 

@@ -12,11 +12,7 @@ The phase comes from a `PhaseTracker` the worker, RankEngine and PipelineRunner 
 "nccl" (process group and communicators), "setup" (building the engine, resuming), then per step "forward",
 "backward" (with the data-parallel gradient reduction), "optimizer" (to the end of the step) and "checkpoint".
 
-Test injection: FLASHFLEX_OOM_INJECT="rank=R,phase=P[,step=K][,asked=B][,used=B][,free=B][,total=B]" makes
-plan rank R raise, on entering phase P of step K (counted from 0, as FLASHFLEX_FAULT_INJECT; any step when
-absent), what the real allocator raises: torch.OutOfMemoryError with CUDA's text for its figures (bytes;
-defaults: those of a recorded H100 run), or for phase "nccl" the DistBackendError NCCL raises. `free` and
-`total` also stand in for the device's free-memory query (so an emulated CPU device can report low memory).
+Tests raise such errors on purpose with FLASHFLEX_OOM_INJECT (runtime/device/oom_injection.py).
 
 The launcher recognises these lines by their first words (semantics/worker_protocol.py's `is_oom_line`).
 """
@@ -25,11 +21,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ...semantics.worker_protocol import OOM_LINE_PREFIX, parse_injection
+from ...semantics.worker_protocol import OOM_LINE_PREFIX
 
 if TYPE_CHECKING:
     from ...plan.schema import Plan
@@ -38,7 +34,6 @@ PHASES = ("setup", "nccl", "forward", "backward", "optimizer", "checkpoint")
 STEP_PHASES = ("forward", "backward", "optimizer", "checkpoint")
 PHASE_TEXT = {"setup": "set-up (building the engine)", "nccl": "NCCL set-up", "forward": "the forward pass",
               "backward": "the backward pass", "optimizer": "the optimizer step", "checkpoint": "the checkpoint save"}
-INJECT_ENV = "FLASHFLEX_OOM_INJECT"
 
 GIB = 1024**3
 LOW_FREE_BYTES = GIB  # below this many free bytes, or LOW_FREE_FRACTION of the device, memory is low
@@ -53,15 +48,6 @@ _ALLOCATED = re.compile(r"Of the allocated memory " + _SIZE + r" is allocated by
 _RESERVED = re.compile(r"and " + _SIZE + r" is reserved by PyTorch but unallocated")
 _HOST_ASKED = re.compile(r"you tried to allocate ([0-9]+) bytes")
 
-# the allocator's figures (bytes) in a recorded H100 run that did not fit (data/gpu-h100-llama1b, run-mb8)
-DEFAULT_FIGURES = {"asked": round(7.83 * GIB), "used": round(71.66 * GIB), "free": round(7.51 * GIB),
-                   "total": round(79.18 * GIB)}
-# of the bytes in use there, the shares allocated by PyTorch and reserved by it but unallocated
-ALLOCATED_SHARE, RESERVED_SHARE = 69.91 / 71.66, 1.05 / 71.66
-NCCL_TEXT = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, unhandled cuda error (run "
-             "with NCCL_DEBUG=INFO for details), NCCL version 2.28.9")
-
-
 def format_size(nbytes: float) -> str:
     """Bytes as torch's allocator writes them: "N bytes" up to 1 KiB, else KiB, MiB or GiB with 2 decimals."""
     if nbytes <= 1024:
@@ -70,19 +56,6 @@ def format_size(nbytes: float) -> str:
         if nbytes <= size * 1024:
             return f"{nbytes / size:.2f} {unit}"
     return f"{nbytes / GIB:.2f} GiB"
-
-
-def cuda_oom_message(asked: int, total: int, free: int, used: int, gpu: int = 0) -> str:
-    """The text of torch's CUDA out-of-memory error for these figures (bytes): `used` by this process, split
-    into PyTorch's allocated and reserved bytes and the rest (CUDA context, NCCL) as in the recorded run."""
-    allocated, reserved = round(used * ALLOCATED_SHARE), round(used * RESERVED_SHARE)
-    return (f"CUDA out of memory. Tried to allocate {format_size(asked)}. GPU {gpu} has a total capacity of "
-            f"{format_size(total)} of which {format_size(free)} is free. Including non-PyTorch memory, this "
-            f"process has {format_size(used)} memory in use. Of the allocated memory {format_size(allocated)} is "
-            f"allocated by PyTorch, and {format_size(reserved)} is reserved by PyTorch but unallocated. "
-            "If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
-            "to avoid fragmentation.  See documentation for Memory Management  "
-            "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
 
 
 @dataclass(frozen=True)
@@ -254,61 +227,32 @@ def oom_line(kind: str, place: StagePlace, phase: str, step: int, figures: Memor
             f"{advice(place)}")
 
 
-@dataclass(frozen=True)
-class OomInjection:
-    """A test's request (FLASHFLEX_OOM_INJECT) to raise an out-of-memory on plan rank `rank` on entering
-    `phase` of `step` (None: any step); figures in bytes."""
+class InjectedFailure(Protocol):
+    """A failure a test asks for (runtime/device/oom_injection.py's OomInjection): where it fires, what it raises,
+    and the device figures (bytes; None: not given) it stands in for."""
 
-    rank: int
-    phase: str
-    step: int | None = None
-    asked: int = DEFAULT_FIGURES["asked"]
-    used: int = DEFAULT_FIGURES["used"]
-    free: int | None = None
-    total: int | None = None
+    free: int | None
+    total: int | None
 
-    @classmethod
-    def parse(cls, text: str) -> OomInjection:
-        """Parse "rank=R,phase=P[,step=K][,asked=B][,used=B][,free=B][,total=B]"; InputError naming the field."""
-        fields = parse_injection(INJECT_ENV, text, ("rank", "phase", "step", "asked", "used", "free", "total"),
-                                 ("rank", "phase"), {"phase": PHASES})
-        return cls(**fields)
+    def matches(self, rank: int, phase: str, step: int) -> bool: ...
 
-    def matches(self, rank: int, phase: str, step: int) -> bool:
-        """Whether this injection fires for `rank` entering `phase` of `step`."""
-        return rank == self.rank and phase == self.phase and self.step in (None, step)
-
-    def error(self) -> BaseException:
-        """What the real allocator (or NCCL, for phase "nccl") raises."""
-        import torch
-        import torch.distributed as dist
-
-        if self.phase == "nccl":
-            return dist.DistBackendError(NCCL_TEXT)
-        total = self.total if self.total is not None else DEFAULT_FIGURES["total"]
-        free = self.free if self.free is not None else DEFAULT_FIGURES["free"]
-        return torch.OutOfMemoryError(cuda_oom_message(self.asked, total, free, self.used))
-
-
-def injection_from_env(env: Mapping[str, str]) -> OomInjection | None:
-    """The injection FLASHFLEX_OOM_INJECT asks for (None when unset or empty)."""
-    text = env.get(INJECT_ENV, "").strip()
-    return OomInjection.parse(text) if text else None
+    def error(self) -> BaseException: ...
 
 
 class PhaseTracker:
     """Which phase this rank is in (see PHASES) and its step, updated by the code that runs them (`enter`,
-    `begin_step`); a failure is told in the phase entered last. Armed with an OomInjection, `enter` raises it
+    `begin_step`); a failure is told in the phase entered last. Armed with an injected failure
+    (oom_injection.py), `enter` raises it
     once where it matches. `place` and `device` are set by the worker once the plan is read."""
 
-    def __init__(self, rank: int = -1, injection: OomInjection | None = None) -> None:
+    def __init__(self, rank: int = -1, injection: InjectedFailure | None = None) -> None:
         self.rank, self.injection = rank, injection
         self.phase, self.step = "setup", 0
         self.place: StagePlace | None = None
         self.device: Any = None
         self._fired = False
 
-    def attach(self, place: StagePlace, device: Any, injection: OomInjection | None = None) -> None:
+    def attach(self, place: StagePlace, device: Any, injection: InjectedFailure | None = None) -> None:
         """Name the rank's place in the plan and its torch.device; arm `injection`."""
         self.rank, self.place, self.device, self.injection = place.rank, place, device, injection
 
@@ -325,7 +269,7 @@ class PhaseTracker:
         self.enter("forward")
 
 
-def device_memory(device: Any, injection: OomInjection | None = None) -> MemoryFigures:
+def device_memory(device: Any, injection: InjectedFailure | None = None) -> MemoryFigures:
     """What `device` (a torch.device) reports now: on a GPU its free and total bytes (torch.cuda.mem_get_info)
     and PyTorch's allocated bytes; on an emulated CPU device this process's resident bytes as in use. An
     injection's `free` / `total` stand in where given."""

@@ -21,13 +21,15 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.nn.functional as F
+from torch.nn import functional
 
 LOG = logging.getLogger("flashflex.runtime")
 
 FLASH = "flash-attn"
 SDPA = "sdpa"
 EAGER = "eager"
+# The backend each attention name of a plan or a layer profile ("flash", "sdpa", "eager") asks for.
+PLAN_BACKENDS = {"flash": FLASH, "sdpa": SDPA, "eager": EAGER}
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -86,7 +88,7 @@ def _blocks(s: int, window: int) -> list[tuple[int, int, int]]:
 
 def _sdpa_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """q [b, n, h, d], k/v [b, m, h, d], mask bool [n, m] or None (causal) -> [b, n, h, d]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+    out = functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                          attn_mask=mask, is_causal=mask is None)
     return out.transpose(1, 2)
 

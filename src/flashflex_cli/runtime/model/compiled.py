@@ -18,19 +18,23 @@ modules themselves untouched (parameter names, checkpoints and hooks unchanged):
 
 `warm_up` runs the compiled stage once on dummy inputs of the real shapes (forward and backward, under the run's
 autocast, recompute as configured), with the TP collectives muted, so the compilation happens before step 0 and
-outside every step's time; gradients are dropped. A compilation error comes back as text; the caller agrees
-with the other ranks and falls back to eager (`eager_stage`) with one warning line.
+outside every step's time; gradients are dropped. `compile_or_fall_back` is the one place that compiles a
+group of ranks' stages: compile, warm up, agree with the other ranks (a compilation error anywhere means every
+rank runs eager, `eager_stage`), one warning line from the highest failing rank.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from ...hardware.device_sync import synchronize
+from .attention import LOG
 from .chunked_loss import EAGER_KERNELS, compile_kernels
 from .stage import StageModule, StageRunners
 
@@ -116,6 +120,38 @@ def warm_up(module: StageModule, micro_batch: int, seq_len: int, device: torch.d
     finally:
         for param in module.parameters():
             param.grad = None
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.perf_counter() - start, error
+
+
+def compile_or_fall_back(modules: Sequence[StageModule], micro_batch: int, seq_len: int, device: torch.device,
+                         autocast: Callable[[], AbstractContextManager[object]], rank: int,
+                         agree_max: Callable[[torch.Tensor], None], backend: CompileBackend = "inductor",
+                         fallback_text: str = "every rank runs eager") -> bool:
+    """Compile `modules` and warm each up at [micro_batch, seq_len]; `agree_max` all-reduces a one-element
+    tensor with MAX over the ranks that must agree. True when every rank stays compiled; otherwise every module
+    runs eager again and the highest failing rank logs one warning line ending in `fallback_text`."""
+    errors: list[str] = []
+    for module in modules:
+        compile_stage(module, backend)
+        _, error = warm_up(module, micro_batch, seq_len, device, autocast)
+        if error:
+            errors.append(error)
+    failed = torch.tensor([float(rank + 1 if errors else 0)], device=device)
+    agree_max(failed)
+    worst = int(failed.item()) - 1
+    if worst < 0:
+        return True
+    for module in modules:
+        eager_stage(module)
+    if worst == rank:
+        LOG.warning("flashflex: rank %d: torch.compile failed (%s); %s", rank, errors[0], fallback_text)
+    return False
+
+
+def all_reduce_max(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], None]:
+    """`agree_max` over `group` (None: a single rank, nothing to agree with)."""
+    def agree(tensor: torch.Tensor) -> None:
+        if group is not None:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return agree

@@ -1,5 +1,6 @@
 """The runtime's precision: fp32 parameters, gradients and optimizer state; matmuls under torch.autocast in the
-plan's 16-bit dtype on every device (CUDA and CPU alike), so a CPU-emulated run computes what a GPU run does.
+plan's 16-bit dtype on every device (CUDA and CPU alike), so a CPU-emulated run computes what a GPU run does;
+fp32 matmuls on TF32 tensor cores for "tf32" plans on CUDA.
 semantics/runtime_paths.compute_dtype is the same rule for the cost model."""
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def autocast_dtype(plan_dtype: str) -> torch.dtype | None:
     """The autocast dtype of a plan trained in `plan_dtype` (None: plain fp32 compute)."""
     return _TORCH_DTYPES.get(compute_dtype(plan_dtype))
+
+
+def use_tf32_matmuls(device: torch.device, plan_dtype: str) -> None:
+    """On CUDA, fp32 matmuls and convolutions on TF32 tensor cores exactly when the plan says "tf32" (its tensors
+    stay fp32); CPU has no such mode."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = plan_dtype == "tf32"
+        torch.backends.cudnn.allow_tf32 = plan_dtype == "tf32"
 
 
 def autocast(device: torch.device, plan_dtype: str) -> AbstractContextManager[object]:

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.nn import functional
 from torch.utils.checkpoint import checkpoint
 
 from ...model.spec import ModelSpec, RopeScaling
@@ -104,9 +104,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         x = copy_to_tp(x, self.tp)
-        q = apply_rotary(F.linear(x, self.wq, self.bq).view(b, s, self.hq, self.hd), cos, sin)
-        k = apply_rotary(F.linear(x, self.wk, self.bk).view(b, s, self.hkv, self.hd), cos, sin)
-        v = F.linear(x, self.wv, self.bv).view(b, s, self.hkv, self.hd)
+        q = apply_rotary(functional.linear(x, self.wq, self.bq).view(b, s, self.hq, self.hd), cos, sin)
+        k = apply_rotary(functional.linear(x, self.wk, self.bk).view(b, s, self.hkv, self.hd), cos, sin)
+        v = functional.linear(x, self.wv, self.bv).view(b, s, self.hkv, self.hd)
         out = self.attend(q, k, v).reshape(b, s, self.hq * self.hd)
         return row_linear(out, self.wo, self.tp)
 
@@ -124,7 +124,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.tp)
-        return row_linear(F.silu(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down, self.tp)
+        return row_linear(functional.silu(functional.linear(x, self.w_gate)) * functional.linear(x, self.w_up),
+                          self.w_down, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -234,7 +235,7 @@ class StageModule(nn.Module):
             if self.capture_logits is not None and chunks is not None:
                 self.capture_logits.append(torch.cat(chunks).view(*h.shape[:-1], weight.shape[0]))
             return loss
-        logits = F.linear(h, weight)
+        logits = functional.linear(h, weight)
         if self.capture_logits is not None:
             self.capture_logits.append(logits.detach().clone())
         losses = vocab_parallel_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.nn import functional
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -65,7 +65,7 @@ class TPContext:
     group: dist.ProcessGroup | None
     size: int = 1
     rank: int = 0
-    comm_seconds: list[float] = field(default_factory=lambda: [0.0])
+    comm_seconds: float = 0.0
     muted: bool = False
     copy_fn: Callable[[torch.Tensor, TPContext], torch.Tensor] = field(default=_copy_apply, repr=False,
                                                                         compare=False)
@@ -77,7 +77,7 @@ class TPContext:
         if self.size > 1 and not self.muted:
             start = time.perf_counter()
             dist.all_reduce(x, op=op, group=self.group)
-            self.comm_seconds[0] += time.perf_counter() - start
+            self.comm_seconds += time.perf_counter() - start
         return x
 
     def keep_collectives_eager(self) -> None:
@@ -106,12 +106,12 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, tp: TPContext, copy_inp
     """
     if copy_input:
         x = copy_to_tp(x, tp)
-    return F.linear(x, weight)
+    return functional.linear(x, weight)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, tp: TPContext) -> torch.Tensor:
     """Row-parallel linear: x [..., in/tp] local -> [..., out] replicated (all-reduced). weight [out, in/tp]."""
-    return reduce_from_tp(F.linear(x, weight), tp)
+    return reduce_from_tp(functional.linear(x, weight), tp)
 
 
 def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, vocab_start: int,
@@ -122,10 +122,10 @@ def vocab_parallel_embedding(tokens: torch.Tensor, weight: torch.Tensor, vocab_s
     Returns [b, s, hidden], replicated over the group (tokens outside the local range contribute zeros).
     """
     if tp.size == 1:
-        return F.embedding(tokens, weight)
+        return functional.embedding(tokens, weight)
     local = tokens - vocab_start
     outside = (local < 0) | (local >= weight.shape[0])
-    out = F.embedding(local.masked_fill(outside, 0), weight)
+    out = functional.embedding(local.masked_fill(outside, 0), weight)
     out = out.masked_fill(outside.unsqueeze(-1), 0.0)
     return reduce_from_tp(out, tp)
 
@@ -168,5 +168,5 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vo
     Identical on every rank of the group; the backward gives each rank the gradient of its own logit shard.
     """
     if tp.size == 1:
-        return F.cross_entropy(logits.float(), targets, reduction="none")
+        return functional.cross_entropy(logits.float(), targets, reduction="none")
     return _VocabParallelCE.apply(logits, targets, vocab_start, tp)

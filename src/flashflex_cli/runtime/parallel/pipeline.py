@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ...hardware.device_sync import synchronize
 from ...semantics.boundary import ChunkPlan
 from ...semantics.schedule import one_f_one_b
 from ..device.oom import PhaseTracker
@@ -87,11 +88,6 @@ class PipelineTimes:
                 self.ops.append((kind, micro, self.origin_offset + timer.seconds(self.origin_mark, a),
                                  self.origin_offset + timer.seconds(self.origin_mark, b)))
         self.spans.clear()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class PipelineRunner:
@@ -266,7 +262,7 @@ class PipelineRunner:
                         if scale_loss is not None:
                             out = scale_loss(out)
                     if self._sync_ops:
-                        _sync(self.device)
+                        synchronize(self.device)
                 times.spans.append(("F", i, start, timer.mark()))
                 if not self.last:
                     pair = nxt is not None and nxt[0] == "B"
@@ -285,7 +281,7 @@ class PipelineRunner:
                 with self.slowdown.op():
                     torch.autograd.backward(out, grad_tensors=grad)
                     if self._sync_ops:
-                        _sync(self.device)
+                        synchronize(self.device)
                 times.spans.append(("B", i, start, timer.mark()))
                 if not self.first:
                     assert x_in is not None and x_in.grad is not None

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -62,10 +62,10 @@ from ...semantics.runtime_paths import RuntimeOptions
 from ..device.oom import PhaseTracker
 from ..device.op_timer import OpTimer
 from ..device.slowdown import Slowdown
-from ..model.attention import EAGER, FLASH, LOG, SDPA, choose_backend
-from ..model.compiled import CompileBackend, compile_stage, eager_stage, warm_up
+from ..model.attention import EAGER, PLAN_BACKENDS, choose_backend
+from ..model.compiled import CompileBackend, all_reduce_max, compile_or_fall_back
 from ..model.init import shard_init
-from ..model.precision import autocast_dtype
+from ..model.precision import autocast, autocast_dtype, use_tf32_matmuls
 from ..model.stage import StageModule
 from ..parallel.grad_sync import GradSync
 from ..parallel.groups import PlanGroups
@@ -75,7 +75,6 @@ from .loss_scale import SCALE_KEY, TRACKER_KEY, JobScaler, LossScaling, poison
 from .optimizer import OptimConfig, lr_at, make_optimizer, restore_moments, set_lr
 
 # the plan's attention setting -> the runtime's backend (flash-attn only where supported, else SDPA, logged)
-PLAN_ATTENTION = {"flash": FLASH, "sdpa": SDPA, "eager": EAGER}
 
 __all__ = ["OptimConfig", "RankEngine", "ShardSpec", "StepResult", "plan_shard_specs"]
 
@@ -145,10 +144,8 @@ class RankEngine:
         first, last = me.stage == 0, me.stage == len(self.pipe.stages) - 1
         self.first, self.last = first, last
         self.amp_dtype = autocast_dtype(train.dtype)
-        if device.type == "cuda" and train.dtype == "tf32":  # fp32 tensors, TF32 tensor-core matmuls
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        wanted = attention or PLAN_ATTENTION[train.attention]
+        use_tf32_matmuls(device, train.dtype)
+        wanted = attention or PLAN_BACKENDS[train.attention]
         self.backend = EAGER if wanted == EAGER else choose_backend(device, self.amp_dtype or torch.float32, rank,
                                                                    prefer=wanted)
         self.tp = groups.tp_context()
@@ -171,7 +168,7 @@ class RankEngine:
         self.overflow_steps = frozenset(overflow_steps)
         self.sync = GradSync(self.params, groups, overlap=self.options.overlap_dp,
                              hierarchical=self.options.hierarchical_dp, num_micro=self.pipe.num_micro_batches)
-        self.slow = Slowdown(slowdown, comm_clock=lambda: self.tp.comm_seconds[0])
+        self.slow = Slowdown(slowdown, comm_clock=lambda: self.tp.comm_seconds)
         self.runner = PipelineRunner(self.module, groups, len(self.pipe.stages), self.pipe.num_micro_batches,
                                      (self.pipe.micro_batch_size, train.seq_len, spec.hidden_size), device,
                                      autocast=self._autocast, slowdown=self.slow, lean=self.options.lean_p2p,
@@ -190,24 +187,15 @@ class RankEngine:
         """Compile the stage and warm it up on dummy inputs (collective over the world group: every rank runs
         compiled, or, when one failed, every rank eager, with one warning line from the highest failing rank)."""
         start = time.perf_counter()
-        compile_stage(self.module, backend)
-        _, error = warm_up(self.module, self.pipe.micro_batch_size, self.plan.inputs.train.seq_len, self.device,
-                           self._autocast)
-        failed = torch.tensor([float(self.rank + 1 if error else 0)], device=self.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.groups.world_group)
-        worst = int(failed.item()) - 1
-        if worst >= 0:
-            eager_stage(self.module)
+        if compile_or_fall_back([self.module], self.pipe.micro_batch_size, self.plan.inputs.train.seq_len,
+                                self.device, self._autocast, self.rank, all_reduce_max(self.groups.world_group),
+                                backend):
+            self.compile_seconds = time.perf_counter() - start
+        else:
             self.options = replace(self.options, compile=False)
-            if worst == self.rank:
-                LOG.warning("flashflex: rank %d: torch.compile failed (%s); every rank runs eager", self.rank, error)
-            return
-        self.compile_seconds = time.perf_counter() - start
 
     def _autocast(self) -> AbstractContextManager[object]:
-        if self.amp_dtype is None:
-            return nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+        return autocast(self.device, self.plan.inputs.train.dtype)
 
     def pipeline_slice(self, global_batch: int) -> slice:
         """Rows of the global batch (int64 [global_batch, seq_len + 1]) this rank's pipeline takes."""
@@ -232,7 +220,7 @@ class RankEngine:
         lr = lr_at(self.step, self.optim)
         set_lr(self.optimizer, lr)
         self.optimizer.zero_grad(set_to_none=True)
-        self.tp.comm_seconds[0] = 0.0
+        self.tp.comm_seconds = 0.0
         tokens = tokens.to(self.device, non_blocking=True)
         mbs = self.pipe.micro_batch_size
         micro = [tokens[i * mbs:(i + 1) * mbs] for i in range(self.pipe.num_micro_batches)]
@@ -272,7 +260,7 @@ class RankEngine:
                    "dp_sync": timer.seconds(t1, t2), "optimizer": timer.seconds(t2, t3),
                    "step": timer.seconds(t0, t4), "pipeline": timer.seconds(t0, t1)}
         if self.device.type == "cpu":
-            timings["tp_comm"] = self.tp.comm_seconds[0]
+            timings["tp_comm"] = self.tp.comm_seconds
             timings["dp_total"] = self.sync.busy_s  # seconds the DP collectives ran, hidden or not
             timings["dp_across"] = self.sync.across_s  # of which hierarchical reductions' cross-node step
         read = torch.stack([loss_sum, grad_norm, *(t.double() for t in scaling)]).tolist()  # the step's one read

@@ -43,8 +43,9 @@ from typing import TYPE_CHECKING, NoReturn
 
 from ...hardware.cpu_share import pin_emulated_device, usable_cores
 from ...semantics import flight_recorder
-from ...semantics.worker_protocol import PEER_LOST
+from ...semantics.worker_protocol import PEER_LOST, parse_injection
 from ..device import oom
+from ..device.oom_injection import injection_from_env
 from . import heartbeat
 
 if TYPE_CHECKING:
@@ -73,13 +74,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 DELAY_ENV = "FLASHFLEX_DELAY_INJECT"
+FAULT_ENV = "FLASHFLEX_FAULT_INJECT"
 
 
 def injected_delay(env: Mapping[str, str], rank: int, step: int | None) -> float:
     """Seconds FLASHFLEX_DELAY_INJECT asks plan rank `rank` to sleep at the start of step `step` (None: in its
     set-up, before the stage is built): "rank=R,seconds=S[,step=K]", several joined by ";"."""
-    from ...semantics.worker_protocol import parse_injection
-
     total = 0.0
     for text in filter(None, (part.strip() for part in env.get(DELAY_ENV, "").split(";"))):
         fields = parse_injection(DELAY_ENV, text, ("rank", "seconds", "step"), ("rank", "seconds"))
@@ -97,11 +97,12 @@ def _delay(rank: int, step: int | None) -> None:
 
 
 def _fault(rank: int, step: int) -> None:
-    spec = os.environ.get("FLASHFLEX_FAULT_INJECT", "")
+    """Kill this process with SIGKILL where FLASHFLEX_FAULT_INJECT="rank=R,step=K" asks (plan rank R, step K)."""
+    spec = os.environ.get(FAULT_ENV, "").strip()
     if not spec:
         return
-    fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
-    if int(fields.get("rank", -1)) == rank and int(fields.get("step", -1)) == step:
+    fields = parse_injection(FAULT_ENV, spec, ("rank", "step"), ("rank", "step"))
+    if fields["rank"] == rank and fields["step"] == step:
         print(f"flashflex: fault injection: killing rank {rank} at step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -261,7 +262,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     if not on_cpu:
         torch.cuda.set_device(device)
     phases = phases or oom.PhaseTracker()
-    phases.attach(oom.stage_place(plan, rank), device, oom.injection_from_env(os.environ))
+    phases.attach(oom.stage_place(plan, rank), device, injection_from_env(os.environ))
     claim_host_share(on_cpu, host_device_index(cluster, me.device, node))
     if not on_cpu:  # the watchdog's dump on a timeout, in RUN/nccl-trace/ (before the process group exists)
         flight_recorder.prepare(config.out)

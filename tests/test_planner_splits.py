@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -13,7 +14,28 @@ from flashflex_cli.cost.schedule import simulate_1f1b
 from flashflex_cli.cost.schedule import steady_period_s as window_pace
 from flashflex_cli.errors import InfeasibleError
 from flashflex_cli.planner.space.batch_split import micro_batches, split_batch
-from flashflex_cli.planner.space.layer_split import split_layers, split_layers_dp, stage_times
+from flashflex_cli.planner.space.layer_split import split_layers, stage_times
+
+
+def split_layers_dp(
+    per_layer_s: Sequence[float], extra_s: Sequence[float], max_layers: Sequence[int], num_layers: int
+) -> float:
+    """The textbook O(S L^2) dynamic programme: the optimal slowest-stage time (inf when infeasible)."""
+    stages = len(per_layer_s)
+    best = [math.inf] * (num_layers + 1)  # best[j]: stages so far covering the first j layers
+    best[0] = 0.0
+    for s in range(stages):
+        nxt = [math.inf] * (num_layers + 1)
+        for j in range(num_layers + 1):
+            if best[j] == math.inf:
+                continue
+            for n in range(1, min(max_layers[s], num_layers - j) + 1):
+                cost = max(best[j], n * per_layer_s[s] + extra_s[s])
+                if cost < nxt[j + n]:
+                    nxt[j + n] = cost
+        best = nxt
+    return best[num_layers]
+
 
 
 def _random_stage_terms(rng: random.Random, max_stages: int, max_layers: int

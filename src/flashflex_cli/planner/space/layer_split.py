@@ -13,8 +13,8 @@ continuous relaxation) we step through those breakpoints in increasing order unt
 which finds the smallest reachable one exactly (each step adds at least one layer of room, so at most
 L steps of O(S)). Among the optimal splits we take
 the one with the least total work sum n_s * t_s (layers go to the fastest stages first), which
-shortens the pipeline's fill and drain. `split_layers_dp` is the textbook O(S L^2) dynamic programme,
-kept as a reference for tests.
+shortens the pipeline's fill and drain. (tests/test_planner_splits.py checks it against the textbook
+O(S L^2) dynamic programme.)
 """
 
 from __future__ import annotations
@@ -118,23 +118,3 @@ def fits_within(per_layer_s: Sequence[float], extra_s: Sequence[float], max_laye
 def stage_times(per_layer_s: Sequence[float], extra_s: Sequence[float], counts: Sequence[int]) -> list[float]:
     """Seconds per micro-batch of every stage for a given split."""
     return [n * t + e for t, e, n in zip(per_layer_s, extra_s, counts, strict=True)]
-
-
-def split_layers_dp(
-    per_layer_s: Sequence[float], extra_s: Sequence[float], max_layers: Sequence[int], num_layers: int
-) -> float:
-    """Reference O(S L^2) dynamic programme: the optimal slowest-stage time (inf when infeasible)."""
-    stages = len(per_layer_s)
-    best = [math.inf] * (num_layers + 1)  # best[j]: stages so far covering the first j layers
-    best[0] = 0.0
-    for s in range(stages):
-        nxt = [math.inf] * (num_layers + 1)
-        for j in range(num_layers + 1):
-            if best[j] == math.inf:
-                continue
-            for n in range(1, min(max_layers[s], num_layers - j) + 1):
-                cost = max(best[j], n * per_layer_s[s] + extra_s[s])
-                if cost < nxt[j + n]:
-                    nxt[j + n] = cost
-        best = nxt
-    return best[num_layers]

@@ -117,8 +117,8 @@ def reduced_cluster(cluster: Cluster, lost: list[str]) -> Cluster:
 def cost_params(plan: Plan, layers: tuple[str, ...]) -> CostParams:
     """The cost parameters to re-plan `plan` with: the layer profiles its `inputs.layer_profiles` name, found
     among `layers` by sha256 (InputError naming the missing ones). Other cost overrides are not recorded in a
-    plan: re-planning uses the defaults."""
-    params = CostParams()
+    plan: re-planning uses the defaults, on the runtime paths the plan was predicted for."""
+    params = CostParams().for_launch(plan.inputs.runtime_options())
     wanted = set(plan.inputs.layer_profiles or ())
     if not wanted:
         return params
@@ -164,7 +164,8 @@ def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, t
     plan = plan_layout(cluster, inputs.model, inputs.train, strategy=strategy, time_budget_s=time_budget_s,
                        seed=inputs.seed, params=params, micro_batch=micro_batch, max_micro_batch=max_micro_batch)
     plan = reestimated(plan, estimate(plan, cluster, params))
-    return plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"cluster_path": cluster_path})})
+    return plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"cluster_path": cluster_path,
+                                                                            "runtime": inputs.runtime})})
 
 
 def latest_step(checkpoint_dir: str | None) -> int:

@@ -7,6 +7,7 @@ Ranks are numbered pipelines in order, stages in order, devices in order (`Plan.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,6 +23,7 @@ from pydantic import (
 from ..fileio import dumps_json, load_model
 from ..model.spec import ModelSpec
 from ..physical_limits import LAYER_INDEX, SEED, SEQ_LEN, SEQUENCES, TP_DEGREE, limited, shown
+from ..semantics.runtime_paths import OptimizerPath, RuntimeOptions
 
 PLAN_SCHEMA = "flashflex.plan/1"
 
@@ -113,12 +115,35 @@ class UnusedDevice(_Strict):
     reason: str
 
 
+class PlannedPaths(_Strict):
+    """The runtime switches a plan was predicted for (`flashflex plan --no-compile ...`: semantics/runtime_paths.py
+    RuntimeOptions); `flashflex show` and `flashflex launch` take them unless told otherwise. A plan predicted
+    for the launch defaults has none (its file keeps the bytes it had before the switches were recorded)."""
+
+    lean_p2p: bool = True
+    overlap_dp: bool = True
+    hierarchical_dp: bool = True
+    compile: bool | None = None
+    chunked_loss: bool = True
+    optimizer: OptimizerPath = "auto"
+
+    def options(self) -> RuntimeOptions:
+        """These switches as the runtime's options."""
+        return RuntimeOptions(**self.model_dump())
+
+    @classmethod
+    def of(cls, options: RuntimeOptions) -> PlannedPaths | None:
+        """The record of `options`; None for the launch defaults (nothing is written)."""
+        return None if options == RuntimeOptions() else cls(**dataclasses.asdict(options))
+
+
 class PlanInputs(_Strict):
     """What the plan was made from: the cluster (by hash), the model, the training configuration, and the
     sha256 of every measured layer profile its prediction used (absent: none, or an earlier version).
     cluster_path: the cluster file as `flashflex plan` was given it (absent in older plans); `flashflex launch`
     without --cluster opens it and still checks its sha256.
-    dtype_reason: why `flashflex plan --dtype auto` chose `train.dtype` (absent: the dtype was given)."""
+    dtype_reason: why `flashflex plan --dtype auto` chose `train.dtype` (absent: the dtype was given).
+    runtime: the runtime switches the prediction is for (absent: the launch defaults)."""
 
     cluster_sha256: str
     cluster_name: str = ""
@@ -129,6 +154,11 @@ class PlanInputs(_Strict):
     layer_profiles: list[str] | None = None
     cluster_path: str | None = None
     dtype_reason: str | None = None
+    runtime: PlannedPaths | None = None
+
+    def runtime_options(self) -> RuntimeOptions:
+        """The runtime switches the plan was predicted for (the launch defaults where it records none)."""
+        return self.runtime.options() if self.runtime is not None else RuntimeOptions()
 
 
 _PREDICTED_REQUIRED = ("tokens_per_s", "mfu", "iteration_time_s")

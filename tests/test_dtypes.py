@@ -107,8 +107,11 @@ def test_an_uncatalogued_type_is_native_in_the_dtypes_its_file_gives_peaks_for()
     c = Cluster.model_validate({"nodes": [{"name": "n", "devices": [mystery]}]})
     dev = c.device("n/0")
     assert dev.flops("fp16") == 80e12 and dev.flops("bf16") == 10e12  # no bf16 figure: not native, fp32 rate
-    only16 = {**mystery, "peak_flops": {"fp16": 80e12}}
-    c = Cluster.model_validate({"nodes": [{"name": "n", "devices": [only16]}]})
+    only16 = {**mystery, "peak_flops": {"fp16": 80e12}}  # no fp32 figure, which the dtypes it lacks run at
+    with pytest.raises(ValueError, match=r"it lacks peak_flops\.fp32"):
+        Cluster.model_validate({"nodes": [{"name": "n", "devices": [only16]}]})
+    probed = {**only16, "source": "measured"}  # a probe's own figures: its measured dtype alone
+    c = Cluster.model_validate({"nodes": [{"name": "n", "devices": [probed]}]})
     with pytest.raises(InputError, match="no fp32 figure"):
         c.device("n/0").flops("bf16")
 

@@ -32,6 +32,7 @@ from ..semantics.run_folder import (
 from ..semantics.runtime_paths import RuntimeOptions
 from ..validate_numbers import port as port_number
 from . import runtime_switches as switches
+from .cluster_input import load_cluster_warned
 
 if TYPE_CHECKING:
     from ..plan.schema import Plan
@@ -228,7 +229,6 @@ def launch_command(
                                    "host talking over loopback sockets (docs/multi-gpu.md)."),
 ) -> None:
     """Check PLAN against the cluster, the machine and the data, then run it or render its launch commands."""
-    from ..hardware.cluster import load_cluster
     from ..launch.preflight import (
         check_checkpoint_space,
         check_init_from,
@@ -258,7 +258,7 @@ def launch_command(
     if launcher != "local":
         port_number(port)
     _check_outputs(launcher, script, options, _script_inputs(plan_path, cluster_path, data, template), dry_run)
-    plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
+    plan, cluster = load_plan(plan_path), load_cluster_warned(cluster_path)
     # the paths the plan was predicted for, but for the switches given here
     options = dataclasses.replace(options, runtime=switches.switched(plan.inputs.runtime_options(), given))
     check_plan_cluster(plan, cluster, str(cluster_path))

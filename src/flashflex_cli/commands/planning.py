@@ -13,7 +13,7 @@ from ..cost.params import CostParams
 from ..cost.reestimate import reestimated, unmatched_profiles, validate_plan
 from ..errors import CheckFailed, FlashflexError, InputError
 from ..fileio import atomic_write_text, check_writable_output, read_json, refuse_same_path
-from ..hardware.cluster import Cluster, load_cluster
+from ..hardware.cluster import Cluster
 from ..layers.load import check_profile_fits, load_layer_profiles
 from ..model.spec import ModelSpec, resolve_model
 from ..plan.diff import diff_plans
@@ -23,6 +23,7 @@ from ..planner.fleet.economics import annotated
 from ..planner.fleet.precision import AUTO, AUTO_DTYPES, DTYPE_CHOICES, DtypeTrial, choose_dtype
 from ..semantics.runtime_paths import RuntimeOptions
 from . import runtime_switches as switches
+from .cluster_input import load_cluster_warned
 from .consoles import diagnostics, results
 from .plan_objective import PRICES_HELP, Fleet, device_prices
 
@@ -120,7 +121,7 @@ def plan_command(
         raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     runtime = switches.switched(RuntimeOptions(), switches.given_switches(
         lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer))
-    cluster = load_cluster(cluster_file)
+    cluster = load_cluster_warned(cluster_file)
     spec = resolve_model(model)
     dtypes = AUTO_DTYPES if dtype == AUTO else (dtype,)
     train = _train(global_batch, seq_len, dtypes[0], recompute, attention)
@@ -224,7 +225,7 @@ def show_command(
 
         cluster_file = cluster_for_run(cluster_file, run_dir)
     if cluster_file is not None:
-        cluster = load_cluster(cluster_file)
+        cluster = load_cluster_warned(cluster_file)
         prices = device_prices(prices_file, cluster)
         if run_dir is not None:  # predict the run by the runtime paths it took
             from ..runs.paths import params_for_run
@@ -312,7 +313,7 @@ def diff_command(
                          "predictions otherwise)")
     a, b = load_plan(plan_a), load_plan(plan_b)
     if cluster_file is not None:
-        cluster = load_cluster(cluster_file)
+        cluster = load_cluster_warned(cluster_file)
         prices = device_prices(prices_file, cluster)
         a, b = (annotated(_predicted_on(plan, cluster, cost_params, layers), cluster, prices) for plan in (a, b))
     result = diff_plans(a, b)

@@ -22,8 +22,19 @@ from pydantic import (
 
 from ..fileio import dumps_json, load_model
 from ..model.spec import ModelSpec
-from ..physical_limits import LAYER_INDEX, SEED, SEQ_LEN, SEQUENCES, TP_DEGREE, limited, shown
+from ..physical_limits import (
+    DEVICE_MEMORY_BYTES,
+    LAYER_INDEX,
+    MICRO_BATCHES,
+    SEED,
+    SEQ_LEN,
+    SEQUENCES,
+    TP_DEGREE,
+    limited,
+    shown,
+)
 from ..semantics.runtime_paths import OptimizerPath, RuntimeOptions
+from ..units import byte_size
 
 PLAN_SCHEMA = "flashflex.plan/1"
 
@@ -38,6 +49,9 @@ SeqLen = limited(SEQ_LEN)
 TpDegree = limited(TP_DEGREE)
 LayerIndex = limited(LAYER_INDEX)
 Seed = limited(SEED)
+MicroBatches = limited(MICRO_BATCHES)
+# The fewest bytes a token's hidden state takes (16-bit), to refuse a micro-batch no device could hold
+HIDDEN_STATE_BYTES = 2
 
 
 class TrainConfig(_Strict):
@@ -99,7 +113,7 @@ class PipelinePlan(_Strict):
     """One data-parallel replica: its stages and its share of the global batch (in micro-batches)."""
 
     micro_batch_size: Sequences
-    num_micro_batches: Sequences
+    num_micro_batches: MicroBatches
     stages: list[StagePlan] = Field(min_length=1)
 
     @property
@@ -248,6 +262,16 @@ def check_predicted(predicted: dict[str, Any] | None) -> dict[str, Any] | None:
     return predicted
 
 
+def _check_micro_batch_fits_a_device(pipe: PipelinePlan, model: ModelSpec, train: TrainConfig, where: str) -> None:
+    """ValueError when one micro-batch's hidden states alone (micro_batch_size x seq_len tokens x hidden_size, 16-bit)
+    exceed the largest memory a device may have (physical_limits.DEVICE_MEMORY_BYTES): no device could run it."""
+    held = pipe.micro_batch_size * train.seq_len * model.hidden_size * HIDDEN_STATE_BYTES
+    if held > DEVICE_MEMORY_BYTES.high:
+        raise ValueError(f"{where}: micro_batch_size {pipe.micro_batch_size} x seq_len {train.seq_len} tokens hold "
+                         f"{byte_size(held)} of hidden states alone (hidden_size {model.hidden_size}, 16-bit), more "
+                         f"than any device's memory may be ({byte_size(DEVICE_MEMORY_BYTES.high)})")
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """One process of a plan: where it sits (pipeline, stage, TP rank) and which device it drives."""
@@ -276,6 +300,7 @@ class Plan(_Strict):
         seen: set[str] = set()
         batch = 0
         for p, pipe in enumerate(self.pipelines):
+            _check_micro_batch_fits_a_device(pipe, model, train, f"pipelines.{p}")
             expected_start = 0
             for s, stage in enumerate(pipe.stages):
                 where = f"pipelines.{p}.stages.{s}"

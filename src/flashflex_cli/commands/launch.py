@@ -284,6 +284,8 @@ def launch_command(
             decision = start_decision(plan, options, overwrite)
             for line in warnings:
                 console.print(f"[yellow]warning:[/] {line}")
+            for note in lock.notes if lock is not None else ():
+                console.print(note, markup=False)
             _say_planned_paths(console, plan, given)
             if dry_run or lock is None:
                 if decision.line:
@@ -320,8 +322,10 @@ def launch_command(
     if not dry_run:  # what every rendered worker reads; not while a local launch runs in the folder
         from ..launch.lock import run_lock
 
-        with run_lock(options.out, None):
+        with run_lock(options.out, None) as lock:
             decision = start_decision(plan, options, overwrite)
+            for note in lock.notes:
+                console.print(note, markup=False)
             if overwrite:
                 clear_progress(options.out, options.checkpoint_dir)
             save_run_config(dataclasses.replace(options, resume=decision.resume))

@@ -220,6 +220,11 @@ def show_command(
     runtime = switches.switched(plan.inputs.runtime_options(), given)
     params = _cost_params(cost_params, layers, plan)  # read and checked with or without --cluster, as plan does
     console, warn = results(json_out), diagnostics()
+    if run_dir is not None:
+        from ..launch.lock import stale_lock_note
+
+        if (note := stale_lock_note(run_dir)) is not None:
+            warn.print(note, markup=False, soft_wrap=True)
     if run_dir is not None or timeline is not None:
         from ..runs.show import cluster_for_run
 

@@ -87,6 +87,8 @@ def test_plan_with_a_switch_predicts_what_show_with_it_predicts(gpu: dict[str, P
     chunked = _json_of(["show", str(switched), "--cluster", str(gpu["cluster"]), "--chunked-loss", "--json"], capsys)
     assert _memory(chunked)[-1] < _memory(planned)[-1]
     assert load_plan(switched).inputs.runtime_options() == RuntimeOptions(chunked_loss=False, optimizer="fused")
+    report = _json_of(["diff", str(gpu["plan"]), str(switched), "--json"], capsys)
+    assert "runtime switches: launch defaults -> --no-chunked-loss --optimizer fused" in report["changes"]
 
 
 def test_launch_takes_the_switches_the_plan_was_predicted_for(gpu: dict[str, Path],

@@ -170,8 +170,8 @@ def run_lock(out: str | os.PathLike[str], checkpoint_dir: str | os.PathLike[str]
             if holder is not None:
                 left.setdefault(holder, []).append(str(Path(folder) / LOCK_NAME))
             seen.add(os.path.realpath(folder))
-        notes = tuple(f"lock {' and '.join(paths)} left by {holder.left_by()}; taking {'them' if len(paths) > 1 else 'it'} "
-                      "over" for holder, paths in left.items())
+        notes = tuple(f"lock {' and '.join(paths)} left by {holder.left_by()}; taking "
+                      f"{'them' if len(paths) > 1 else 'it'} over" for holder, paths in left.items())
         yield RunLock(tuple(fds), notes)
     finally:
         for fd in fds:

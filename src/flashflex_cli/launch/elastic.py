@@ -145,7 +145,8 @@ def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, t
     plan = plan_layout(cluster, inputs.model, inputs.train, strategy=strategy, time_budget_s=time_budget_s,
                        seed=inputs.seed, params=params, micro_batch=micro_batch, max_micro_batch=max_micro_batch)
     plan = reestimated(plan, estimate(plan, cluster, params))
-    return plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"cluster_path": cluster_path})})
+    return plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"cluster_path": cluster_path,
+                                                                            "runtime": inputs.runtime})})
 
 
 def latest_step(checkpoint_dir: str | None) -> int:

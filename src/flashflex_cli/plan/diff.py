@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..semantics.runtime_paths import non_default_flags
 from .schema import Plan
 from .text import compact_devices, layer_text
 
@@ -93,6 +94,10 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
                            f"{ib.cluster_name or '?'} ({ib.cluster_sha256[:12]})")
     if ia.strategy != ib.strategy:
         out.changes.append(f"strategy: {ia.strategy} -> {ib.strategy}")
+    ra, rb = ia.runtime_options(), ib.runtime_options()
+    if ra != rb:  # the launch each prediction is for
+        out.changes.append(f"runtime switches: {' '.join(non_default_flags(ra)) or 'launch defaults'} -> "
+                           f"{' '.join(non_default_flags(rb)) or 'launch defaults'}")
     la, lb = set(ia.layer_profiles or ()), set(ib.layer_profiles or ())
     for sha in sorted(lb - la):
         out.changes.append(f"layer profile {sha[:12]}: now used")

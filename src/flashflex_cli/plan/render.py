@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..hardware.catalog import GIB
+from ..semantics.runtime_paths import non_default_flags
 from ..semantics.stated_error import MEDIAN_STEP_ERROR, mfu_advice
 from .diff import PlanDiff
 from .schema import Plan
@@ -140,6 +141,9 @@ def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
     console.print(f"  global batch {train.global_batch} x seq {train.seq_len} ({train.dtype}, {train.attention} attention"
                   f"{', recompute' if train.recompute else ''}), {plan.world_size} devices, "
                   f"{len(plan.pipelines)} pipelines")
+    if flags := non_default_flags(plan.inputs.runtime_options()):
+        console.print(f"  predicted for a launch with {' '.join(flags)} (flashflex launch takes them from the plan)",
+                      markup=False, highlight=False, soft_wrap=True)
     for line in dtype_lines(plan):
         console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"  predicted: {summary_line(plan.predicted, plan.world_size)}", soft_wrap=True)

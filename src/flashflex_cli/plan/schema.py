@@ -7,6 +7,7 @@ Ranks are numbered pipelines in order, stages in order, devices in order (`Plan.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,7 +22,19 @@ from pydantic import (
 
 from ..fileio import dumps_json, load_model
 from ..model.spec import ModelSpec
-from ..physical_limits import LAYER_INDEX, SEED, SEQ_LEN, SEQUENCES, TP_DEGREE, limited, shown
+from ..physical_limits import (
+    DEVICE_MEMORY_BYTES,
+    LAYER_INDEX,
+    MICRO_BATCHES,
+    SEED,
+    SEQ_LEN,
+    SEQUENCES,
+    TP_DEGREE,
+    limited,
+    shown,
+)
+from ..semantics.runtime_paths import OptimizerPath, RuntimeOptions
+from ..units import byte_size
 
 PLAN_SCHEMA = "flashflex.plan/1"
 
@@ -36,6 +49,9 @@ SeqLen = limited(SEQ_LEN)
 TpDegree = limited(TP_DEGREE)
 LayerIndex = limited(LAYER_INDEX)
 Seed = limited(SEED)
+MicroBatches = limited(MICRO_BATCHES)
+# The fewest bytes a token's hidden state takes (16-bit), to refuse a micro-batch no device could hold
+HIDDEN_STATE_BYTES = 2
 
 
 class TrainConfig(_Strict):
@@ -97,7 +113,7 @@ class PipelinePlan(_Strict):
     """One data-parallel replica: its stages and its share of the global batch (in micro-batches)."""
 
     micro_batch_size: Sequences
-    num_micro_batches: Sequences
+    num_micro_batches: MicroBatches
     stages: list[StagePlan] = Field(min_length=1)
 
     @property
@@ -113,12 +129,35 @@ class UnusedDevice(_Strict):
     reason: str
 
 
+class PlannedPaths(_Strict):
+    """The runtime switches a plan was predicted for (`flashflex plan --no-compile ...`: semantics/runtime_paths.py
+    RuntimeOptions); `flashflex show` and `flashflex launch` take them unless told otherwise. A plan predicted
+    for the launch defaults has none (its file keeps the bytes it had before the switches were recorded)."""
+
+    lean_p2p: bool = True
+    overlap_dp: bool = True
+    hierarchical_dp: bool = True
+    compile: bool | None = None
+    chunked_loss: bool = True
+    optimizer: OptimizerPath = "auto"
+
+    def options(self) -> RuntimeOptions:
+        """These switches as the runtime's options."""
+        return RuntimeOptions(**self.model_dump())
+
+    @classmethod
+    def of(cls, options: RuntimeOptions) -> PlannedPaths | None:
+        """The record of `options`; None for the launch defaults (nothing is written)."""
+        return None if options == RuntimeOptions() else cls(**dataclasses.asdict(options))
+
+
 class PlanInputs(_Strict):
     """What the plan was made from: the cluster (by hash), the model, the training configuration, and the
     sha256 of every measured layer profile its prediction used (absent: none, or an earlier version).
     cluster_path: the cluster file as `flashflex plan` was given it (absent in older plans); `flashflex launch`
     without --cluster opens it and still checks its sha256.
-    dtype_reason: why `flashflex plan --dtype auto` chose `train.dtype` (absent: the dtype was given)."""
+    dtype_reason: why `flashflex plan --dtype auto` chose `train.dtype` (absent: the dtype was given).
+    runtime: the runtime switches the prediction is for (absent: the launch defaults)."""
 
     cluster_sha256: str
     cluster_name: str = ""
@@ -129,6 +168,11 @@ class PlanInputs(_Strict):
     layer_profiles: list[str] | None = None
     cluster_path: str | None = None
     dtype_reason: str | None = None
+    runtime: PlannedPaths | None = None
+
+    def runtime_options(self) -> RuntimeOptions:
+        """The runtime switches the plan was predicted for (the launch defaults where it records none)."""
+        return self.runtime.options() if self.runtime is not None else RuntimeOptions()
 
 
 _PREDICTED_REQUIRED = ("tokens_per_s", "mfu", "iteration_time_s")
@@ -218,6 +262,16 @@ def check_predicted(predicted: dict[str, Any] | None) -> dict[str, Any] | None:
     return predicted
 
 
+def _check_micro_batch_fits_a_device(pipe: PipelinePlan, model: ModelSpec, train: TrainConfig, where: str) -> None:
+    """ValueError when one micro-batch's hidden states alone (micro_batch_size x seq_len tokens x hidden_size, 16-bit)
+    exceed the largest memory a device may have (physical_limits.DEVICE_MEMORY_BYTES): no device could run it."""
+    held = pipe.micro_batch_size * train.seq_len * model.hidden_size * HIDDEN_STATE_BYTES
+    if held > DEVICE_MEMORY_BYTES.high:
+        raise ValueError(f"{where}: micro_batch_size {pipe.micro_batch_size} x seq_len {train.seq_len} tokens hold "
+                         f"{byte_size(held)} of hidden states alone (hidden_size {model.hidden_size}, 16-bit), more "
+                         f"than any device's memory may be ({byte_size(DEVICE_MEMORY_BYTES.high)})")
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """One process of a plan: where it sits (pipeline, stage, TP rank) and which device it drives."""
@@ -246,6 +300,7 @@ class Plan(_Strict):
         seen: set[str] = set()
         batch = 0
         for p, pipe in enumerate(self.pipelines):
+            _check_micro_batch_fits_a_device(pipe, model, train, f"pipelines.{p}")
             expected_start = 0
             for s, stage in enumerate(pipe.stages):
                 where = f"pipelines.{p}.stages.{s}"

@@ -71,6 +71,29 @@ class RuntimeOptions:
         return {**asdict(self), "compute_dtype": compute_dtype(plan_dtype)}
 
 
+# The command-line flags of each switch (`flashflex plan/show/launch`): (on, off); the optimizer takes a value.
+SWITCH_FLAGS: dict[str, tuple[str, str]] = {
+    "lean_p2p": ("--lean-p2p", "--no-lean-p2p"), "overlap_dp": ("--overlap-dp", "--no-overlap-dp"),
+    "hierarchical_dp": ("--hierarchical-dp", "--no-hierarchical-dp"), "compile": ("--compile", "--no-compile"),
+    "chunked_loss": ("--chunked-loss", "--no-chunked-loss"),
+}
+OPTIMIZER_FLAG = "--optimizer"
+
+
+def switch_flag(name: str, value: Any) -> str:
+    """The flag that sets switch `name` to `value`: "--no-compile", "--optimizer foreach"."""
+    if name == "optimizer":
+        return f"{OPTIMIZER_FLAG} {value}"
+    return SWITCH_FLAGS[name][0 if value else 1]
+
+
+def non_default_flags(options: RuntimeOptions) -> list[str]:
+    """The flags that give `options` from the launch defaults, in field order (empty for the defaults)."""
+    default = RuntimeOptions()
+    return [switch_flag(f.name, getattr(options, f.name)) for f in fields(RuntimeOptions)
+            if getattr(options, f.name) != getattr(default, f.name)]
+
+
 # What a run did where its runtime.json lacks a key: the paths that existed before the key was recorded.
 LEGACY: dict[str, Any] = {"lean_p2p": True, "overlap_dp": True, "hierarchical_dp": True, "compile": False,
                           "chunked_loss": False, "optimizer": "foreach"}

@@ -210,22 +210,38 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         raise InputError(f"{source}: holds a number of more than {sys.get_int_max_str_digits()} digits") from None
 
 
-def validation_message(source: str, exc: ValidationError) -> str:
-    """Turn a pydantic ValidationError into one line naming the file, the field and the problem."""
+# Custom pydantic error types whose messages show the refused value already: a physical limit (physical_limits.py)
+# and a run setting (run_config.py).
+SHOWS_VALUE = ("physical_limit", "setting")
+
+
+def validation_problem(exc: ValidationError) -> tuple[str, str]:
+    """The first problem of a pydantic ValidationError as (the field's dotted path, what is wrong with it, the
+    value given and how many more problems there are). A validator of a whole object may name the field it
+    refuses in its error's context ("field")."""
     first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    parts = [str(part) for part in first["loc"]]
+    named = (first.get("ctx") or {}).get("field")
+    where = ".".join([*parts, named] if named else parts)
     more = len(exc.errors()) - 1
     suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
     message = str(first["msg"]).removeprefix("Value error, ")
-    if message.startswith(f"{where}."):  # a validator that names the nested field itself
-        return f"{source}: {message}{suffix}"
-    return f"{source}: {where}: {message}{_given(first)}{suffix}"
+    return where, f"{message}{_given(first)}{suffix}"
+
+
+def validation_message(source: str, exc: ValidationError) -> str:
+    """Turn a pydantic ValidationError into one line naming the file, the field and the problem."""
+    where, problem = validation_problem(exc)
+    where = where or "(top level)"
+    if problem.startswith(f"{where}."):  # a validator that names the nested field itself
+        return f"{source}: {problem}"
+    return f"{source}: {where}: {problem}"
 
 
 def _given(error: Any) -> str:
     """', got VALUE' for an error about one scalar value whose message does not show it already."""
     value = error.get("input")
-    if error["type"] == "physical_limit" or not isinstance(value, str | int | float | bool):
+    if error["type"] in SHOWS_VALUE or not isinstance(value, str | int | float | bool):
         return ""
     return f", got {shown(value)}"
 

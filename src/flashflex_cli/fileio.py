@@ -210,9 +210,9 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         raise InputError(f"{source}: holds a number of more than {sys.get_int_max_str_digits()} digits") from None
 
 
-# Custom pydantic error types whose messages show the refused value already: a physical limit (physical_limits.py)
-# and a run setting (run_config.py).
-SHOWS_VALUE = ("physical_limit", "setting")
+# Custom pydantic error types whose messages show the refused value already: a physical limit (physical_limits.py),
+# a run setting (run_config.py) and a plan's predicted figure (plan/predicted.py).
+SHOWS_VALUE = ("physical_limit", "setting", "prediction")
 
 
 def validation_problem(exc: ValidationError) -> tuple[str, str]:

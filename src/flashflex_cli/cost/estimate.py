@@ -13,6 +13,7 @@ from typing import Any
 
 from ..hardware.cluster import Cluster
 from ..model import flops as F
+from ..plan.predicted import Predicted
 from ..plan.schema import Plan
 from ..semantics.process_groups import rank_communicators
 from ..units import byte_size
@@ -96,9 +97,9 @@ class Estimate:
     problems: list[str] = field(default_factory=list)
     optimizer_s: float = 0.0
 
-    def to_predicted(self) -> dict[str, Any]:
-        """JSON-ready dict for Plan.predicted: stable key order, floats to 6 significant digits."""
-        return {
+    def to_predicted(self) -> Predicted:
+        """Plan.predicted of this estimate: floats to 6 significant digits (byte-stable plan files)."""
+        return Predicted.model_validate({
             "iteration_time_s": _r(self.iteration_time_s),
             "tokens_per_s": _r(self.tokens_per_s),
             "mfu": _r(self.mfu),
@@ -113,7 +114,7 @@ class Estimate:
             ],
             "stages": [_stage_json(s) for s in self.stages],
             "problems": list(self.problems),
-        }
+        })
 
     def profiles_used(self) -> list[str]:
         """sha256 of every layer profile a stage was costed from, sorted."""

@@ -29,6 +29,7 @@ from typing import Any
 
 from ...fileio import atomic_write_text
 from ...hardware.catalog import GIB
+from ...plan.predicted import Predicted
 from ...semantics.metrics_sinks import DEFAULT_SINKS, normalized
 from ...semantics.run_folder import METRICS, launch_index
 from .sinks import open_sinks
@@ -170,13 +171,8 @@ def run_summary(rows: list[dict[str, Any]], total_steps: int, wall_s: float, pre
     return lines
 
 
-def predicted_step_seconds(predicted: dict[str, Any] | None) -> float | None:
-    """The predicted iteration time (seconds) from a plan's `predicted` section, under the names the cost
-    model may use."""
-    if not predicted:
+def predicted_step_seconds(predicted: Predicted | None) -> float | None:
+    """The predicted iteration time (seconds) of a plan's `predicted` block (None: no prediction, or zero)."""
+    if predicted is None or predicted.iteration_time_s <= 0:
         return None
-    for key in ("iteration_time_s", "step_time_s", "iteration_s", "time_s"):
-        value = predicted.get(key)
-        if isinstance(value, int | float) and value > 0:
-            return float(value)
-    return None
+    return float(predicted.iteration_time_s)

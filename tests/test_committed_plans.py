@@ -49,5 +49,5 @@ def test_replanning_reproduces_the_committed_plan(committed: Path, fresh: Path,
 def test_committed_plans_validate_on_their_profiles(committed: Path) -> None:
     plan = load_plan(committed)
     profile = REPO / "profiles" / committed.name
-    assert plan.predicted is not None and plan.predicted.fits
+    assert plan.predicted is not None and plan.predicted["fits"]
     assert main(["show", str(committed), "--cluster", str(profile)]) == 0

@@ -34,7 +34,7 @@ def test_structural_changes_and_metric_deltas(plans: tuple[Plan, Plan]) -> None:
     assert "strategy: flashflex -> uniform" in result.changes
     assert any(line.startswith("pipeline 0") for line in result.changes)
     tps = result.metric("tokens_per_s")
-    assert tps.a == ours.predicted.tokens_per_s and tps.b == base.predicted.tokens_per_s
+    assert tps.a == ours.predicted["tokens_per_s"] and tps.b == base.predicted["tokens_per_s"]
     assert tps.pct == pytest.approx((tps.b - tps.a) / tps.a * 100)
     assert result.regression_pct() == pytest.approx(-tps.pct)
     assert result.regression_pct() > 0  # uniform is slower on this skewed cluster

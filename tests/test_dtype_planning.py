@@ -75,7 +75,7 @@ def test_bf16_plans_claim_what_a_compute_only_count_gives(spec: str, newer: int,
     planned = search.plan_layout(cluster, PRESETS[model], train, params=params, max_micro_batch=8)
     symmetric = search.plan_layout(reduced_cluster(cluster, [n.name for n in cluster.nodes[:newer]]),
                                    PRESETS[model], train, strategy="uniform", params=params)
-    claimed = planned.predicted.tokens_per_s, symmetric.predicted.tokens_per_s
+    claimed = planned.predicted["tokens_per_s"], symmetric.predicted["tokens_per_s"]
     counted = counted_tokens_per_s(planned, cluster), counted_tokens_per_s(symmetric, cluster)
     # the count leaves out communication, bubbles' tails, the operations besides the matrix products (their bytes
     # at the memory bandwidth: a large share on the L4's and T4's 300 GB/s, where the 128k-vocabulary loss runs)
@@ -121,7 +121,7 @@ def test_auto_picks_fp16_on_a100_and_v100_nodes_and_uses_the_v100s(files: dict[s
     assert reason.startswith("V100-16G lacks bf16: the bf16 plan ")
     figures = {d: float(n.replace(",", "")) for d, n in re.findall(r"(fp16|bf16): ([\d,]+) tokens/s", reason)}
     fp16, bf16 = figures["fp16"], figures["bf16"]
-    assert fp16 == pytest.approx(plan.predicted.tokens_per_s, rel=1e-5) and fp16 > bf16
+    assert fp16 == pytest.approx(plan.predicted["tokens_per_s"], rel=1e-5) and fp16 > bf16
     out = capsys.readouterr().out
     assert "dtype fp16 (chosen by --dtype auto): V100-16G lacks bf16" in out
     # show prints the dtype and why, from the plan file alone

@@ -185,17 +185,17 @@ def test_estimate_marks_stages_whose_devices_lack_the_dtype_and_old_plans_load()
     p = plan(c, SMALL, BF16, [(4, [stage(["node0/0"], 0, 4), stage(["node1/0"], 4, 8)])])
     est = estimate(p, c)
     assert [s.not_native_on for s in est.stages] == [(), ("V100-16G",)]
-    stages = est.to_predicted().stages
-    assert stages[0].dtype_not_native_on is None and stages[1].dtype_not_native_on == ["V100-16G"]
+    stages = est.to_predicted()["stages"]
+    assert "dtype_not_native_on" not in stages[0] and stages[1]["dtype_not_native_on"] == ["V100-16G"]
     fp16 = estimate(plan(c, SMALL, BF16.model_copy(update={"dtype": "fp16"}),
                          [(4, [stage(["node0/0"], 0, 4), stage(["node1/0"], 4, 8)])]), c)
     assert all(not s.not_native_on for s in fp16.stages)
     data = json.loads(p.model_copy(update={"predicted": est.to_predicted()}).to_json())
-    assert Plan.model_validate(data).predicted.stages[1].dtype_not_native_on == ["V100-16G"]
+    assert Plan.model_validate(data).predicted["stages"][1]["dtype_not_native_on"] == ["V100-16G"]
     del data["predicted"]["stages"][1]["dtype_not_native_on"]  # a plan written before the field existed
     Plan.model_validate(data)
     data["predicted"]["stages"][1]["dtype_not_native_on"] = "V100-16G"
-    with pytest.raises(ValueError, match=r"stages\.1\.dtype_not_native_on\n  Input should be a valid list"):
+    with pytest.raises(ValueError, match="dtype_not_native_on must be a list"):
         Plan.model_validate(data)
 
 

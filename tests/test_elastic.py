@@ -170,7 +170,7 @@ def test_a_device_added_back_through_cluster_watch_returns_to_the_larger_plan(pl
     run, ck, err = tmp_path / "run", tmp_path / "ck", tmp_path / "err.txt"
     # --replan-gain 2: for llama-tiny the cost model gives the 4th device only ~4% (gradient reduction eats the
     # extra compute); the default 10% would rightly keep the 3-device plan
-    before, after = (load_plan(plans[k]).predicted.tokens_per_s for k in ("watch3", "watch4"))
+    before, after = (load_plan(plans[k]).predicted["tokens_per_s"] for k in ("watch3", "watch4"))
     assert after >= 1.02 * before  # the premise: re-planning for the 4th device pays by --replan-gain
     proc = _start(_launch(plans["watch3"], run, ck, "--cluster", str(plans["cluster3"]), "--elastic",
                           "--cluster-watch", str(watched), "--replan-gain", "2", steps=WATCH_STEPS), err)

@@ -90,7 +90,7 @@ def test_help_keeps_every_option_name_whole_at_80_columns(command: list[str], ca
 def test_a_plan_mfu_above_100_percent_is_flagged(planned: tuple[Path, str], capsys: pytest.CaptureFixture[str],
                                                 tmp_path: Path) -> None:
     plan = load_plan(planned[0])
-    inflated = plan.model_copy(update={"predicted": plan.predicted.model_copy(update={"mfu": 1.749})})
+    inflated = plan.model_copy(update={"predicted": {**(plan.predicted or {}), "mfu": 1.749}})
     path = tmp_path / "p.json"
     path.write_text(inflated.to_json())
     assert main(["show", str(path)]) == 0

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from flashflex_cli.cli import main
 from flashflex_cli.errors import InputError
@@ -72,7 +71,7 @@ def test_settings_and_injection_are_checked() -> None:
     assert LossScaling() == LossScaling(2.0**16, 2.0, 0.5, 2000)  # torch.amp.GradScaler's defaults
     for bad in ({"init_scale": 0.0}, {"init_scale": float("inf")}, {"growth_factor": 1.0},
                 {"backoff_factor": 1.0}, {"growth_interval": 0}):
-        with pytest.raises(ValidationError):
+        with pytest.raises(InputError):
             LossScaling(**bad)  # type: ignore[arg-type]
     assert OverflowInjection.parse("rank=2,step=5") == OverflowInjection(2, 5)
     assert injected_steps({"FLASHFLEX_OVERFLOW_INJECT": "rank=2,step=5"}, 2) == {5}

@@ -78,8 +78,8 @@ def test_search_picks_larger_micro_batches_where_they_pay_and_never_predicts_wor
     assert sum(p.sequences for p in searched.pipelines) == 64
     assert all(p.num_micro_batches >= len(p.stages) for p in searched.pipelines)
     assert searched.predicted == estimate(searched, cluster).to_predicted()  # ranked by the cost model
-    assert searched.predicted.fits
-    assert searched.predicted.tokens_per_s >= pinned.predicted.tokens_per_s
+    assert searched.predicted["fits"]
+    assert searched.predicted["tokens_per_s"] >= pinned.predicted["tokens_per_s"]
     again = plan_layout(cluster, PRESETS["llama-1b"], train, time_budget_s=60, max_micro_batch=8)
     assert again.to_json() == searched.to_json()
     # a bound of 1 is the pinned search
@@ -115,7 +115,7 @@ def test_measured_fixed_cost_per_micro_batch_makes_the_search_pick_larger_ones()
     searched = plan_layout(cluster, model, train, time_budget_s=60, params=params, max_micro_batch=16)
     assert max(_sizes(searched)) > 1 and set(_sizes(pinned)) == {1}
     assert searched.predicted == estimate(searched, cluster, params).to_predicted()
-    assert searched.predicted.tokens_per_s > pinned.predicted.tokens_per_s
+    assert searched.predicted["tokens_per_s"] > pinned.predicted["tokens_per_s"]
 
 
 def test_memory_bounds_the_micro_batch() -> None:
@@ -125,7 +125,7 @@ def test_memory_bounds_the_micro_batch() -> None:
     cluster = build_cluster("2x4xRTX-4090:nic=eth")
     train = TrainConfig(global_batch=32, seq_len=4096, recompute=True)
     plan = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=60, max_micro_batch=16)
-    assert plan.predicted.fits and all(s.headroom_bytes >= 0 for s in plan.predicted.stages)
+    assert plan.predicted["fits"] and all(s["headroom_bytes"] >= 0 for s in plan.predicted["stages"])
 
 
 def test_bad_bound_is_an_input_error() -> None:

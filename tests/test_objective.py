@@ -62,14 +62,14 @@ def test_cost_objective_leaves_the_expensive_barely_faster_devices_idle(plans: d
     reasons = {u.device: u.reason for u in cheap.unused_devices}
     assert all(reasons[d].startswith("left out by --objective cost: the plan without it: ") for d in DEAR)
     assert "the best plan found with it: " in reasons["dear0/0"]
-    a, b = fast.predicted.dollars, cheap.predicted.dollars
-    assert fast.predicted.tokens_per_s > cheap.predicted.tokens_per_s
-    assert b.per_million_tokens_used < a.per_million_tokens_used
-    assert b.per_hour_used == pytest.approx(len(_used(cheap)) * 1.0)
-    assert a.per_hour_cluster == b.per_hour_cluster == pytest.approx(84.0)  # 4 x 1 + 4 x 20
+    a, b = fast.predicted["dollars"], cheap.predicted["dollars"]
+    assert fast.predicted["tokens_per_s"] > cheap.predicted["tokens_per_s"]
+    assert b["per_million_tokens_used"] < a["per_million_tokens_used"]
+    assert b["per_hour_used"] == pytest.approx(len(_used(cheap)) * 1.0)
+    assert a["per_hour_cluster"] == b["per_hour_cluster"] == pytest.approx(84.0)  # 4 x 1 + 4 x 20
     # $ per million tokens is what the formula says: per hour / (tokens/s x 3600) x 1e6 (6 significant digits)
-    expected = b.per_hour_used / (cheap.predicted.tokens_per_s * 3600) * 1e6
-    assert b.per_million_tokens_used == pytest.approx(expected, rel=1e-5)
+    expected = b["per_hour_used"] / (cheap.predicted["tokens_per_s"] * 3600) * 1e6
+    assert b["per_million_tokens_used"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_the_expensive_devices_are_only_barely_faster(files: dict[str, Path]) -> None:
@@ -78,7 +78,7 @@ def test_the_expensive_devices_are_only_barely_faster(files: dict[str, Path]) ->
     alone = {}
     for keep in ("cheap0", "dear0"):
         plan = plan_layout(objective.reduced_cluster(cluster, [keep]), PRESETS["llama-1b"], train, time_budget_s=30)
-        alone[keep] = plan.predicted.tokens_per_s
+        alone[keep] = plan.predicted["tokens_per_s"]
     # faster (twice the memory allows a layout with less TP), but far from 20 times: at most 1.5 times
     assert alone["cheap0"] < alone["dear0"] <= 1.5 * alone["cheap0"]
 
@@ -86,7 +86,7 @@ def test_the_expensive_devices_are_only_barely_faster(files: dict[str, Path]) ->
 def test_a_budget_gives_the_most_throughput_within_it(files: dict[str, Path], plans: dict[str, Plan],
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     within = plans["budget"]
-    assert within.predicted.dollars.per_hour_used <= 10.0
+    assert within.predicted["dollars"]["per_hour_used"] <= 10.0
     assert _used(within) == CHEAP  # the dear node alone (80 $/h) is over the budget
     capsys.readouterr()
     out = files["root"] / "never.json"

@@ -185,9 +185,9 @@ def predicted_plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_report_reads_the_free_memory_for_nccl_and_is_none_for_other_errors(predicted_plan: Path) -> None:
     plan = load_plan(predicted_plan)
     place = oom.stage_place(plan, 2)
-    stage = next(s for s in plan.predicted.stages if (s.pipeline, s.stage) == (1, 0))  # type: ignore[union-attr]
+    stage = next(s for s in plan.predicted["stages"] if (s["pipeline"], s["stage"]) == (1, 0))  # type: ignore[index]
     assert (place.pipeline, place.stage, place.layers, place.micro_batch_size) == (1, 0, (0, 4), 2)
-    assert (place.predicted_bytes, place.capacity_bytes) == (stage.memory_bytes, stage.memory_capacity_bytes)
+    assert (place.predicted_bytes, place.capacity_bytes) == (stage["memory_bytes"], stage["memory_capacity_bytes"])
     tracker = oom.PhaseTracker()
     assert oom.report(torch.OutOfMemoryError(H100), tracker) is None  # before the worker knows its place
     low = oom.OomInjection.parse(f"rank=2,phase=nccl,free={200 * MIB},total={80 * GIB}")
@@ -262,12 +262,12 @@ def _expected_place(plan: Plan, rank: int) -> tuple[str, str]:
     me = plan.ranks()[rank]
     pipe = plan.pipelines[me.pipeline]
     a, b = pipe.stages[me.stage].layers
-    stage = next(s for s in plan.predicted.stages  # type: ignore[union-attr]
-                 if (s.pipeline, s.stage) == (me.pipeline, me.stage))
+    stage = next(s for s in plan.predicted["stages"]  # type: ignore[index]
+                 if (s["pipeline"], s["stage"]) == (me.pipeline, me.stage))
     return (f"on rank {rank} (node {me.device.split('/')[0]}, device {me.device}; pipeline {me.pipeline}, stage "
             f"{me.stage}, layers {a}-{b - 1}, tp 1, micro-batch {pipe.micro_batch_size}) ",
-            f"; the plan predicted {oom.format_size(stage.memory_bytes)} of "
-            f"{oom.format_size(stage.memory_capacity_bytes)} for this stage; to fit, plan again with --recompute")
+            f"; the plan predicted {oom.format_size(stage['memory_bytes'])} of "
+            f"{oom.format_size(stage['memory_capacity_bytes'])} for this stage; to fit, plan again with --recompute")
 
 
 @pytest.mark.slow

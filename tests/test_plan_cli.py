@@ -30,7 +30,7 @@ def test_plan_writes_the_file_prints_json_and_a_summary(cluster_file: Path, tmp_
     captured = capsys.readouterr()
     assert captured.out == out.read_text()  # --json: the plan alone on stdout
     plan = Plan.model_validate(json.loads(captured.out))
-    assert plan.inputs.cluster_name == "demo" and plan.predicted.fits
+    assert plan.inputs.cluster_name == "demo" and plan.predicted["fits"]
     assert "tokens/s" in captured.err and "uniform" in captured.err and "ratio flashflex / uniform" in captured.err
     assert "pipe" in captured.err and "memory GiB" in captured.err
 

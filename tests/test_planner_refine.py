@@ -86,7 +86,7 @@ def test_no_tp_group_straddles_the_slow_link_between_two_islands(monkeypatch: py
     monkeypatch.setattr(islands, "ISLAND_FRACTION", 0.0)
     whole = plan_layout(cluster, PRESETS["llama2-13b"], small, time_budget_s=60)
     assert _straddling(split, cluster) == [] and _straddling(whole, cluster)
-    assert split.predicted.tokens_per_s > whole.predicted.tokens_per_s
+    assert split.predicted["tokens_per_s"] > whole.predicted["tokens_per_s"]
 
 
 def test_shedding_keeps_a_supported_degree() -> None:
@@ -134,4 +134,4 @@ def test_plans_with_islands_and_device_moves_are_byte_identical_for_a_seed() -> 
     assert first.to_json() == again.to_json()
     assert _straddling(first, cluster) == []
     without = plan_layout(cluster, PRESETS["llama2-7b"], train, time_budget_s=60, seed=5, device_moves=False)
-    assert first.predicted.tokens_per_s >= without.predicted.tokens_per_s * 0.999
+    assert first.predicted["tokens_per_s"] >= without.predicted["tokens_per_s"] * 0.999

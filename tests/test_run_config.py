@@ -9,14 +9,12 @@ import dataclasses
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 
 from flashflex_cli.cli import main
 from flashflex_cli.errors import InputError
@@ -68,13 +66,6 @@ def _set(data: dict[str, Any], field: str, value: Any) -> dict[str, Any]:
 _DROP = object()
 
 
-def _get(data: dict[str, Any], field: str) -> Any:
-    """The value of `field` ("optimizer.betas") in `data`."""
-    for name in field.split("."):
-        data = data[name]
-    return data
-
-
 def test_save_and_load_give_the_same_config(tmp_path: Path) -> None:
     for config in (CUSTOM, launch_config(plan="p.json", cluster="c.json", out="o")):
         config = dataclasses.replace(config, out=str(tmp_path / "run"))
@@ -94,8 +85,8 @@ def test_save_and_load_give_the_same_config(tmp_path: Path) -> None:
 def test_the_saved_file_holds_every_setting_by_its_name() -> None:
     data = _data()
     assert set(data) == {"schema", "plan", "cluster", "out", "data", "steps", "seed", "timeout_s", "setup_timeout_s",
-                         "checkpoint_dir", "checkpoint_every", "resume", "init_from", "share_gpu", "gpus", "metrics",
-                         "runtime", "optimizer", "loss_scaling"}
+                         "checkpoint_dir", "checkpoint_every", "resume", "init_from", "share_gpu", "gpus", "runtime",
+                         "optimizer", "loss_scaling", "metrics"}
     assert data["metrics"] == ["jsonl", "console"]
     assert data["runtime"] == {"lean_p2p": False, "overlap_dp": True, "hierarchical_dp": True, "compile": True,
                                "chunked_loss": True, "optimizer": "fused"}
@@ -121,12 +112,12 @@ IMPOSSIBLE = [
     ("optimizer.lr", -1e-3, "must be positive"),
     ("optimizer.lr", 0, "must be positive"),
     ("optimizer.lr", math.nan, "must be a finite number"),
-    ("optimizer.lr", 10**400, "must be a valid number, got an integer of 401 digits"),
+    ("optimizer.lr", 10**400, "must be a finite number"),
     ("optimizer.min_lr", 3e-3, "must be at most lr (0.002)"),
     ("optimizer.min_lr", -1e-5, "must be 0 or more"),
-    ("optimizer.betas.0", 1.0, "must be in [0, 1), got 1"),
-    ("optimizer.betas.1", -0.1, "must be in [0, 1), got -0.1"),
-    ("optimizer.betas", 0.9, "must be a valid tuple"),
+    ("optimizer.betas", [1.0, 0.9], "must be two numbers in [0, 1)"),
+    ("optimizer.betas", [0.9, -0.1], "must be two numbers in [0, 1)"),
+    ("optimizer.betas", [0.9], "must be a list of 2 numbers"),
     ("optimizer.warmup_steps", 10, "must be at most total_steps (9)"),
     ("optimizer.warmup_steps", -1, "must be an integer in [0, "),
     ("optimizer.total_steps", 0, "must be an integer in [1, "),
@@ -142,7 +133,7 @@ IMPOSSIBLE = [
     ("loss_scaling.init_scale", 1e39, "must be at most 3.40282e+38"),
     ("loss_scaling.growth_interval", 0, "must be an integer in [1, 2147483647]"),
     ("loss_scaling.growth_interval", 2**31, "must be an integer in [1, 2147483647]"),
-    ("runtime.optimizer", "adam", "must be 'auto', 'fused' or 'foreach', got 'adam'"),
+    ("runtime.optimizer", "adam", "must be one of auto, fused, foreach"),
     ("steps", 0, "must be an integer in [1, "),
     ("steps", 10**400, "must be an integer in [1, "),
     ("seed", -1, "must be an integer in [0, 4294967295]"),
@@ -151,27 +142,27 @@ IMPOSSIBLE = [
     ("setup_timeout_s", 0, "must be positive"),
     ("setup_timeout_s", 1e7, "must be at most"),
     ("setup_timeout_s", 12.0, "must be at least timeout_s (--timeout: 12.5), got 12"),
-    ("setup_timeout_s", "600", "must be a valid number, got '600'"),
+    ("setup_timeout_s", "600", "must be a number or null, got '600'"),
     ("checkpoint_every", -1, "must be an integer in [0, "),
     ("plan", "", "must be a path"),
     ("out", "", "must be a path"),
     # wrong JSON types: no conversion, whatever Python would accept
-    ("steps", 1.5, "must be a valid integer, got 1.5"),
-    ("steps", True, "must be a valid integer, got True"),
-    ("optimizer.lr", "0.001", "must be a valid number, got '0.001'"),
-    ("optimizer.lr", False, "must be a valid number, got False"),
-    ("resume", "false", "must be a valid boolean, got 'false'"),
-    ("runtime.lean_p2p", 1, "must be a valid boolean, got 1"),
-    ("runtime.compile", "auto", "must be a valid boolean, got 'auto'"),
-    ("plan", 3, "must be a valid string, got 3"),
-    ("checkpoint_dir", ["a"], "must be a valid string"),
-    ("metrics", "jsonl", "must be a valid tuple"),
-    ("metrics.1", "csv", "must be 'jsonl', 'console', 'tensorboard' or 'wandb', got 'csv'"),
+    ("steps", 1.5, "must be a whole number, got 1.5"),
+    ("steps", True, "must be a whole number, got True"),
+    ("optimizer.lr", "0.001", "must be a number, got '0.001'"),
+    ("optimizer.lr", False, "must be a number"),
+    ("resume", "false", "must be true or false"),
+    ("runtime.lean_p2p", 1, "must be true or false"),
+    ("runtime.compile", "auto", "must be true or false or null"),
+    ("plan", 3, "must be a string"),
+    ("checkpoint_dir", ["a"], "must be a string or null"),
+    ("metrics", "jsonl", "must be a list, each one of jsonl, console, tensorboard, wandb, got 'jsonl'"),
     ("metrics", ["console", "console"], "names console twice"),
+    ("optimizer.betas", [0.9, "0.95"], "must be a list of 2 numbers, got [0.9, '0.95']"),
     # unknown and missing keys
-    ("lrate", 0.1, "is no setting (known: checkpoint_dir, checkpoint_every, cluster, "),
-    ("optimizer.momentum", 0.9, "is no setting (known: betas, eps, grad_clip, lr, "),
-    ("runtime.fast", True, "is no setting (known: chunked_loss, compile, "),
+    ("lrate", 0.1, "is no setting"),
+    ("optimizer.momentum", 0.9, "is no setting"),
+    ("runtime.fast", True, "is no setting"),
     ("optimizer.eps", _DROP, "is missing"),
     ("loss_scaling", _DROP, "is missing"),
     ("runtime", [], "must be an object"),
@@ -183,14 +174,7 @@ IMPOSSIBLE = [
 def test_an_impossible_or_unknown_setting_is_refused_by_name(tmp_path: Path, field: str, value: Any,
                                                              problem: str) -> None:
     path = tmp_path / "config.json"
-    *section, name = field.split(".")
-    if name.isdigit():  # one item of a list
-        data = _data()
-        items = _set(data, ".".join(section), [*_get(data, ".".join(section))])
-        _get(items, ".".join(section))[int(name)] = value
-        path.write_text(json.dumps(items))
-    else:
-        path.write_text(json.dumps(_set(_data(), field, value)))
+    path.write_text(json.dumps(_set(_data(), field, value)))
     with pytest.raises(InputError) as exc:
         load_run_config(path)
     message = str(exc.value)
@@ -211,18 +195,33 @@ def test_a_file_of_another_kind_is_refused(tmp_path: Path) -> None:
 
 
 def test_settings_built_in_code_are_checked_too() -> None:
-    for build, problem in ((lambda: OptimConfig(lr=1e-4, min_lr=1e-3), "must be at most lr"),
-                           (lambda: OptimConfig(warmup_steps=20, total_steps=10), "must be at most total_steps"),
-                           (lambda: LossScaling(growth_factor=1.0), "must be more than 1"),
-                           (lambda: dataclasses.replace(CUSTOM, steps=0), "must be an integer in [1, "),
-                           (lambda: RuntimeOptions(optimizer="adam"), "Input should be 'auto'")):
-        with pytest.raises(ValidationError, match=re.escape(problem)):
-            build()
+    with pytest.raises(InputError, match="^min_lr must be at most lr"):
+        OptimConfig(lr=1e-4, min_lr=1e-3)
+    with pytest.raises(InputError, match="^warmup_steps must be at most total_steps"):
+        OptimConfig(warmup_steps=20, total_steps=10)
+    with pytest.raises(InputError, match="^growth_factor must be more than 1"):
+        LossScaling(growth_factor=1.0)
+    with pytest.raises(InputError, match="^steps must be an integer"):
+        dataclasses.replace(CUSTOM, steps=0)
+    assert from_dict(_data()) == CUSTOM
+
+
+def test_settings_are_frozen_and_refused_in_one_line_however_they_are_built() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         CUSTOM.steps = 3  # type: ignore[misc]
     with pytest.raises(InputError, match=r"^optimizer\.min_lr must be at most lr \(0\.0001\), got 0\.001$"):
         build_checked(OptimConfig, {"lr": 1e-4, "min_lr": 1e-3}, "optimizer")
-    assert from_dict(_data()) == CUSTOM
+    with pytest.raises(InputError, match=r"^min_lr must be at most lr \(0\.0001\), got 0\.001$"):
+        OptimConfig(lr=1e-4, min_lr=1e-3)
+    with pytest.raises(InputError, match=r"^steps must be a whole number, got 1\.5$"):
+        dataclasses.replace(CUSTOM, steps=1.5)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"^lr must be a finite number, got inf$"):
+        OptimConfig(lr=10**400)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"^betas must be two numbers in \[0, 1\), got \(0\.9, 1\.0\)$"):
+        OptimConfig(betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"^optimizer must be one of auto, fused, foreach, got 'adam'$"):
+        RuntimeOptions(optimizer="adam")  # type: ignore[arg-type]
+    assert OptimConfig(lr=1).lr == 1.0 and isinstance(OptimConfig(lr=1).lr, float)  # an integer for a number
 
 
 def test_a_file_written_before_a_setting_existed_loads_with_its_default(tmp_path: Path) -> None:
@@ -239,18 +238,20 @@ def test_a_file_written_before_a_setting_existed_loads_with_its_default(tmp_path
     path.write_text(json.dumps(_set(data, "seed", _DROP)))
     with pytest.raises(InputError, match=f"^{path}: seed is missing$"):
         load_run_config(path)
-    path.write_text(json.dumps(_set(data, "optimizer.betas", [0.9])))
-    with pytest.raises(InputError, match=f"^{path}: optimizer.betas.1 is missing$"):
-        load_run_config(path)
 
 
-def test_the_metrics_sinks_are_recorded_with_jsonl_always_first() -> None:
+def test_the_metrics_sinks_are_recorded_with_jsonl_always_first(tmp_path: Path) -> None:
     config = launch_config(plan="p.json", cluster="c.json", out="o", metrics=("tensorboard", "console"))
     assert config.metrics == ("jsonl", "console", "tensorboard")  # canonical order, jsonl always on
     assert json.loads(config.to_json())["metrics"] == ["jsonl", "console", "tensorboard"]
     assert launch_config(plan="p.json", cluster="c.json", out="o").metrics == ("jsonl", "console")
     with pytest.raises(InputError, match="^--metrics names wandb twice$"):
         launch_config(plan="p.json", cluster="c.json", out="o", metrics=("wandb", "wandb"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_set(_data(), "metrics", ["jsonl", "csv"])))
+    with pytest.raises(InputError, match=f"^{path}: metrics.1 must be one of jsonl, console, tensorboard, wandb, "
+                                         "got 'csv'$"):
+        load_run_config(path)
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -261,7 +262,7 @@ def test_the_metrics_sinks_are_recorded_with_jsonl_always_first() -> None:
     ({"setup_timeout_s": 30.0}, "--setup-timeout must be at least timeout_s (--timeout: 60), got 30"),
     ({"checkpoint_every": -1}, "--checkpoint-every must be an integer in [0, 1000000000], got -1"),
     ({"seed": 2**32}, "--seed must be an integer in [0, 4294967295], got 4294967296"),
-    ({"runtime": {"optimizer": "adam"}}, "--optimizer must be 'auto', 'fused' or 'foreach', got 'adam'"),
+    ({"runtime": {"optimizer": "adam"}}, "--optimizer must be one of auto, fused, foreach, got 'adam'"),
 ])
 def test_a_launch_names_the_option_of_a_bad_value(options: dict[str, Any], message: str) -> None:
     with pytest.raises(InputError) as exc:

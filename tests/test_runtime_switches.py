@@ -107,7 +107,7 @@ def test_cli_refuses_an_unknown_optimizer_in_one_line(tmp_path: Path, capsys: py
                  "--launcher", "torchrun", "--script", str(script), "--out", str(run), "--optimizer", "adam"])
     err = capsys.readouterr().err
     assert code == 2 and not script.exists() and not run.exists()
-    assert err.strip().splitlines() == ["error: --optimizer must be 'auto', 'fused' or 'foreach', got 'adam'"]
+    assert err.strip().splitlines() == ["error: --optimizer must be one of auto, fused, foreach, got 'adam'"]
 
 
 def test_local_launch_starts_its_workers_with_the_config(tmp_path: Path) -> None:

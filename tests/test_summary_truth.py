@@ -72,12 +72,12 @@ def test_every_compared_layout_shows_mfu_over_the_devices_used_and_over_the_whol
             rows[name] = (tokens, *map(float, match.groups()))
     assert set(rows) == {"flashflex", "uniform"}
     # the cluster's dense bf16 peak: 8 A100s at 312 TFLOP/s and 8 RTX 3080 Ti at 68.2 (the catalog's figures)
-    assert plan.predicted.peak_flops_cluster == pytest.approx(8 * 312e12 + 8 * 68.2e12)
+    assert plan.predicted["peak_flops_cluster"] == pytest.approx(8 * 312e12 + 8 * 68.2e12)
     per_device_peak = {8: 312e12}  # both layouts here run on the 8 A100s
     for tokens, used_mfu, used, cluster_mfu, total in rows.values():
         assert total == 16 and used == 8 and tokens > 0
         # over the whole cluster: the same model FLOPs over a larger peak; printed to 0.1 percentage point
-        share = used * per_device_peak[used] / plan.predicted.peak_flops_cluster
+        share = used * per_device_peak[used] / plan.predicted["peak_flops_cluster"]
         assert cluster_mfu == pytest.approx(used_mfu * share, abs=0.1)
     # one basis: the layout with more tokens/s has the higher cluster-wide MFU
     (ta, *_, ca, _), (tb, *_, cb, _) = rows["flashflex"], rows["uniform"]
@@ -135,11 +135,11 @@ def test_identical_idle_nodes_in_a_row_are_one_line() -> None:
 def test_json_and_diff_carry_dollars_and_the_cluster_basis(skewed: dict[str, Path], planned: tuple[Plan, str],
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     plan, _ = planned
-    money = plan.predicted.dollars.model_dump(mode="json")
+    money = plan.predicted["dollars"]
     assert money["currency"] == "USD" and len(money["prices_sha256"]) == 64
     assert money["per_hour_used"] == pytest.approx(8 * 5.12)  # the 8 A100s used, example prices
     assert money["per_hour_cluster"] > money["per_hour_used"]
-    assert plan.predicted.devices_cluster == 16
+    assert plan.predicted["devices_cluster"] == 16
     uniform = skewed["root"] / "uniform.json"
     capsys.readouterr()
     assert main(["plan", str(skewed["cluster"]), "--model", "llama2-13b", "--global-batch", "32", "--seq-len", "4096",
@@ -181,5 +181,5 @@ def test_annotating_is_idempotent_and_needs_no_prices() -> None:
     cluster = build_cluster("1x2xcpu")
     plan = plan_layout(cluster, PRESETS["llama-tiny"], TrainConfig(global_batch=4, seq_len=32, dtype="fp32"))
     once = annotated(plan, cluster)
-    assert once.predicted.dollars is None and once.predicted.devices_cluster == 2
+    assert "dollars" not in once.predicted and once.predicted["devices_cluster"] == 2
     assert annotated(once, cluster) == once

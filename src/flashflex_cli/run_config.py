@@ -21,17 +21,19 @@ added to the format after its first version (`ADDED_LATER`) may be absent: files
 default.
 
 The settings are frozen pydantic dataclasses: pydantic checks every value's JSON type (no conversion: "1" is no
-number, 1.5 no step count, true no integer), refuses unknown keys, and runs the range checks declared with each
-field (validate_numbers), on load and whenever a setting is built or replaced in code (dataclasses.replace works,
-and checks). They stay dataclasses because RuntimeOptions is shared with the cost model, and code across the
-runtime and the launcher copies settings with dataclasses.replace. `build_checked` turns the first refused value
-into a FieldError naming the field (fileio.validation_problem, the project's one reader of pydantic errors).
+number, 1.5 no step count, true no integer; an integer for a number becomes a float), refuses unknown keys, and
+runs the range checks declared with each field (validate_numbers), on load and whenever a setting is built or
+replaced in code (dataclasses.replace works, and checks). They stay dataclasses because RuntimeOptions is shared
+with the cost model, and code across the runtime and the launcher copies settings with dataclasses.replace. The
+first refused value is a FieldError naming the field, in the project's words (fileio.setting_problem): on load
+(`build_checked`) and when built in code (`fileio.refused_in_one_line`).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import asdict, fields
@@ -40,6 +42,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import (
     AfterValidator,
+    BeforeValidator,
     ConfigDict,
     StrictBool,
     StrictFloat,
@@ -55,7 +58,8 @@ from pydantic_core import PydanticCustomError
 
 from . import validate_numbers
 from .errors import InputError
-from .fileio import atomic_write_text, read_json, validation_problem
+from .fileio import atomic_write_text, read_json, refused_in_one_line, setting_problem
+from .physical_limits import shown
 from .semantics.metrics_sinks import DEFAULT_SINKS, SinkName, normalized
 from .semantics.runtime_paths import RuntimeOptions
 
@@ -108,29 +112,41 @@ def _a_path(value: str, what: str) -> str:
 
 def _more_than_one(value: float, what: str) -> float:
     if not validate_numbers.finite(value, what) > 1.0:
-        raise InputError(f"{what} must be more than 1, got {value:g}")
+        raise InputError(f"{what} must be more than 1, got {shown(value)}")
     return value
 
 
 def _in_open_unit(value: float, what: str) -> float:
     if not 0.0 < validate_numbers.finite(value, what) < 1.0:
-        raise InputError(f"{what} must be in (0, 1), got {value:g}")
+        raise InputError(f"{what} must be in (0, 1), got {shown(value)}")
     return value
 
 
-def _a_beta(value: float, what: str) -> float:
-    if not 0.0 <= value < 1.0:
-        raise InputError(f"{what} must be in [0, 1), got {value:g}")
+def _betas(value: tuple[float, float], what: str) -> tuple[float, float]:
+    if not all(0.0 <= beta < 1.0 for beta in value):
+        raise InputError(f"{what} must be two numbers in [0, 1), got {shown(value)}")
+    return value
+
+
+def _as_float(value: Any) -> Any:
+    """An integer given for a number as a float (one beyond any float: infinity, which the range check refuses);
+    anything else as it is, for the strict type check."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf
     return value
 
 
 # The field types: a JSON type (strict: no conversion but an integer for a number) and its range.
+Number = Annotated[StrictFloat, BeforeValidator(_as_float)]
 PathText = Annotated[StrictStr, _checked(_a_path)]
 StepCount = Annotated[StrictInt, _checked(validate_numbers.steps)]
 StepInterval = Annotated[StrictInt, _checked(validate_numbers.int_in_range, 0, validate_numbers.MAX_STEPS)]
-Seconds = Annotated[StrictFloat, _checked(validate_numbers.timeout_s)]
-Positive = Annotated[StrictFloat, _checked(validate_numbers.positive)]
-NonNegative = Annotated[StrictFloat, _checked(validate_numbers.non_negative)]
+Seconds = Annotated[Number, _checked(validate_numbers.timeout_s)]
+Positive = Annotated[Number, _checked(validate_numbers.positive)]
+NonNegative = Annotated[Number, _checked(validate_numbers.non_negative)]
 
 # pydantic's settings of every part: unknown keys refused, frozen; NaN and infinities reach the range checks,
 # which refuse them by name.
@@ -139,18 +155,19 @@ SETTINGS_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=True)
 
 # ---- the optimizer and its learning-rate schedule ----------------------------------------------------------------
 
+@refused_in_one_line(FieldError)
 @dataclass(frozen=True, config=SETTINGS_CONFIG)
 class OptimConfig:
     """AdamW with a learning-rate schedule (runtime/training/optimizer.py). lr and min_lr are the peak and final learning
     rates; warmup_steps and total_steps count optimizer steps (warm-up to lr, cosine decay to min_lr at
     total_steps); weight_decay applies to matrices only; grad_clip is the global gradient-norm limit (0: none)."""
 
-    lr: Annotated[StrictFloat, _checked(validate_numbers.learning_rate)] = 3e-4
+    lr: Annotated[Number, _checked(validate_numbers.learning_rate)] = 3e-4
     min_lr: NonNegative = 3e-5
     warmup_steps: StepInterval = 10
     total_steps: StepCount = 1000
     weight_decay: NonNegative = 0.1
-    betas: tuple[Annotated[StrictFloat, _checked(_a_beta)], Annotated[StrictFloat, _checked(_a_beta)]] = (0.9, 0.95)
+    betas: Annotated[tuple[Number, Number], _checked(_betas)] = (0.9, 0.95)
     eps: Positive = 1e-8
     grad_clip: NonNegative = 1.0
 
@@ -174,15 +191,16 @@ def default_optimizer(lr: float, total_steps: int) -> OptimConfig:
 
 # ---- precision ----------------------------------------------------------------------------------------------
 
+@refused_in_one_line(FieldError)
 @dataclass(frozen=True, config=SETTINGS_CONFIG)
 class LossScaling:
     """Dynamic loss scaling of fp16 plans (runtime/training/loss_scale.py; torch.amp.GradScaler's defaults): the initial
     scale, the factor it grows by after `growth_interval` clean steps in a row, the factor it shrinks by on a
     skipped step."""
 
-    init_scale: Annotated[StrictFloat, _checked(validate_numbers.positive, FP32_MAX)] = 2.0**16
-    growth_factor: Annotated[StrictFloat, _checked(_more_than_one)] = 2.0
-    backoff_factor: Annotated[StrictFloat, _checked(_in_open_unit)] = 0.5
+    init_scale: Annotated[Number, _checked(validate_numbers.positive, FP32_MAX)] = 2.0**16
+    growth_factor: Annotated[Number, _checked(_more_than_one)] = 2.0
+    backoff_factor: Annotated[Number, _checked(_in_open_unit)] = 0.5
     growth_interval: Annotated[StrictInt, _checked(validate_numbers.int_in_range, 1, MAX_GROWTH_INTERVAL)] = 2000
 
     def to_record(self) -> dict[str, float | int]:
@@ -192,6 +210,7 @@ class LossScaling:
 
 # ---- the run ------------------------------------------------------------------------------------------------
 
+@refused_in_one_line(FieldError)
 @dataclass(frozen=True, kw_only=True, config=SETTINGS_CONFIG)
 class RunConfig:
     """One run's settings (module docstring). Paths as the user gave them; timeout_s: collective timeout of the
@@ -285,30 +304,13 @@ def _adapter(cls: type) -> TypeAdapter[Any]:
 _SECTIONS: dict[str, type] = {"runtime": RuntimeOptions, "optimizer": OptimConfig, "loss_scaling": LossScaling}
 
 
-def _known(cls: type, section: list[str]) -> list[str]:
-    """The setting names of `cls`, or of its part named by `section` (["optimizer"])."""
-    part = _SECTIONS.get(section[0], cls) if cls is RunConfig and len(section) == 1 else cls
-    return sorted(field.name for field in fields(part))
-
-
 def build_checked(cls: type[T], values: dict[str, Any], where: str = "") -> T:
     """`cls` (a settings dataclass) from `values`, as JSON gives them (unknown keys refused; absent ones take their
     defaults); a FieldError names the first refused field inside `where` ("optimizer")."""
     try:
         return _adapter(cls).validate_python(values)
     except ValidationError as exc:
-        field, problem = validation_problem(exc)
-        kind = exc.errors()[0]["type"]
-        if kind in ("unexpected_keyword_argument", "extra_forbidden"):
-            known = _known(cls, field.split(".")[:-1])
-            problem = f"is no setting (known: {', '.join(known)})"
-        elif kind == "missing":
-            problem = "is missing"
-        elif kind == "dataclass_type":
-            problem = f"must be an object{problem[problem.index(', got'):] if ', got' in problem else ''}"
-        else:  # pydantic's "Input should be a valid integer" as the project words it
-            problem = problem.replace("Input should be", "must be", 1)
-        error = FieldError(field, problem)
+        error = FieldError(*setting_problem(cls, values, exc))
         raise error.within(where) if where else error from None
 
 

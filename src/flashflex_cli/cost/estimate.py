@@ -97,9 +97,14 @@ class Estimate:
     problems: list[str] = field(default_factory=list)
     optimizer_s: float = 0.0
 
-    def to_predicted(self) -> Predicted:
-        """Plan.predicted of this estimate: floats to 6 significant digits (byte-stable plan files)."""
-        return Predicted.model_validate({
+    def prediction(self) -> Predicted:
+        """Plan.predicted of this estimate (`to_predicted` as the typed model)."""
+        return Predicted.model_validate(self.to_predicted())
+
+    def to_predicted(self) -> dict[str, Any]:
+        """JSON-ready dict of Plan.predicted: stable key order, floats to 6 significant digits (byte-stable plan
+        files)."""
+        return {
             "iteration_time_s": _r(self.iteration_time_s),
             "tokens_per_s": _r(self.tokens_per_s),
             "mfu": _r(self.mfu),
@@ -114,7 +119,7 @@ class Estimate:
             ],
             "stages": [_stage_json(s) for s in self.stages],
             "problems": list(self.problems),
-        })
+        }
 
     def profiles_used(self) -> list[str]:
         """sha256 of every layer profile a stage was costed from, sorted."""

@@ -6,11 +6,18 @@ Every figure is a JSON number (no string, no boolean), finite and at most 1e300 
 stays finite); times, rates and sizes that show and diff read are not negative. A figure keeps its JSON type (768
 stays an integer, 768.0 a float) and an absent field stays absent, so a plan file re-written is byte-identical;
 plans written before a field existed load without it.
+
+Each model also reads as the JSON object it holds (a read-only mapping over the fields present: `predicted["mfu"]`,
+`"dollars" in predicted`, `{**predicted}`, `predicted.get("fits")`; a stage list holds stage models that read the
+same way), and equals a mapping that validates to an equal model (`plan.predicted == estimate.to_predicted()`).
+Code reads the fields as attributes. In a plan, a refused figure is reported in one line naming it
+(`prediction_problem`: "predicted.stages.1.dtype_not_native_on must be a list, got 'V100-16G'").
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Iterator, Mapping
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     BaseModel,
@@ -21,6 +28,7 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    ValidationError,
     model_serializer,
 )
 from pydantic_core import PydanticCustomError
@@ -54,7 +62,58 @@ Index = Annotated[StrictInt, Field(ge=0)]
 
 
 class _Prediction(BaseModel):
+    """A part of the prediction: frozen, unknown keys refused, readable as the JSON object it holds."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # whether a null field the file gave is present (kept in the file); otherwise a null field is absent
+    _keeps_nulls: ClassVar[bool] = False
+
+    def _present(self) -> list[str]:
+        """The fields present, in the order the file writes them."""
+        if self._keeps_nulls:
+            return [name for name in type(self).model_fields if name in self.model_fields_set]
+        return [name for name in type(self).model_fields if getattr(self, name) is not None]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._present():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._present()
+
+    def __iter__(self) -> Iterator[str]:  # type: ignore[override]  # a mapping's keys, not pydantic's pairs
+        return iter(self._present())
+
+    def __len__(self) -> int:
+        return len(self._present())
+
+    def __bool__(self) -> bool:
+        return True  # a model, present, whatever it holds (as before it was readable as a mapping)
+
+    def keys(self) -> list[str]:
+        """The fields present."""
+        return self._present()
+
+    def values(self) -> list[Any]:
+        """The values of the fields present."""
+        return [getattr(self, name) for name in self._present()]
+
+    def items(self) -> list[tuple[str, Any]]:
+        """(field, value) of the fields present."""
+        return [(name, getattr(self, name)) for name in self._present()]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The field's value when present, else `default`."""
+        return getattr(self, key) if key in self._present() else default
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping) and not isinstance(other, BaseModel):
+            try:
+                other = type(self).model_validate(dict(other))
+            except ValidationError:
+                return False
+        return super().__eq__(other)
 
 
 class PredictedPipeline(_Prediction):
@@ -102,6 +161,8 @@ class PredictedDollars(_Prediction):
     per_million_tokens_used: Amount | None = None
     per_million_tokens_cluster: Amount | None = None
 
+    _keeps_nulls: ClassVar[bool] = True
+
     @model_serializer(mode="wrap")
     def _as_given(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """The fields the file gave, nulls included (a plan's writer drops other nulls)."""
@@ -134,3 +195,32 @@ class Predicted(_Prediction):
     def fits_memory(self) -> bool:
         """Whether the plan fits in memory (a prediction that does not say: yes)."""
         return self.fits is not False
+
+
+# What main's hand-written checks called each JSON type a prediction's field must have, by pydantic error type.
+_KINDS = {"int_type": "an integer", "int_from_float": "an integer", "int_parsing": "an integer", "bool_type": "a bool",
+          "string_type": "a str", "list_type": "a list", "model_type": "an object", "model_attributes_type": "an object",
+          "dict_type": "an object", "float_type": "a number"}
+_INTEGERS = ("pipeline", "stage", "devices_cluster")  # the required or integer fields a missing one is named by
+
+
+def prediction_problem(exc: ValidationError, where: str = "predicted") -> str:
+    """The first problem of a prediction refused by pydantic in one line naming the figure: "predicted.mfu must be a
+    number, got '0.5'", "predicted.stages.0.pipeline must be an integer, got '0'", "predicted.tokens_per_s must be a
+    finite number, got nan"."""
+    error = exc.errors()[0]
+    loc = [str(part) for part in error["loc"]]
+    field = ".".join([where, *loc])
+    value = error.get("input")
+    kind = error["type"]
+    if kind == PREDICTION_ERROR:
+        return f"{field} {error['msg']}"
+    if kind == "missing":
+        value, kind = None, "int_type" if loc and loc[-1] in _INTEGERS else "float_type"
+    if kind in _KINDS:
+        return f"{field} must be {_KINDS[kind]}, got {value!r}"[:200]
+    if kind == "extra_forbidden":
+        return f"{field} is no figure of a prediction"
+    if kind == "greater_than_equal":
+        return f"{field} must be 0 or more, got {shown(value)}"
+    return f"{field} {str(error['msg']).replace('Input should be', 'must be', 1)}, got {shown(value)}"[:200]

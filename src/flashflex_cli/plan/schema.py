@@ -8,6 +8,7 @@ Ranks are numbered pipelines in order, stages in order, devices in order (`Plan.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,13 +16,16 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
     model_validator,
 )
 
 from ..fileio import dumps_json, load_model
 from ..model.spec import ModelSpec
 from ..physical_limits import LAYER_INDEX, SEED, SEQ_LEN, SEQUENCES, TP_DEGREE, limited
-from .predicted import Predicted
+from .predicted import Predicted, prediction_problem
 
 PLAN_SCHEMA = "flashflex.plan/1"
 
@@ -150,6 +154,26 @@ class Plan(_Strict):
     pipelines: list[PipelinePlan] = Field(min_length=1)
     unused_devices: list[UnusedDevice] = []
     predicted: Predicted | None = None
+
+    @field_validator("predicted", mode="wrap")
+    @classmethod
+    def _prediction(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Predicted | None:
+        """The prediction, a refused figure named in one line ("predicted.mfu must be a number, got '0.5'")."""
+        try:
+            return handler(value)  # type: ignore[no-any-return]
+        except ValidationError as exc:
+            raise ValueError(prediction_problem(exc)) from None
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Plan:
+        """A copy with `update`d fields; a `predicted` given as a mapping (the JSON object, or a prediction's
+        fields with some replaced: `{**plan.predicted, "mfu": 0.5}`) becomes the typed prediction."""
+        predicted = (update or {}).get("predicted")
+        if isinstance(predicted, Mapping) and not isinstance(predicted, Predicted):
+            try:
+                update = {**(update or {}), "predicted": Predicted.model_validate(dict(predicted))}
+            except ValidationError as exc:
+                raise ValueError(prediction_problem(exc)) from None
+        return super().model_copy(update=update, deep=deep)
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:

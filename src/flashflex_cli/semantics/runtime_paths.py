@@ -29,6 +29,8 @@ from typing import Any, Literal
 from pydantic import ConfigDict, StrictBool
 from pydantic.dataclasses import dataclass as settings_dataclass
 
+from ..fileio import refused_in_one_line
+
 OptimizerPath = Literal["auto", "fused", "foreach"]
 OPTIMIZER_PATHS: tuple[str, ...] = ("auto", "fused", "foreach")
 
@@ -48,11 +50,17 @@ def compute_dtype(plan_dtype: str) -> str:
     return plan_dtype if plan_dtype in ("bf16", "fp16") else "fp32"
 
 
+def _refused(field: str, problem: str) -> ValueError:
+    return ValueError(f"{field} {problem}")
+
+
+@refused_in_one_line(_refused)
 @settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class RuntimeOptions:
     """The runtime's switches (module docstring). `compile` None and `optimizer` "auto" are resolved per device
     by `resolved`; every other field is already concrete. A pydantic dataclass, part of the run configuration
-    (run_config.py): each value is checked (JSON types, no conversion) when built, loaded or replaced."""
+    (run_config.py): each value is checked (JSON types, no conversion) when built, loaded or replaced; built in
+    code, a bad value is a ValueError in one line ("optimizer must be one of auto, fused, foreach, got 'adam'")."""
 
     lean_p2p: StrictBool = True
     overlap_dp: StrictBool = True

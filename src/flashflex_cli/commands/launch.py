@@ -21,6 +21,7 @@ from ..launch.preflight import check_run_dirs, start_decision
 from ..launch.recorded_cluster import recorded_cluster_path
 from ..launch.share_gpu import check_share_gpu
 from ..run_config import RunConfig, save_run_config
+from ..semantics.metrics_sinks import DEFAULT_SINKS, check_packages, parse_sinks
 from ..semantics.run_folder import (
     METRICS,
     RUNTIME_RECORD,
@@ -227,6 +228,9 @@ def launch_command(
     share_gpu: bool = typer.Option(False, "--share-gpu", help="Validation only, never for a real cluster: run "
                                    "every rank of a GPU plan on this machine's one GPU, each rank its own NCCL "
                                    "host talking over loopback sockets (docs/multi-gpu.md)."),
+    metrics: str = typer.Option(",".join(DEFAULT_SINKS), "--metrics", metavar="LIST", help="Where the per-step "
+                                "metrics go, comma-separated: jsonl (RUN/metrics.jsonl, always written), console, "
+                                "tensorboard (RUN/tensorboard/), wandb (offline, RUN/wandb/)."),
 ) -> None:
     """Check PLAN against the cluster, the machine and the data, then run it or render its launch commands."""
     from ..launch.preflight import (
@@ -242,6 +246,9 @@ def launch_command(
     if launcher not in LAUNCHERS:
         raise InputError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     host_list, ifnames = _host_addresses(_split(hosts, "--hosts")), _split(ifname, "--ifname") or ()
+    sinks = parse_sinks(metrics)
+    if launcher == "local":  # a rendered script's hosts: the worker refuses a missing package when it starts
+        check_packages(sinks)
     checkpoints = checkpoint_folder(out, checkpoint_dir, checkpoint_every, no_checkpoint, resume, overwrite)
     elastic_settings = elastic_options(elastic, launcher, max_restarts, min_devices, cluster_watch, replan_gain,
                                        layers, checkpoints)
@@ -252,7 +259,7 @@ def launch_command(
     options = launch_config(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
                             seed=seed, lr=lr, checkpoint_dir=checkpoints, checkpoint_every=every if checkpoints
                             else 0, resume=resume, timeout_s=timeout, setup_timeout_s=setup_timeout,
-                            share_gpu=share_gpu, gpus=gpus,
+                            share_gpu=share_gpu, gpus=gpus, metrics=sinks,
                             schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None,
                             runtime=given)
     if launcher != "local":

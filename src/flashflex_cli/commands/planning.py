@@ -141,7 +141,7 @@ def plan_command(
             jobs=jobs or usable_cores(), micro_batch=micro_batch or 1))
         found = reestimated(found, estimate(found, cluster, params))  # records the layer profiles it used
         assert fleet.choice is not None  # fleet.plan raises otherwise
-        return DtypeTrial(chosen, found, float(found.predicted["tokens_per_s"]),  # type: ignore[index]
+        return DtypeTrial(chosen, found, float(found.predicted.tokens_per_s),  # type: ignore[union-attr]
                           fleet.choice.best.per_million_tokens, payload=fleet)
 
     reason = None

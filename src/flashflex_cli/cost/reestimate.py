@@ -92,4 +92,4 @@ def reestimated(plan: Plan, est: Estimate) -> Plan:
     """`plan` with `predicted` replaced by a fresh estimate and `inputs.layer_profiles` by the profiles it
     used (absent when none)."""
     inputs = plan.inputs.model_copy(update={"layer_profiles": est.profiles_used() or None})
-    return plan.model_copy(update={"predicted": est.to_predicted(), "inputs": inputs})
+    return plan.model_copy(update={"predicted": est.prediction(), "inputs": inputs})

@@ -83,5 +83,5 @@ def build_plan(cache: CostCache, cand: Candidate, strategy: str, seed: int,
                         strategy=strategy, seed=seed)
     plan = Plan(inputs=inputs, pipelines=pipelines, unused_devices=idle)
     if predict:
-        plan = plan.model_copy(update={"predicted": estimate(plan, g.cluster, cache.params).to_predicted()})
+        plan = plan.model_copy(update={"predicted": estimate(plan, g.cluster, cache.params).prediction()})
     return plan

@@ -224,3 +224,11 @@ def prediction_problem(exc: ValidationError, where: str = "predicted") -> str:
     if kind == "greater_than_equal":
         return f"{field} must be 0 or more, got {shown(value)}"
     return f"{field} {str(error['msg']).replace('Input should be', 'must be', 1)}, got {shown(value)}"[:200]
+
+
+def as_predicted(value: Predicted | Mapping[str, Any] | None) -> Predicted | None:
+    """`value` as the typed model: a model as it is, the JSON object of one (e.g. `Estimate.to_predicted()`)
+    validated into it, None as None."""
+    if value is None or isinstance(value, Predicted):
+        return value
+    return Predicted.model_validate(dict(value))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from rich.console import Console
 from rich.table import Table
 
@@ -9,14 +12,15 @@ from ..hardware.catalog import GIB
 from ..semantics.runtime_paths import non_default_flags
 from ..semantics.stated_error import MEDIAN_STEP_ERROR, mfu_advice
 from .diff import PlanDiff
-from .predicted import Predicted, PredictedStage
+from .predicted import Predicted, PredictedStage, as_predicted
 from .schema import Plan
 from .text import compact_devices, layer_text
 
 
-def mfu_text(predicted: Predicted, used_devices: int | None = None) -> str:
+def mfu_text(predicted: Predicted | Mapping[str, Any], used_devices: int | None = None) -> str:
     """MFU over the devices used and, when the prediction carries the cluster's peak, over every device of
     the cluster (the basis on which layouts using different device sets compare), both labelled."""
+    predicted = as_predicted(predicted)
     mfu = predicted.mfu
     peak_used, peak_all = predicted.peak_flops_used, predicted.peak_flops_cluster
     if not peak_used or not peak_all:
@@ -27,9 +31,10 @@ def mfu_text(predicted: Predicted, used_devices: int | None = None) -> str:
     return f"MFU {mfu * 100:.1f}% of {used}, {mfu * peak_used / peak_all * 100:.1f}% of {every}"
 
 
-def dollars_text(predicted: Predicted) -> str:
+def dollars_text(predicted: Predicted | Mapping[str, Any]) -> str:
     """Cost per hour and per million tokens, over the devices used and over the whole cluster ("" when the
     prediction has no prices)."""
+    predicted = as_predicted(predicted)
     money = predicted.dollars
     if money is None:
         return ""
@@ -44,8 +49,9 @@ def dollars_text(predicted: Predicted) -> str:
             f"({num('per_million_tokens_cluster', ',.4g')} charging all)")
 
 
-def summary_line(predicted: Predicted | None, used_devices: int | None = None) -> str:
+def summary_line(predicted: Predicted | Mapping[str, Any] | None, used_devices: int | None = None) -> str:
     """Predicted tokens/s, MFU (both bases when known) and iteration time in one line, then dollars."""
+    predicted = as_predicted(predicted)
     if predicted is None:
         return "no prediction"
     money = dollars_text(predicted)
@@ -54,10 +60,11 @@ def summary_line(predicted: Predicted | None, used_devices: int | None = None) -
             + ("" if predicted.fits_memory else ", DOES NOT FIT") + (f"; {money}" if money else ""))
 
 
-def dp_line(predicted: Predicted | None) -> str | None:
+def dp_line(predicted: Predicted | Mapping[str, Any] | None) -> str | None:
     """The DP gradient reduction in one line: the exposed part (what the iteration waits for after the slowest
     pipeline) first, then the busiest stage's whole reduction, most of it hidden behind the backward. None when
     no stage reduces anything (or the prediction predates per-stage DP figures)."""
+    predicted = as_predicted(predicted)
     stages = _stages(predicted)
     busiest = max((float(s.dp_s or 0.0) for s in stages), default=0.0)
     if predicted is None or busiest <= 0 or predicted.dp_exposed_s is None:

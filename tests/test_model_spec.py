@@ -8,8 +8,6 @@ import pytest
 
 from flashflex_cli.errors import InputError
 from flashflex_cli.model.flops import total_params
-
-# Published parameter counts (Touvron et al. 2023; Meta Llama 3 model cards), within 1 %.
 from flashflex_cli.model.hf_config import from_hf_config, resolve_model
 from flashflex_cli.model.spec import PRESETS
 

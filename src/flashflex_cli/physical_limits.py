@@ -168,7 +168,7 @@ SEQ_LEN = Limit("tokens", 1, MAX_SEQ_LEN, integer=True)
 # Micro-batches one pipeline accumulates into one optimizer step: 65,536. The runtime adds each micro-batch's
 # gradients into fp32 gradients, one addition after another; the worst-case relative rounding error of such a sum
 # of n terms is about n x 2**-24 (fp32's unit roundoff): 0.4% at 2**16 terms, 6% at 2**20, and from 2**24 on a
-# term of the size of the sum so far no longer changes it. The 1F1B schedule (cost/schedule.py, runtime/pipeline.py)
+# term of the size of the sum so far no longer changes it. The 1F1B schedule (cost/schedule.py, runtime/parallel/pipeline.py)
 # steps through every micro-batch, so a larger count is refused where the plan is read, before anything runs it.
 MICRO_BATCHES = Limit("micro-batches", 1, 2**16, integer=True)
 TP_DEGREE = Limit("devices", 1, MAX_DEVICES, integer=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .parameters import model_params
-from .process_groups import SliceHolders, slice_holders
+from .process_groups import SliceHolders, layout_key, slice_holders
 
 
 @dataclass(frozen=True)
@@ -107,23 +107,42 @@ class ShardCounts:
     own: int = 0
 
 
+_COUNTS: dict[tuple, list[ShardCounts]] = {}  # the last few (layout, weights): a plan is estimated several times
+_COUNTS_KEPT = 8
+
+
 def shard_counts(plan: Any) -> list[ShardCounts]:
     """Per rank, its ShardCounts (all zero when the plan does not shard). Its optimizer state covers its local
     elements minus `held` plus `own`."""
     world = sum(stage.tp for pipe in plan.pipelines for stage in pipe.stages)
-    held, own = [0] * world, [0] * world
     weights = rank_weights(plan)
-    if weights is not None:
-        shapes = {info.name: info.shape for info in model_params(plan.inputs.model)}
-        for index, sl in enumerate(slice_holders(plan)):
-            if not sl.needs_reduce:
-                continue
-            pieces = slice_pieces(sl, index, shapes[sl.name], weights)
-            whole = sum(piece.numel for piece in pieces)
-            for piece in pieces:
-                held[piece.rank] += whole
-                own[piece.rank] += piece.numel
-    return [ShardCounts(*counts) for counts in zip(held, own, strict=True)]
+    if weights is None:
+        return [ShardCounts()] * world
+    key = (layout_key(plan), tuple(weights))
+    found = _COUNTS.get(key)
+    if found is not None:
+        return found
+    held, own = [0] * world, [0] * world
+    shapes = {info.name: info.shape for info in model_params(plan.inputs.model)}
+    for sl in slice_holders(plan):
+        if not sl.needs_reduce:
+            continue
+        shape = shapes[sl.name]
+        dim = split_dim(sl)
+        rows = 1
+        for d, size in enumerate(shape):
+            if d != dim:
+                rows *= size
+        length = shape[0] if sl.dim is None else sl.stop - sl.start
+        whole = length * rows
+        for rank, (a, b) in zip(sl.ranks, split_proportional(length, [weights[r] for r in sl.ranks]), strict=True):
+            held[rank] += whole
+            own[rank] += (b - a) * rows
+    found = [ShardCounts(*counts) for counts in zip(held, own, strict=True)]
+    if len(_COUNTS) >= _COUNTS_KEPT:
+        _COUNTS.pop(next(iter(_COUNTS)))
+    _COUNTS[key] = found
+    return found
 
 
 def sharded_elements(plan: Any) -> list[int]:

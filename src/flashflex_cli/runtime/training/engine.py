@@ -30,7 +30,8 @@ summed over tokens and divided by the global token count), so a plan's run equal
 same global batch. `StepResult.loss` is that value, identical on every rank.
 
 State keys: "<name>" (fp32 master parameter shard), "<name>.exp_avg", "<name>.exp_avg_sq" (AdamW moments, same
-shard), "step" (int64 scalar tensor: steps taken), "optimizer_steps" (int64: AdamW updates taken, fewer than
+shard; with the plan's optimizer sharding, a sharded parameter's moments are this rank's pieces instead, keyed
+"<name>.<moment>@DIM:START:STOP" and placed by `checkpoint_shards()`: runtime/parallel/sharded_optimizer.py), "step" (int64 scalar tensor: steps taken), "optimizer_steps" (int64: AdamW updates taken, fewer than
 "step" by the steps fp16 loss scaling skipped) and, in fp16 plans, "loss_scale" (fp32) and
 "loss_scale_growth_tracker" (int32). Global names are plan-independent (see runtime/model/stage.py). A checkpoint that
 lacks the optional scalars loads with optimizer_steps = step and the initial loss scale.

@@ -54,7 +54,7 @@ def _reduce_step(chunk: torch.Tensor, holder: int, group: dist.ProcessGroup) -> 
 
 
 class ShardedGradSync(GradSync):
-    """GradSync that reduce-scatters each bucket to its holders' pieces (module docstring). `pieces`: every
+    """GradSync that reduces each holder's chunk of every bucket to that holder (module docstring). `pieces`: every
     piece of the plan (semantics/optimizer_shards.plan_pieces, over `groups.slices`)."""
 
     def __init__(self, params: dict[str, tuple[ParamInfo, torch.nn.Parameter]], groups: PlanGroups,

@@ -13,7 +13,7 @@ cluster with --jobs 1 (the same minute's load, min over --repeats runs); wall ti
 symmetric layouts); the ratio shows what the full search costs on top. `--max-micro-batch N` turns on the
 micro-batch search (default: pinned at 1, the plans of the speed target).
 Usage: python benchmarks/bench_planning_time.py [--sizes 8,32,128] [--classes all|none|NAME,...] [--jobs 1]
-       [--repeats 2] [--max-micro-batch 8]
+       [--repeats 2] [--max-micro-batch 8] [--shard-optimizer auto|on|off]
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from flashflex_cli.cost.params import CostParams  # noqa: E402
 from flashflex_cli.hardware.synthetic import build_cluster  # noqa: E402
 from flashflex_cli.model.spec import PRESETS  # noqa: E402
 from flashflex_cli.plan.schema import TrainConfig  # noqa: E402
 from flashflex_cli.planner.search import SearchStats, plan_layout  # noqa: E402
+from flashflex_cli.planner.search.sharding import choose_sharding  # noqa: E402
 
 TYPES = ("A100-80G-SXM:nic=ib:link=nvlink", "RTX-4090:nic=eth", "RTX-3090:nic=eth", "A100-40G-SXM:nic=roce")
 WALL_TARGETS = {128: 5.0, 1024: 60.0}  # seconds of wall time by cluster size
@@ -99,6 +101,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=usable_cores(), help="planner worker processes")
     parser.add_argument("--repeats", type=int, default=1, help="runs per cluster; the minimum CPU time is shown")
     parser.add_argument("--max-micro-batch", type=int, default=None, help="search micro-batch sizes up to N")
+    parser.add_argument("--shard-optimizer", default="off", choices=("auto", "on", "off"),
+                        help="plan as `flashflex plan --shard-optimizer` (planner/search/sharding.py: auto and on "
+                        "add the sharded searches where they are tried)")
     args = parser.parse_args()
     mode = f"searched up to {args.max_micro_batch}" if args.max_micro_batch else "pinned at 1"
     print(f"jobs {args.jobs}, micro-batch size {mode}, CPU time = min of {max(1, args.repeats)} runs")
@@ -114,8 +119,11 @@ def main() -> None:
         for _ in range(max(1, args.repeats)):
             stats = SearchStats()
             c0, t0 = _cpu_seconds(), time.perf_counter()
-            plan = plan_layout(cluster, model, train, time_budget_s=args.budget, stats=stats, jobs=args.jobs,
-                               max_micro_batch=args.max_micro_batch)
+            plan, _ = choose_sharding(
+                lambda ways, cluster=cluster, model=model, train=train, stats=stats: plan_layout(
+                    cluster, model, train, time_budget_s=args.budget, stats=stats, jobs=args.jobs,
+                    max_micro_batch=args.max_micro_batch, optimizer_shard_ways=ways),
+                args.shard_optimizer, CostParams())
             runs.append((_cpu_seconds() - c0, time.perf_counter() - t0, stats, plan))
         cpu, wall, stats, plan = min(runs, key=lambda r: (r[2].budget_hit, r[0]))  # a cut search did less work
         t1 = time.perf_counter()

@@ -3,7 +3,7 @@
 # that is lent one spends its minutes measuring, not preparing. Check it here first: FLASHFLEX_SESSION_CPU=1 runs
 # every step on this machine's CPU with a tiny model (a check of the script, not a measurement).
 #
-#   bash benchmarks/gpu_session.sh [memory] [profile] [speed] [fp16] [ranks] [multigpu]
+#   bash benchmarks/gpu_session.sh [memory] [profile] [speed] [fp16] [ranks] [sharded] [multigpu]
 #                                                          (default: the first four, in that order)
 #
 # memory:  plans llama-1b (seq 2048, 16 sequences) pinned at micro-batch 1, 2, 4, 8 and a 3B-class shape (Llama 3.2
@@ -19,6 +19,9 @@
 #          recompute, a checkpoint and a resume under another plan; each run's losses against the one-rank run of
 #          the same model and data, then every rank's peak memory against its stage's prediction
 #          (validate_gpu_memory.py; its time figures are no target: the ranks share the GPU). ranks.txt in $OUT.
+# sharded: two ranks in data parallel on the one GPU (--share-gpu), the optimizer state sharded across them and not
+#          (benchmarks/ranks_session.py --sharded): losses against one rank, every rank's peak memory against its
+#          prediction (validate_gpu_memory.py). sharded.txt in $OUT.
 # multigpu: the CUDA-marked tests (tests/test_multi_gpu.py: NCCL runs against the one-process reference) where the
 #          machine has two or more GPUs; skipped, with a line saying so, elsewhere.
 #
@@ -124,6 +127,10 @@ EOF
       say "ranks: multi-rank plans on one GPU (--share-gpu), losses against one rank, memory per rank"
       run 3000 "$PY" benchmarks/ranks_session.py --work "$WORK/ranks" "${RANKS_ARGS[@]}"
       grep -E "^(ranks|validate_gpu_memory|ranks_session)|^    rank |^  [^ ].* step " "$LOG" >"$OUT/ranks.txt" || true ;;
+    sharded)
+      say "sharded: two ranks in DP on one GPU (--share-gpu), optimizer state sharded and not, memory per rank"
+      run 1200 "$PY" benchmarks/ranks_session.py --sharded --work "$WORK/sharded" "${RANKS_ARGS[@]}"
+      grep -E "^(ranks|validate_gpu_memory|ranks_session)|^    rank |^  [^ ].* step " "$LOG" >"$OUT/sharded.txt" || true ;;
     multigpu)
       gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
       if [ "${gpus:-0}" -lt 2 ]; then
@@ -133,9 +140,9 @@ EOF
       else
         say "multigpu: $gpus GPUs: the CUDA-marked tests"; run 900 "$PY" -m pytest -q -m cuda tests/test_multi_gpu.py
       fi ;;
-    *) say "unknown part $part (memory, profile, speed, fp16, ranks, multigpu)" ;;
+    *) say "unknown part $part (memory, profile, speed, fp16, ranks, sharded, multigpu)" ;;
   esac
 done
-tar -czf "$OUT/runs.tar.gz" --exclude=ranks/ck -C "$WORK" $(cd "$WORK" && ls -d runs ranks plan-*.json node.json 2>/dev/null) \
+tar -czf "$OUT/runs.tar.gz" --exclude=ranks/ck -C "$WORK" $(cd "$WORK" && ls -d runs ranks sharded plan-*.json node.json 2>/dev/null) \
   2>/dev/null || true  # the ranks part's checkpoints stay behind: large, and only the resume needed them
 say "done"

@@ -37,6 +37,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -82,12 +83,14 @@ def layouts(layers: int) -> dict[str, list[tuple[int, Stages]]]:
         "tp2": [(8, [(2, (0, layers))])],
         "tp-change": [(8, [(2, (0, half)), (1, (half, layers))])],
         "unlike-dp": [(4, [(2, (0, layers))]), (4, [(1, (0, quarter)), (1, (quarter, layers))])],
+        "dp2": [(4, [(1, (0, layers))]), (4, [(1, (0, layers))])],
     }
 
 
 def make_plan(cluster: Cluster, model: ModelSpec, pipelines: list[tuple[int, Stages]], seq_len: int, dtype: str,
-              recompute: bool = False) -> Plan:
-    """A plan of `pipelines` on the cluster's devices in order (pipelines, stages, TP ranks)."""
+              recompute: bool = False, sharded: bool = False) -> Plan:
+    """A plan of `pipelines` on the cluster's devices in order (pipelines, stages, TP ranks); `sharded`: its
+    optimizer state sharded across each slice's holders (equal shards)."""
     devices = iter(cluster.device_ids)
     pipes = [{"micro_batch_size": 1, "num_micro_batches": micro,
               "stages": [{"devices": [next(devices) for _ in range(tp)], "tp": tp, "layers": list(layers)}
@@ -97,7 +100,7 @@ def make_plan(cluster: Cluster, model: ModelSpec, pipelines: list[tuple[int, Sta
         "inputs": {"cluster_sha256": cluster.sha256(), "cluster_name": cluster.name, "model": model.model_dump(),
                    "train": {"global_batch": sum(m for m, _ in pipelines), "seq_len": seq_len, "dtype": dtype,
                              "recompute": recompute}},
-        "pipelines": pipes})
+        "pipelines": pipes, **({"optimizer_sharding": {}} if sharded else {})})
 
 
 def launch(plan: Path, cluster: Path, out: Path, steps: int, schedule: int, share_gpu: bool, *extra: str,
@@ -136,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True, help="folder for the plans and run folders")
     parser.add_argument("--cpu", action="store_true", help="emulated CPU devices (a check of the script)")
+    parser.add_argument("--sharded", action="store_true", help="only two ranks in data parallel, the optimizer "
+                        "state sharded and not: losses against one rank, memory per rank against the prediction")
     args = parser.parse_args(argv)
     cfg = setting(args.cpu)
     work: Path = args.work
@@ -145,10 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     save_cluster(cluster_path, cluster)
     shapes = layouts(cfg.model.num_layers)
 
-    def plan_file(name: str, shape: str, dtype: str, recompute: bool = False) -> Path:
+    def plan_file(name: str, shape: str, dtype: str, recompute: bool = False, sharded: bool = False) -> Path:
         path = work / f"plan-{name}.json"
-        save_plan(path, make_plan(cluster, cfg.model, shapes[shape], cfg.seq_len, dtype, recompute))
+        save_plan(path, make_plan(cluster, cfg.model, shapes[shape], cfg.seq_len, dtype, recompute, sharded))
         return path
+
+    if args.sharded:
+        return sharded_runs(cfg, cluster_path, work, plan_file)
 
     low = "fp16"
     refs: dict[str, dict[int, float]] = {}
@@ -186,6 +194,31 @@ def main(argv: list[str] | None = None) -> int:
     print(validate.stderr, end="", file=sys.stderr)
     print(f"ranks_session: {good} of {total} runs equal the one-rank losses", flush=True)
     return 0 if good == total and validate.returncode == 0 else 1
+
+
+def sharded_runs(cfg: Setting, cluster_path: Path, work: Path, plan_file: Any) -> int:
+    """One rank, then two ranks in data parallel (one pipeline of one stage each) unsharded and with the
+    optimizer state sharded: losses against one rank, then every rank's peak memory against its prediction
+    (validate_gpu_memory.py; the sharded ranks keep half the AdamW moments each)."""
+    out = work / "runs" / "ref-sharding"
+    failed = launch(plan_file("ref-sharding", "ref", cfg.dtype), cluster_path, out, cfg.steps, cfg.steps,
+                    cfg.share_gpu)
+    print(f"ranks: ref-sharding: 1 rank: {'ran' if failed is None else 'FAILED: ' + failed}", flush=True)
+    reference = losses(out) if failed is None else {}
+    good, folders = 0, []
+    for name, sharded in (("dp2-unsharded", False), ("dp2-sharded", True)):
+        out = work / "runs" / name
+        failed = launch(plan_file(name, "dp2", cfg.dtype, sharded=sharded), cluster_path, out, cfg.steps,
+                        cfg.steps, cfg.share_gpu)
+        good += report(name, 2, failed, out, reference, cfg.dtype)
+        folders.append(out)
+    validate = subprocess.run([sys.executable, str(REPO / "benchmarks" / "validate_gpu_memory.py"), "--no-records",
+                               *map(str, [f for f in folders if (f / "metrics.jsonl").is_file()])],
+                              capture_output=True, text=True)
+    print(validate.stdout, end="")
+    print(validate.stderr, end="", file=sys.stderr)
+    print(f"ranks_session: {good} of 2 data-parallel runs equal the one-rank losses", flush=True)
+    return 0 if good == 2 and validate.returncode == 0 else 1
 
 
 def report(name: str, ranks: int, failed: str | None, out: Path, reference: dict[int, float], dtype: str) -> int:

@@ -23,6 +23,14 @@ Targets (calibrated): median absolute time error <= 10%, worst <= 25%, Spearman 
 and the plan predicted fastest (of all validated plans) is the fastest measured; the same check within each
 cluster is printed too (near-ties there are decided by measurement noise of a few percent).
 
+Sharded optimizer state (`--sharded`, or `--sharded-only` for that part alone): llama-small on four emulated
+devices whose memory is set so that, unsharded, only one deep pipeline fits (pp4; dp2 x pp2 needs more than a
+device has), while dp2 x pp2 fits with its optimizer state sharded across the two replicas. Both run `REPEATS`
+times (the run-to-run spread of this shared host is printed: the measured gain must exceed it to mean
+anything), with predicted and measured step time and memory as above, and every rank of both plans trains
+in-process under PyTorch's tensor accounting (tests/infra/tensor_accounting.py): its peak against the cost model's
+prediction for that rank, its own shard (target: within 3%).
+
 Run (root, for the namespaces): .venv/bin/python benchmarks/validate_cost_model.py [--steps N] [--no-netns]
 Last line: `validate_cost_model: N plans, median error X%, worst Y%, spearman Z, top1 ok|wrong`.
 """
@@ -71,6 +79,7 @@ class Case:
     cluster: str
     pipelines: list[tuple[int, int, list[Stage]]]
     strategy: str = ""  # "flashflex" / "uniform": planned by `flashflex plan` instead of written here
+    sharded: bool = False  # the optimizer state sharded across each slice's holders (equal shards)
 
 
 L = resolve_model(MODEL).num_layers
@@ -158,6 +167,8 @@ def write_plan(case: Case, cluster_path: Path, work: Path) -> Path:
                            "stages": [{"devices": devs, "tp": len(devs), "layers": list(layers)}
                                       for devs, layers in stages]}
                           for mbs, m, stages in case.pipelines]}
+    if case.sharded:
+        data["optimizer_sharding"] = {}
     used = {d for _, _, stages in case.pipelines for devs, _ in stages for d in devs}
     data["unused_devices"] = [{"device": d, "reason": "not in this validation case"}
                               for d in cluster.device_ids if d not in used]
@@ -285,10 +296,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="Training steps per run (first 2 are warm-up).")
     parser.add_argument("--no-netns", action="store_true", help="Skip the namespace-host plans.")
     parser.add_argument("--work", type=Path, default=None, help="Keep files here (default: a temp folder).")
+    parser.add_argument("--sharded", action="store_true", help="Also the sharded-optimizer runs (docstring).")
+    parser.add_argument("--sharded-only", action="store_true", help="Only the sharded-optimizer runs.")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="validate-cost-"))
     work.mkdir(parents=True, exist_ok=True)
     print(f"host: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; work folder {work}", flush=True)
+    if args.sharded or args.sharded_only:
+        run_sharded(work, args.steps)
+        if args.sharded_only:
+            return
 
     clusters = {name: local_cluster(name, work) for name in LOCAL_CLUSTERS}
     layers = calibrated_profile(work, clusters[CALIBRATION.cluster], args.steps)
@@ -320,12 +337,13 @@ def calibrated_profile(work: Path, cluster: Path, steps: int) -> Path:
     return layers
 
 
-def run_case(case: Case, cluster: Path, layers: Path, work: Path, steps: int, net: Any = None) -> Result:
-    """Predict `case` both ways, launch it, measure it; print one line."""
+def run_case(case: Case, cluster: Path, layers: Path, work: Path, steps: int, net: Any = None,
+             layers_used: bool = True) -> Result:
+    """Predict `case` both ways (analytic only without `layers_used`), launch it, measure it; print one line."""
     plan = planned(case, cluster, layers, work) if case.strategy else write_plan(case, cluster, work)
     result = Result(case)
     result.analytic_s, result.analytic_mem = prediction(plan, cluster, None)
-    result.calibrated_s, result.calibrated_mem = prediction(plan, cluster, layers)
+    result.calibrated_s, result.calibrated_mem = prediction(plan, cluster, layers if layers_used else None)
     out = work / f"run-{case.name}"
     if net is None:
         result.run = launch_local(plan, cluster, out, steps)
@@ -366,6 +384,138 @@ def run_netns(cases: list[Case], layers: Path, work: Path, steps: int) -> list[R
               f"predicted {uni.calibrated_s / flex.calibrated_s:.2f}x (calibrated), "
               f"{uni.analytic_s / flex.analytic_s:.2f}x (analytic)", flush=True)
     return out
+
+
+# ---- sharded optimizer state ----------------------------------------------------------------------------
+REPEATS = 3
+SHARDED_CASES = [  # one deep pipeline (all that fits unsharded), and two replicas that fit only sharded
+    Case("shard-off-pp4", "tight", [(1, 16, [(["node0/0"], (0, 2)), (["node0/1"], (2, 4)), (["node0/2"], (4, 6)),
+                                              (["node0/3"], (6, L))])]),
+    Case("shard-on-dp2-pp2", "tight", [(1, 8, [(["node0/0"], (0, 4)), (["node0/2"], (4, L))]),
+                                       (1, 8, [(["node0/1"], (0, 4)), (["node0/3"], (4, L))])], sharded=True),
+]
+
+
+def tight_cluster(work: Path) -> Path:
+    """The "four" cluster with every device's memory set halfway between what dp2 x pp2 needs with its optimizer
+    state sharded and without (the cost model's totals), above what pp4 needs: unsharded, only pp4 fits."""
+    from dataclasses import replace as replaced
+
+    from flashflex_cli.cost.estimate import estimate
+    from flashflex_cli.cost.params import CostParams
+    from flashflex_cli.hardware.cluster import Cluster, save_cluster
+
+    four = local_cluster("four", work)
+    base = load_cluster(four)
+    need = {}
+    for case in SHARDED_CASES + [replaced(SHARDED_CASES[1], name="dp2-pp2-unsharded", sharded=False)]:
+        plan = Plan.model_validate_json(write_plan(replaced(case, cluster="four"), four, work).read_text())
+        need[case.name] = max(st.memory.total for st in estimate(plan, base).stages)
+    low, high = need["shard-on-dp2-pp2"], need["dp2-pp2-unsharded"]
+    if not (need["shard-off-pp4"] < high and low < high):
+        raise CommandFailed(f"no memory size separates the sharded plans: {need}")
+    memory = int(max(need["shard-off-pp4"], low, (low + high) / 2) / (1.0 - CostParams().memory_safety_margin))
+    data = base.model_dump(mode="json", exclude_none=True)
+    for node in data["nodes"]:
+        for device in node["devices"]:
+            device["memory_bytes"] = memory
+    path = work / "tight.json"
+    save_cluster(path, Cluster.model_validate({**data, "name": "tight"}))
+    print(f"tight cluster: {memory / 2**20:.1f} MiB per device; largest stage needs pp4 "
+          f"{need['shard-off-pp4'] / 2**20:.1f} MiB, dp2 x pp2 {high / 2**20:.1f} MiB unsharded, "
+          f"{low / 2**20:.1f} MiB sharded", flush=True)
+    return path
+
+
+def tracked_job(rank: int, world: int, plan_json: str, init_file: str, out_dir: str) -> None:
+    """3 steps of the plan on `rank` under tensor accounting (as tests/test_memory_tracked.py); the lowest
+    steady step's peak of live tensor bytes."""
+    import torch
+    from tests.infra.tensor_accounting import TensorAccounting
+    from tests.infra.worker_pool import gloo_rank
+
+    from flashflex_cli.runtime.parallel.groups import build_groups
+    from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
+
+    with gloo_rank(rank, world, init_file):
+        plan = Plan.model_validate_json(plan_json)
+        groups = build_groups(plan, rank)
+        train = plan.inputs.train
+        generator = torch.Generator().manual_seed(5)
+        first = sum(pipe.sequences for pipe in plan.pipelines[:groups.pipeline])
+        rows = slice(first, first + plan.pipelines[groups.pipeline].sequences)
+        batches = [torch.randint(0, plan.inputs.model.vocab_size, (train.global_batch, train.seq_len + 1),
+                                 generator=generator)[rows] for _ in range(3)]
+        with TensorAccounting() as accounting:
+            engine = RankEngine(plan, rank, groups, torch.device("cpu"), OptimConfig(lr=1e-3), seed=3)
+            engine.train_step(batches[0].clone())
+            peaks = []
+            for tokens in batches[1:]:
+                accounting.reset_peak()
+                engine.train_step(tokens.clone())
+                peaks.append(accounting.peak_bytes)
+        torch.save({"peak": min(peaks)}, Path(out_dir) / f"rank{rank}.pt")
+
+
+def tracked_errors(plan_path: Path, cluster_path: Path, work: Path) -> list[str]:
+    """Every rank's tracked peak against the cost model's allocated bytes for that rank (its own shard)."""
+    import torch
+    from tests.infra.worker_pool import WorkerPool
+
+    from flashflex_cli.cost.dp import dp_buckets, dp_partners
+    from flashflex_cli.cost.estimate import plan_stage_memory
+    from flashflex_cli.cost.params import CostParams
+    from flashflex_cli.semantics.optimizer_shards import shard_counts
+
+    plan = Plan.model_validate_json(plan_path.read_text())
+    out = work / f"tracked-{plan_path.stem}"
+    out.mkdir(exist_ok=True)
+    with WorkerPool(plan.world_size, tracked_job) as pool:
+        pool.run([(rank, plan.world_size, plan.to_json(), str(out / "store"), str(out))
+                  for rank in range(plan.world_size)], 600)
+    cluster, params = load_cluster(cluster_path), CostParams()
+    partners = dp_partners(dp_buckets(plan, cluster, params))
+    counts = shard_counts(plan)
+    lines = []
+    for info in plan.ranks():
+        peak = torch.load(out / f"rank{info.rank}.pt")["peak"]
+        mem = plan_stage_memory(plan, cluster, params, info.pipeline, info.stage, None,
+                                bool(partners.get((info.pipeline, info.stage))), 0.0, counts[info.rank])
+        lines.append(f"rank {info.rank} (p{info.pipeline}.s{info.stage}): tracked {peak / 2**20:.2f} MiB, predicted "
+                     f"{mem.allocated / 2**20:.2f} MiB ({mem.phase}), {error(mem.allocated, peak):+.2%}; "
+                     f"optimizer state {mem.optimizer / 2**20:.2f} MiB")
+    return lines
+
+
+def run_sharded(work: Path, steps: int) -> None:
+    """The sharded-optimizer runs (module docstring)."""
+    cluster = tight_cluster(work)
+    for mode in ("off", "on"):  # what the planner makes of the tight cluster, without and with sharding
+        out = work / f"tight-{mode}.plan.json"
+        run([FLASHFLEX, "plan", str(cluster), "--model", MODEL, "--global-batch", str(BATCH), "--seq-len", str(SEQ),
+             "--dtype", DTYPE, "--attention", "sdpa", "--no-baseline", "--shard-optimizer", mode, "--micro-batch",
+             "1", "--out", str(out)])
+        plan = Plan.model_validate_json(out.read_text())
+        print(f"flashflex plan --shard-optimizer {mode}: {len(plan.pipelines)} pipeline(s) of "
+              f"{', '.join(str(len(p.stages)) for p in plan.pipelines)} stages, predicted "
+              f"{plan.predicted['iteration_time_s'] * 1e3:.0f} ms" if plan.predicted else "", flush=True)
+    for case in SHARDED_CASES:
+        plan = write_plan(case, cluster, work)
+        shown = json.loads(run([FLASHFLEX, "show", str(plan), "--cluster", str(cluster), "--json"]).stdout)
+        print(f"{case.name}: fits {shown['predicted']['fits']}", flush=True)
+        for line in tracked_errors(plan, cluster, work):
+            print(f"  {line}", flush=True)
+    times: dict[str, list[float]] = {}
+    for _ in range(REPEATS):
+        for case in SHARDED_CASES:
+            result = run_case(case, cluster, Path(), work, steps, layers_used=False)
+            times.setdefault(case.name, []).append(result.measured_s)
+    for name, values in times.items():
+        spread = (max(values) - min(values)) / statistics.median(values)
+        print(f"{name}: measured step {', '.join(f'{v * 1e3:.0f}' for v in values)} ms, median "
+              f"{statistics.median(values) * 1e3:.0f} ms, run-to-run spread {spread:.1%}", flush=True)
+    off, on = (statistics.median(times[c.name]) for c in SHARDED_CASES)
+    print(f"validate_cost_model sharded: dp2 x pp2 sharded vs pp4 unsharded measured {off / on:.3f}x", flush=True)
 
 
 def report(results: list[Result]) -> None:

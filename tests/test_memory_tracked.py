@@ -234,3 +234,44 @@ def test_one_micro_batch_more_in_flight_adds_what_the_cost_model_says(
         assert abs(tracked_change - change) <= DIFFERENCE_TOLERANCE * change, (
             f"rank {rank}: tracked change {tracked_change:,} B, predicted {change:,.0f} B "
             f"({100 * (tracked_change / change - 1):+.2f}%)")
+
+
+def _sharded(plan: Plan, weights: list[int]) -> Plan:
+    """`plan` with its optimizer state sharded across each slice's holders (`weights` per rank)."""
+    data = plan.model_dump(mode="json", by_alias=True, exclude_none=True)
+    data["optimizer_sharding"] = {"weights": weights}
+    return Plan.model_validate(data)
+
+
+# Sharded optimizer state (runtime/parallel/sharded_optimizer.py): the asymmetric plan with a heavier one-stage
+# pipeline (weight 3: three quarters of every slice it shares), and the tied plan with equal shards.
+SHARDED: dict[str, Plan] = {
+    "fp32-sdpa-asymmetric-unchunked": _sharded(PLANS["fp32-sdpa-asymmetric-unchunked"], [1, 1, 1, 1, 1, 3]),
+    "bf16-eager-tied": _sharded(PLANS["bf16-eager-tied"], [1, 1, 1, 1, 1, 1]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_sharded_ranks_peak_where_the_cost_model_says(name: str, tracked: Callable[[Plan, str], list[int]]) -> None:
+    """Every rank of a sharded plan (its own shard: semantics/optimizer_shards.shard_counts) peaks within
+    TOLERANCE of its prediction, and below the unsharded run's peak by the moments it no longer keeps."""
+    from flashflex_cli.cost.dp import dp_buckets, dp_partners
+    from flashflex_cli.cost.estimate import plan_stage_memory
+    from flashflex_cli.semantics.optimizer_shards import shard_counts
+
+    plan, plain = SHARDED[name], PLANS[name]
+    params = dataclasses.replace(CostParams(), runtime=_options(name), loss_chunk_tokens=CHUNK)
+    cluster = _cluster(plan.world_size)
+    partners = dp_partners(dp_buckets(plan, cluster, params))
+    counts = shard_counts(plan)
+    peaks, plain_peaks = tracked(plan, name), tracked(plain, name)
+    lines, worst = [], 0.0
+    for info in plan.ranks():
+        mem = plan_stage_memory(plan, cluster, params, info.pipeline, info.stage, None,
+                                bool(partners.get((info.pipeline, info.stage))), 0.0, counts[info.rank])
+        error = peaks[info.rank] / mem.allocated - 1
+        worst = max(worst, abs(error))
+        lines.append(f"rank {info.rank}: tracked {peaks[info.rank]:,} B (unsharded {plain_peaks[info.rank]:,} B), "
+                     f"predicted {mem.allocated:,.0f} B ({mem.phase}), {100 * error:+.2f}%")
+    assert worst <= TOLERANCE, "\n".join(lines)

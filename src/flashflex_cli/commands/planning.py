@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -106,10 +107,15 @@ def plan_command(
     compile_: bool | None = switches.COMPILE,
     chunked_loss: bool | None = switches.CHUNKED_LOSS,
     optimizer: str | None = switches.OPTIMIZER,
+    shard_optimizer: str = typer.Option("auto", "--shard-optimizer", help="Shard the fp32 master weights and "
+                                        "AdamW moments across each slice's data-parallel holders: auto (where it "
+                                        "predicts faster), on or off."),
 ) -> None:
     """Plan an asymmetric DP x PP x TP layout and print its predicted throughput next to the uniform one."""
     from ..planner.search import SearchStats, plan_layout
     from ..planner.search.pool import usable_cores
+    from ..planner.search.sharding import MODES as SHARDING_MODES
+    from ..planner.search.sharding import choose_sharding
 
     if out is not None:
         check_writable_output(out)
@@ -120,6 +126,8 @@ def plan_command(
     validate_numbers.batch_shape(global_batch, seq_len, 1 if micro_batch is None else micro_batch)
     if dtype not in DTYPE_CHOICES:
         raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if shard_optimizer not in SHARDING_MODES:
+        raise InputError(f"--shard-optimizer must be one of {', '.join(SHARDING_MODES)}, got {shard_optimizer!r}")
     runtime = switches.switched(RuntimeOptions(), switches.given_switches(
         lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer))
     cluster = load_cluster_warned(cluster_file)
@@ -131,14 +139,21 @@ def plan_command(
     stats = SearchStats()
     fleets: list[Fleet] = []  # one per dtype planned (two at most, with --dtype auto)
 
+    sharding_why: list[str] = []  # the last search's sharding decision, printed with the plan
+
+    def sharded_in(plan_with: Callable[[int], Plan]) -> Plan:
+        found, why = choose_sharding(plan_with, shard_optimizer, params)
+        sharding_why[:] = [why]
+        return found
+
     def plan_in(chosen: str) -> DtypeTrial:
         """The fleet planned in dtype `chosen`, re-estimated on the whole cluster."""
         fleet, trained = replace(options), train.model_copy(update={"dtype": chosen})
         fleets.append(fleet)
-        found = fleet.plan(lambda sub: plan_layout(
+        found = fleet.plan(lambda sub: sharded_in(lambda ways: plan_layout(
             sub, spec, trained, strategy=strategy, time_budget_s=time_budget, seed=seed,
             params=params, stats=stats, max_micro_batch=max_micro_batch if micro_batch is None else None,
-            jobs=jobs or usable_cores(), micro_batch=micro_batch or 1))
+            jobs=jobs or usable_cores(), micro_batch=micro_batch or 1, optimizer_shard_ways=ways)))
         found = reestimated(found, estimate(found, cluster, params))  # records the layer profiles it used
         assert fleet.choice is not None  # fleet.plan raises otherwise
         return DtypeTrial(chosen, found, float(found.predicted.tokens_per_s),  # type: ignore[union-attr]
@@ -167,6 +182,9 @@ def plan_command(
     for line in unmatched_profiles(estimate(plan, cluster, params), params, cluster) if params.layer_profiles else ():
         warn.print(f"[yellow]warning[/yellow]: {line}", soft_wrap=True)
     render_plan(console, plan)
+    if plan.optimizer_sharding is None:  # a sharded plan says why in its own lines
+        for line in sharding_why:
+            console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     uniform, why = None, ""
     if baseline and strategy != "uniform":
         try:

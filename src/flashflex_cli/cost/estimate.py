@@ -15,6 +15,7 @@ from ..hardware.cluster import Cluster
 from ..model import flops as model_flops
 from ..plan.predicted import Predicted
 from ..plan.schema import Plan
+from ..semantics.optimizer_shards import ShardCounts, shard_counts
 from ..semantics.process_groups import rank_communicators
 from ..units import byte_size
 from .comm import p2p_time
@@ -30,6 +31,7 @@ from .memory import (
     stage_memory,
     stage_params_per_device,
 )
+from .optimizer_shards import gather_timeline, reduce_scatter_bucket, shards_optimizer
 from .params import CostParams
 from .schedule import simulate_1f1b, stage_pass_s
 from .traffic import OPTIMIZER_BYTES_PER_PARAM
@@ -182,10 +184,24 @@ def stage_nccl_bytes(plan: Plan, cluster: Cluster, params: CostParams) -> dict[t
     return out
 
 
+def stage_optimizer_shards(plan: Plan) -> dict[tuple[int, int], ShardCounts]:
+    """Per (pipeline, stage): the ShardCounts (semantics/optimizer_shards.py) of the stage's rank that keeps the
+    most optimizer state; all zero unsharded."""
+    counts = shard_counts(plan)
+    out: dict[tuple[int, int], ShardCounts] = {}
+    for info in plan.ranks():
+        key, mine = (info.pipeline, info.stage), counts[info.rank]
+        if key not in out or mine.own - mine.held > out[key].own - out[key].held:
+            out[key] = mine
+    return out
+
+
 def plan_stage_memory(plan: Plan, cluster: Cluster, params: CostParams, p: int, s: int,
-                      measured: MeasuredCosts | None, dp_shared: bool, nccl_bytes: float = 0.0) -> MemoryBreakdown:
+                      measured: MeasuredCosts | None, dp_shared: bool, nccl_bytes: float = 0.0,
+                      optimizer_shard: ShardCounts = ShardCounts()) -> MemoryBreakdown:
     """Peak memory per device of stage `s` of pipeline `p` (cost/memory.py), given its layer profile costs
-    `measured` (None: counted), whether it has DP partners and its ranks' NCCL communicators (`stage_nccl_bytes`)."""
+    `measured` (None: counted), whether it has DP partners, its ranks' NCCL communicators (`stage_nccl_bytes`)
+    and its optimizer shard (`stage_optimizer_shards`)."""
     model, train = plan.inputs.model, plan.inputs.train
     pipe = plan.pipelines[p]
     stage, count, m = pipe.stages[s], len(pipe.stages), pipe.num_micro_batches
@@ -193,7 +209,7 @@ def plan_stage_memory(plan: Plan, cluster: Cluster, params: CostParams, p: int, 
     return stage_memory(model, train, stage.tp, stage.num_layers, s == 0, s == count - 1, min(count - s, m), params,
                         micro_batch_size=pipe.micro_batch_size, reserve_bytes=reserve, measured=measured,
                         num_micro=m, on_cuda=is_cuda_group(cluster, stage.devices), dp_shared=dp_shared,
-                        warmup=min(count - s - 1, m), nccl_bytes=nccl_bytes)
+                        warmup=min(count - s - 1, m), nccl_bytes=nccl_bytes, optimizer_shard=optimizer_shard)
 
 
 def plan_memory(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> dict[tuple[int, int], MemoryBreakdown]:
@@ -202,7 +218,9 @@ def plan_memory(plan: Plan, cluster: Cluster, params: CostParams | None = None) 
     params = params or CostParams()
     partners = dp_partners(dp_buckets(plan, cluster, params))
     comms = stage_nccl_bytes(plan, cluster, params)
-    return {(p, s): plan_stage_memory(plan, cluster, params, p, s, None, bool(partners.get((p, s))), comms[(p, s)])
+    shards = stage_optimizer_shards(plan)
+    return {(p, s): plan_stage_memory(plan, cluster, params, p, s, None, bool(partners.get((p, s))), comms[(p, s)],
+                                      shards[(p, s)])
             for p, pipe in enumerate(plan.pipelines) for s in range(len(pipe.stages))}
 
 
@@ -218,6 +236,7 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
     dp_plan = dp_buckets(plan, cluster, params)
     partners = dp_partners(dp_plan)
     comms = stage_nccl_bytes(plan, cluster, params)
+    shards = stage_optimizer_shards(plan)
     backward: dict[tuple[int, int], StageBackward] = {}
     for p, pipe in enumerate(plan.pipelines):
         mbs, m, count = pipe.micro_batch_size, pipe.num_micro_batches, len(pipe.stages)
@@ -238,7 +257,7 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
         for s, stage in enumerate(pipe.stages):
             lt = times[s]
             mem = plan_stage_memory(plan, cluster, params, p, s, lt.measured, bool(partners.get((p, s))),
-                                    comms[(p, s)])
+                                    comms[(p, s)], shards[(p, s)])
             capacity, tightest = min((device_capacity(cluster, d, params), d) for d in stage.devices)
             headroom = capacity - mem.total
             if headroom < 0:
@@ -259,13 +278,16 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
 
     final: list[StageEstimate] = []
     iteration = 0.0
-    dp = dp_timeline(dp_plan, backward, params.dp_overlap, partners)
+    sharded = shards_optimizer(plan)
+    dp = dp_timeline([reduce_scatter_bucket(b) for b in dp_plan] if sharded else dp_plan, backward,
+                     params.dp_overlap, partners)
     for st in stages:
         key = (st.pipeline, st.stage)
         comm = dp.stage_seconds.get(key, 0.0)
         comm_end = dp.end_s[key]
         last = st.stage == len(plan.pipelines[st.pipeline].stages) - 1
         n_params = sum(stage_params_per_device(model, st.tp, st.layers[1] - st.layers[0], st.stage == 0, last))
+        n_params += shards[key].own - shards[key].held  # sharded: the update covers what this stage keeps
         membw = min(cv.info(d).memory_bandwidth for d in st.devices) * params.memory_bandwidth_efficiency
         optimizer = params.runtime.resolved(st.on_cuda).optimizer
         opt = n_params * OPTIMIZER_BYTES_PER_PARAM[str(optimizer)] / membw
@@ -274,6 +296,10 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
         final.append(replace(st, dp_s=comm, optimizer_s=opt, end_s=end,
                              dp_exposed_s=max(0.0, comm_end - last_backward[key])))
 
+    if sharded:  # each holder's updated chunk gathered by the others after the update
+        gathered = gather_timeline(dp_plan, {(st.pipeline, st.stage): st.end_s for st in final})
+        final = [replace(st, end_s=gathered[(st.pipeline, st.stage)]) for st in final]
+        iteration = max(st.end_s for st in final)
     slowest_pipeline = max(p.time_s for p in pipelines)
     optimizer_s = max(st.optimizer_s for st in final)
     dp_exposed = max(0.0, max(st.end_s - st.optimizer_s for st in final) - slowest_pipeline)

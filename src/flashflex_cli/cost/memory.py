@@ -37,6 +37,7 @@ from ..hardware.cluster import Cluster
 from ..model import flops as model_flops
 from ..model.spec import ModelSpec
 from ..plan.schema import TrainConfig
+from ..semantics.optimizer_shards import ShardCounts
 from ..semantics.runtime_paths import compute_dtype
 from . import activations
 from .measured import MeasuredCosts
@@ -163,7 +164,8 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
                  in_flight: int, params: CostParams, micro_batch_size: int,
                  reserve_bytes: float | None = None, measured: MeasuredCosts | None = None,
                  num_micro: int | None = None, on_cuda: bool = True, dp_shared: bool = False,
-                 warmup: int | None = None, nccl_bytes: float = 0.0) -> MemoryBreakdown:
+                 warmup: int | None = None, nccl_bytes: float = 0.0,
+                 optimizer_shard: ShardCounts = ShardCounts()) -> MemoryBreakdown:
     """Peak bytes per device of a stage of `num_layers` layers at TP degree `tp` (module docstring).
 
     in_flight: k, micro-batches alive at once (1F1B: min(S - s, m) on stage s of S). num_micro: m, the
@@ -173,7 +175,10 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     profile at this micro-batch size and TP degree, if any. on_cuda: a GPU stage (the runtime's paths and
     autocast's softmax policy differ on CPU devices). dp_shared: the stage's gradients are reduced across
     pipelines. nccl_bytes: the NCCL communicators a device of the stage holds (cost/estimate.stage_nccl_bytes), added to the
-    reserve of a GPU stage.
+    reserve of a GPU stage. optimizer_shard: with a sharded optimizer (semantics/optimizer_shards.ShardCounts of
+    a device of the stage): the moments and the update cover the unsharded parameters and its own pieces; the
+    reduction replaces each sharded gradient by its bucket's buffer as it packs it and keeps this device's
+    chunks (its pieces' gradients) until the next step.
     """
     paths = params.runtime.resolved(on_cuda)
     mbs = micro_batch_size
@@ -185,7 +190,9 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
                               compiled=bool(paths.compile))
     layer_params, extra_params = stage_params_per_device(model, tp, num_layers, first, last)
     n_params = layer_params + extra_params
-    weights, grads, moments = 4.0 * n_params, 4.0 * n_params, params.optimizer_state_bytes * n_params
+    held, own = float(optimizer_shard.held), float(optimizer_shard.own)
+    kept = n_params - held + own  # parameters whose AdamW state and update live on this device
+    weights, grads, moments = 4.0 * n_params, 4.0 * n_params, params.optimizer_state_bytes * kept
     mb = _micro_batch(p, num_layers, first, last, train.recompute, measured, params.activation_bytes_factor)
 
     # boundary sends no receive follows: held until the step ends
@@ -216,11 +223,16 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     fwd_grads = grads if m > w + 1 else 0.0
     acts_fwd = in_flight * mb.saved + copy_held
     candidates.append((weights + fwd_grads + moments + acts_fwd + mb.fwd, "forward", fwd_grads, acts_fwd, mb.fwd, 0.0))
-    if dp_shared:
-        flat = params.dp_buffer_factor * grads
+    if dp_shared:  # sharded slices: their full gradients go as they are packed, one buffer per bucket
+        flat = params.dp_buffer_factor * 4.0 * (n_params - held) + 4.0 * own
         candidates.append((weights + grads + moments + flat, "data-parallel reduction", grads, 0.0, 0.0, flat))
-    optimizer_temp = 4.0 * n_params if paths.optimizer == "foreach" else 0.0
-    candidates.append((weights + grads + moments + optimizer_temp, "optimizer", grads, 0.0, optimizer_temp, 0.0))
+    optimizer_temp = 4.0 * kept if paths.optimizer == "foreach" else 0.0
+    grads_after = 4.0 * kept  # the full gradients of the sharded slices are gone; this rank's chunks stay
+    if held > 0:  # the gather of one bucket after the update: its buffer
+        bucket = held / max(1, num_layers) if paths.overlap_dp else held
+        optimizer_temp = max(optimizer_temp, 4.0 * bucket)
+    candidates.append((weights + grads_after + moments + optimizer_temp, "optimizer", grads_after, 0.0,
+                       optimizer_temp, 0.0))
 
     peak, phase, grads_at, acts_at, transient_at, dp_at = max(candidates, key=lambda c: c[0])
     fixed = measured.fixed_bytes if measured is not None and measured.fixed_bytes is not None else 0.0

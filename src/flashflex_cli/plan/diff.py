@@ -13,7 +13,7 @@ from typing import Any
 from ..semantics.runtime_paths import non_default_flags
 from .predicted import Predicted
 from .schema import Plan
-from .text import compact_devices, layer_text
+from .text import compact_devices, layer_text, sharding_text
 
 METRICS = ("tokens_per_s", "mfu", "iteration_time_s")
 # compared when either plan's prediction has them: MFU over every device of the cluster (from
@@ -138,6 +138,8 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
                 if sa.layers != sb.layers:
                     parts.append(f"layers {layer_text(sa.layers)} -> {layer_text(sb.layers)}")
                 out.changes.append(f"pipeline {p} stage {s}: " + "; ".join(parts))
+    if a.optimizer_sharding != b.optimizer_sharding:
+        out.changes.append(f"optimizer state: {sharding_text(a)} -> {sharding_text(b)}")
     ua, ub = [u.device for u in a.unused_devices], [u.device for u in b.unused_devices]
     idle, used = [d for d in ub if d not in ua], [d for d in ua if d not in ub]
     if idle:

@@ -14,7 +14,7 @@ from ..semantics.stated_error import MEDIAN_STEP_ERROR, mfu_advice
 from .diff import PlanDiff
 from .predicted import Predicted, PredictedStage, as_predicted
 from .schema import Plan
-from .text import compact_devices, layer_text
+from .text import compact_devices, layer_text, sharding_text
 
 
 def mfu_text(predicted: Predicted | Mapping[str, Any], used_devices: int | None = None) -> str:
@@ -145,6 +145,16 @@ def dtype_lines(plan: Plan) -> list[str]:
     return out
 
 
+def sharding_lines(plan: Plan) -> list[str]:
+    """The optimizer-state lines of `plan` (none when it is not sharded)."""
+    if plan.optimizer_sharding is None:
+        return []
+    out = [f"optimizer state: {sharding_text(plan)}"]
+    if plan.optimizer_sharding.reason:
+        out.append(f"  why: {plan.optimizer_sharding.reason}")
+    return out
+
+
 def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
     """Print a plan: stage table and its legend, unused devices, predicted figures."""
     console.print(plan_table(plan, title))
@@ -170,6 +180,8 @@ def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
     stages = _stages(plan.predicted)
     if (line := dp_line(plan.predicted)) is not None:
         console.print(f"  {line}", soft_wrap=True)
+    for line in sharding_lines(plan):
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     if stages and all(_source(s) == "modelled" for s in stages):
         console.print("  every stage modelled (analytic cost model: no layer profile matched)")
     elif plan.inputs.layer_profiles:

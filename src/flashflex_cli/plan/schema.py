@@ -188,6 +188,23 @@ def _check_micro_batch_fits_a_device(pipe: PipelinePlan, model: ModelSpec, train
                          f"than any device's memory may be ({byte_size(DEVICE_MEMORY_BYTES.high)})")
 
 
+class OptimizerSharding(_Strict):
+    """The fp32 master weights and AdamW moments split across each slice's data-parallel holders
+    (semantics/optimizer_shards.py). `weights`: per rank (rank order), the relative size of its shard in every
+    holder set it belongs to (the planner writes the bytes each device has left after its stage, in MiB);
+    absent: equal shards. `reason`: why the planner sharded (absent in hand-written plans)."""
+
+    weights: list[int] | None = None
+    reason: str | None = None
+
+    @field_validator("weights")
+    @classmethod
+    def _positive(cls, weights: list[int] | None) -> list[int] | None:
+        if weights is not None and any(isinstance(w, bool) or w < 1 for w in weights):
+            raise ValueError("optimizer_sharding.weights must be integers of at least 1")
+        return weights
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """One process of a plan: where it sits (pipeline, stage, TP rank) and which device it drives."""
@@ -206,6 +223,7 @@ class Plan(_Strict):
     inputs: PlanInputs
     pipelines: list[PipelinePlan] = Field(min_length=1)
     unused_devices: list[UnusedDevice] = []
+    optimizer_sharding: OptimizerSharding | None = None  # absent: every replica holds the full optimizer state
     predicted: Predicted | None = None
 
     @field_validator("predicted", mode="wrap")
@@ -259,6 +277,9 @@ class Plan(_Strict):
         for unused in self.unused_devices:
             if unused.device in seen:
                 raise ValueError(f"unused device {unused.device} is also used by a stage")
+        weights = self.optimizer_sharding.weights if self.optimizer_sharding is not None else None
+        if weights is not None and len(weights) != len(seen):
+            raise ValueError(f"optimizer_sharding.weights has {len(weights)} entries, the plan {len(seen)} ranks")
         return self
 
     def ranks(self) -> list[RankInfo]:

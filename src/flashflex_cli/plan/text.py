@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 def compact_devices(devices: list[str]) -> str:
@@ -32,3 +33,15 @@ def layer_text(layers: Sequence[int]) -> str:
     """A stage's half-open layer range [first, stop) as people count it: "0-3 (4)"."""
     first, stop = int(layers[0]), int(layers[1])
     return f"{first}-{stop - 1} ({stop - first})"
+
+
+def sharding_text(plan: Any) -> str:
+    """How `plan` (a Plan) keeps its optimizer state, in a few words (semantics/optimizer_shards.py)."""
+    sharding = plan.optimizer_sharding
+    if sharding is None:
+        return "not sharded"
+    if not sharding.weights:
+        return "sharded across each slice's data-parallel holders, equal shards"
+    low, high = min(sharding.weights), max(sharding.weights)
+    sizes = f"{low:,}" if low == high else f"{low:,}-{high:,}"
+    return f"sharded across each slice's data-parallel holders, shard sizes by per-rank weights {sizes}"

@@ -95,8 +95,31 @@ def rank_devices(plan: Any) -> list[str]:
     return [device for pipe in plan.pipelines for stage in pipe.stages for device in stage.devices]
 
 
+_HOLDERS: dict[tuple, list[SliceHolders]] = {}  # the last few layouts' slices (a plan is estimated several times)
+_HOLDERS_KEPT = 8
+
+
+def layout_key(plan: Any) -> tuple:
+    """What `slice_holders` depends on: the model's shape and every stage's TP degree and layers, in order."""
+    stages = tuple(tuple((st.tp, tuple(st.layers)) for st in pipe.stages) for pipe in plan.pipelines)
+    return plan.inputs.model.model_dump_json(), stages
+
+
 def slice_holders(plan: Any) -> list[SliceHolders]:
-    """Every finest common slice of every parameter with its holders, in a fixed global order."""
+    """Every finest common slice of every parameter with its holders, in a fixed global order (the list of the
+    same layout is computed once and shared: do not modify it)."""
+    key = layout_key(plan)
+    found = _HOLDERS.get(key)
+    if found is None:
+        found = _slice_holders(plan)
+        if len(_HOLDERS) >= _HOLDERS_KEPT:
+            _HOLDERS.pop(next(iter(_HOLDERS)))
+        _HOLDERS[key] = found
+    return found
+
+
+def _slice_holders(plan: Any) -> list[SliceHolders]:
+    """`slice_holders`, computed."""
     ranks = stage_ranks(plan)
     out: list[SliceHolders] = []
     for info in model_params(plan.inputs.model):
@@ -117,7 +140,7 @@ def slice_holders(plan: Any) -> list[SliceHolders]:
         for a, b in zip(cuts[:-1], cuts[1:], strict=True):
             owners = []
             for st, rs in holding:
-                t = next(t for t in range(st.tp) if shard_bounds(n, st.tp, t)[0] <= a < shard_bounds(n, st.tp, t)[1])
+                t = min(st.tp - 1, ((a + 1) * st.tp - 1) // n)  # the floor split's shard holding index a
                 owners.append(rs[t])
             out.append(SliceHolders(info.name, info.shard_dim, a, b, tuple(sorted(owners)), tuple(owners),
                                     len(holding), tied))

@@ -15,7 +15,7 @@ from functools import cached_property
 from ...cost.estimate import estimate
 from ...cost.schedule import closed_form_s
 from ...physical_limits import MICRO_BATCHES
-from ...plan.schema import PipelinePlan, Plan, PlanInputs, StagePlan, UnusedDevice
+from ...plan.schema import OptimizerSharding, PipelinePlan, Plan, PlanInputs, StagePlan, UnusedDevice
 from ..space.batch_split import split_batch
 from .cost_cache import CostCache
 from .dp_score import dp_finish_below, dp_finish_floor
@@ -81,7 +81,8 @@ def build_plan(cache: CostCache, cand: Candidate, strategy: str, seed: int,
             for i in range(g.size) if i not in used]
     inputs = PlanInputs(cluster_sha256=g.cluster_sha256, cluster_name=g.cluster.name, model=model, train=train,
                         strategy=strategy, seed=seed)
-    plan = Plan(inputs=inputs, pipelines=pipelines, unused_devices=idle)
+    sharding = OptimizerSharding() if cache.optimizer_shard_ways > 1 else None  # equal shards; finalise weighs
+    plan = Plan(inputs=inputs, pipelines=pipelines, unused_devices=idle, optimizer_sharding=sharding)
     if predict:
         plan = plan.model_copy(update={"predicted": estimate(plan, g.cluster, cache.params).prediction()})
     return plan

@@ -27,11 +27,13 @@ from ...cost.memory import (
     is_cuda_group,
     minimum_communicators,
     stage_memory,
+    stage_params_per_device,
 )
 from ...cost.params import CostParams
 from ...model.flops import embedding_params, head_params, layer_params
 from ...model.spec import ModelSpec
 from ...plan.schema import TrainConfig
+from ...semantics.optimizer_shards import ShardCounts
 from ..space.graph import DeviceGraph
 
 Devs = tuple[int, ...]
@@ -43,9 +45,12 @@ class CostCache:
     micro-batch size (`micro_batch`, sequences)."""
 
     def __init__(self, graph: DeviceGraph, model: ModelSpec, train: TrainConfig, params: CostParams,
-                 micro_batch: int = 1) -> None:
+                 micro_batch: int = 1, optimizer_shard_ways: int = 1) -> None:
         self.graph, self.model, self.train, self.params = graph, model, train, params
         self.micro_batch = micro_batch
+        # a sharded optimizer's search: every stage charged 1 / ways of its optimizer state (the exact shard of
+        # a finished plan is `estimate`'s, which ranks the finalists)
+        self.optimizer_shard_ways = optimizer_shard_ways
         # the runtime's memory paths differ on emulated CPU devices (a cluster is one or the other in practice)
         self.on_cuda = is_cuda_group(graph.cluster, graph.ids)
         self._stage: dict[int, LayerTimes] = {}
@@ -186,8 +191,13 @@ class CostCache:
         """The cost model's MemoryBreakdown of a stage (bytes per device), charged the NCCL communicators every
         such stage holds (`minimum_communicators`; `estimate` charges a finished plan's exact count)."""
         extra = minimum_communicators(tp, self.graph.size) - minimum_communicators(1, self.graph.size)  # TP's
+        shard = ShardCounts()
+        if self.optimizer_shard_ways > 1:
+            held = int(sum(stage_params_per_device(self.model, tp, layers, first, last)))
+            shard = ShardCounts(held, held // self.optimizer_shard_ways)
         return stage_memory(self.model, self.train, tp, layers, first, last, in_flight, self.params,
-                            self.micro_batch, on_cuda=self.on_cuda, nccl_bytes=extra * self._tp_communicator_bytes)
+                            self.micro_batch, on_cuda=self.on_cuda, nccl_bytes=extra * self._tp_communicator_bytes,
+                            optimizer_shard=shard)
 
     def stage_bytes(self, tp: int, layers: int, first: bool, last: bool, in_flight: int) -> float:
         """Bytes per device of a stage (the cost model's figure)."""

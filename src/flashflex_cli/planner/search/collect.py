@@ -49,7 +49,10 @@ def pipeline_counts(cache: CostCache, total_micro: int, devices: int | None = No
     while k <= top:
         ks.append(k)
         k = k + 1 if k < DENSE_KS else int(k * 1.5)
-    return ks
+    # a sharded search charges each stage 1 / ways of its optimizer state: layouts of at least that many replicas,
+    # and fewer than twice as many (the next search's: planner/search/sharding.py runs one per power of two)
+    ways = cache.optimizer_shard_ways
+    return ks if ways == 1 else [k for k in ks if ways <= k < 2 * ways]
 
 
 def collect_candidates(pool: SearchPool, total_micro: int, seed: int, deadline: float, stats: SearchStats,
@@ -82,6 +85,8 @@ def collect_candidates(pool: SearchPool, total_micro: int, seed: int, deadline: 
         best = min((c.score_s for c in found[count:] if c.signature() not in seen), default=float("inf"))
         if not every_k and best >= TAIL_STOP * before:
             break
+    if cache.optimizer_shard_ways > 1:  # a sharded search: its band of replica counts on the whole cluster only
+        return found
     best_ks = []
     for cand in sorted(found, key=lambda c: (c.score_s, c.signature())):
         if len(cand.pipes) not in best_ks:

@@ -50,6 +50,7 @@ from .uniform import best_uniform, equal_layers, uniform_layouts
 
 STRATEGIES = ("flashflex", "uniform", "exhaustive")
 REFINED = 2
+SHARDED_FINALISTS = 2  # candidates a sharded search estimates exactly (with their shard weights)
 
 
 def _refine_unit(cache: CostCache, item: tuple[Candidate, int, int, float, bool]
@@ -83,17 +84,20 @@ def _uniform_seeds(cache: CostCache, total_micro: int) -> tuple[list[Candidate],
 def plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy: str = "flashflex",
                 time_budget_s: float = 30.0, seed: int = 0, params: CostParams | None = None,
                 stats: SearchStats | None = None, device_moves: bool = True,
-                max_micro_batch: int | None = None, jobs: int = 1, micro_batch: int = 1) -> Plan:
+                max_micro_batch: int | None = None, jobs: int = 1, micro_batch: int = 1,
+                optimizer_shard_ways: int = 1) -> Plan:
     """Plan an asymmetric layout of `model` on `cluster` for `train` (module docstring); InfeasibleError
     when none exists; InputError for an unknown strategy. `device_moves=False` limits refinement to
     whole-group moves (to measure what the device-level moves add). `micro_batch`: the base micro-batch size
     (sequences). `max_micro_batch`: None pins every pipeline's micro-batch size to `micro_batch`; a number lets
     the flashflex strategy choose each pipeline's size among micro_batch x 2^j up to it
     (`microbatch.MicroBatchSearch`). `jobs`:
-    worker processes for the search's independent units (`pool.SearchPool`; the plan does not depend on it)."""
+    worker processes for the search's independent units (`pool.SearchPool`; the plan does not depend on it).
+    `optimizer_shard_ways` > 1: plans that shard their optimizer state, the search charging each stage that
+    share of it (planner/search/sharding.py chooses)."""
     with _no_cycle_collection():
         return _plan_layout(cluster, model, train, strategy, time_budget_s, seed, params, stats, device_moves,
-                            max_micro_batch, jobs, micro_batch)
+                            max_micro_batch, jobs, micro_batch, optimizer_shard_ways)
 
 
 @contextmanager
@@ -112,7 +116,7 @@ def _no_cycle_collection() -> Iterator[None]:
 
 def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy: str, time_budget_s: float,
                  seed: int, params: CostParams | None, stats: SearchStats | None, device_moves: bool,
-                 max_micro_batch: int | None, jobs: int, micro_batch: int) -> Plan:
+                 max_micro_batch: int | None, jobs: int, micro_batch: int, optimizer_shard_ways: int = 1) -> Plan:
     """`plan_layout` itself."""
     if strategy not in STRATEGIES:
         raise InputError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
@@ -122,7 +126,7 @@ def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strateg
     stats = stats if stats is not None else SearchStats()
     params = params or CostParams()
     total = micro_batches(train.global_batch, micro_batch)
-    cache = CostCache(DeviceGraph(cluster, train.dtype), model, train, params, micro_batch)
+    cache = CostCache(DeviceGraph(cluster, train.dtype), model, train, params, micro_batch, optimizer_shard_ways)
     check_feasible(cache, total)
     deadline = started + max(0.0, time_budget_s)
     if strategy == "uniform":
@@ -138,7 +142,9 @@ def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strateg
         refined = []
         with SearchPool(cache, jobs) as pool:
             cands = ranked_unique(collect_candidates(pool, total, seed, deadline, stats) + resplit)
-            units = [(cand, total, seed, deadline, device_moves) for cand in cands[:REFINED]]
+            # a sharded search (planner/search/sharding.py) ranks its band's candidates without refining them
+            refine_count = 0 if optimizer_shard_ways > 1 else REFINED
+            units = [(cand, total, seed, deadline, device_moves) for cand in cands[:refine_count]]
             for result in pool.map(_refine_unit, units):
                 if result is None:
                     stats.budget_hit = True
@@ -154,7 +160,11 @@ def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strateg
                 if found is not None:
                     reasons[id(found)] = reasons.get(id(cand), {})
                     tuned.append(found)
-        plan = finalise(cache, refined + cands, strategy, seed, reasons, stats=stats, always=exact + tuned)
+        if optimizer_shard_ways > 1:  # a sharded search: its band's layouts only, its two best estimated
+            plan = finalise(cache, [c for c in refined + cands + tuned if len(c.pipes) >= optimizer_shard_ways],
+                            strategy, seed, reasons, stats=stats, limit=SHARDED_FINALISTS)
+        else:
+            plan = finalise(cache, refined + cands, strategy, seed, reasons, stats=stats, always=exact + tuned)
     stats.seconds = time.monotonic() - started
     return plan
 

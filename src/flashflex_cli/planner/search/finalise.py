@@ -18,6 +18,7 @@ from ..scoring.cost_cache import CostCache
 from ..scoring.feasibility import model_state_bytes
 from ..scoring.pipeline_score import evaluated
 from .collect import SearchStats
+from .sharding import best_weighting
 
 FINALISTS = 6
 
@@ -36,7 +37,7 @@ def finalise(cache: CostCache, cands: list[Candidate], strategy: str, seed: int,
     """Rank the best `limit` candidates (and every one of `always`) by `estimate`, fitting plans only,
     and return the best Plan."""
     g = cache.graph
-    best: tuple[float, int, Candidate, Any] | None = None
+    best: tuple[float, int, Candidate, Any, Any] | None = None
     ranked = ranked_unique(cands)
     must = {c.signature() for c in always or []}
     ranked += [c for c in ranked_unique(always or []) if c.signature() not in {r.signature() for r in ranked}]
@@ -44,19 +45,22 @@ def finalise(cache: CostCache, cands: list[Candidate], strategy: str, seed: int,
         if index >= limit and best is not None and cand.signature() not in must:
             continue
         plan = build_plan(cache, cand, strategy, seed, predict=False)
-        est = estimate(plan, g.cluster, cache.params)
+        if plan.optimizer_sharding is not None:  # shard sizes: by memory left where that fits, else equal
+            plan, est = best_weighting(plan, cache)
+        else:
+            est = estimate(plan, g.cluster, cache.params)
         if stats is not None:
             stats.estimated += 1
         if est.fits and (best is None or (est.iteration_time_s, index) < best[:2]):
-            best = (est.iteration_time_s, index, cand, est)
+            best = (est.iteration_time_s, index, cand, est, plan.optimizer_sharding)
     if best is None:
         raise nothing_fits(cache)
-    _, _, cand, est = best
+    _, _, cand, est, sharding = best
     why = _idle_reasons(cache, cand, ranked)
     why.update({g.ids[i]: text for i, text in (reasons or {}).get(id(cand), {}).items()})
     why.update(_unused_reasons(cache, cand))
     plan = build_plan(cache, cand, strategy, seed, why, predict=False)
-    return plan.model_copy(update={"predicted": est.prediction()})
+    return plan.model_copy(update={"predicted": est.prediction(), "optimizer_sharding": sharding})
 
 
 def _idle_reasons(cache: CostCache, cand: Candidate, pool: list[Candidate]) -> dict[str, str]:

@@ -99,7 +99,8 @@ class MicroBatchSearch:
         self.base = cache
         self.total = train.global_batch
         self.options = mbs_options(train.global_batch, cache.micro_batch, max_mbs)
-        self.caches = {b: cache if b == cache.micro_batch else CostCache(cache.graph, cache.model, train, cache.params, b)
+        self.caches = {b: cache if b == cache.micro_batch else CostCache(cache.graph, cache.model, train, cache.params, b,
+                                                                       cache.optimizer_shard_ways)
                        for b in self.options}
 
     def tune(self, cand: Candidate) -> Candidate | None:

@@ -78,14 +78,26 @@ class ChainQueue:
         self._pending: deque[Chain] = deque()  # posted, some steps not yet issued (the first one: the head)
         self._issued: list[Chain] = []  # every step issued, the last one not yet waited on
         self._spans: list[tuple[list[float], bool]] = []  # every CPU step's [issue, completion] and timed flag
+        self._unstamped: list[tuple[dist.Work, list[float]]] = []  # CPU steps without a future, not yet seen done
 
     def post(self, chain: Chain) -> None:
         """Queue `chain` after the chains posted before it and issue what may go now (never blocks)."""
         self._pending.append(chain)
         self.advance()
 
+    def _stamp_completed(self) -> None:
+        """Stamp the end of the steps without a future that are complete now (at most this late)."""
+        still = []
+        for work, span in self._unstamped:
+            if work.is_completed():
+                _stamp_end(span)
+            else:
+                still.append((work, span))
+        self._unstamped = still
+
     def advance(self) -> None:
         """Issue every step that may go now, in order (never blocks the host)."""
+        self._stamp_completed()
         while self._pending:
             head = self._pending[0]
             if not self._issue_ready(head):
@@ -105,6 +117,10 @@ class ChainQueue:
         for chain in issued:
             if chain.work is not None:
                 chain.work.wait()
+                self._stamp_completed()
+        for _, span in self._unstamped:  # waited for: done by now (a handle keeps its tensors: let them go)
+            _stamp_end(span)
+        self._unstamped = []
 
     @property
     def busy(self) -> bool:
@@ -120,6 +136,7 @@ class ChainQueue:
     def reset_timing(self) -> None:
         """Forget the recorded spans (call between steps)."""
         self._spans = []
+        self._unstamped = []
 
     def _issue_ready(self, chain: Chain) -> bool:
         """Issue the steps of `chain` that may go now; True once all are issued."""
@@ -144,5 +161,10 @@ class ChainQueue:
             if not self._on_cuda:
                 span = [start, start]
                 self._spans.append((span, chain.issued in chain.timed))
-                chain.work.get_future().add_done_callback(lambda _f, span=span: _stamp_end(span))
+                try:
+                    future = chain.work.get_future()
+                except RuntimeError:  # gloo's reduce-scatter has none: stamped when seen complete
+                    self._unstamped.append((chain.work, span))
+                else:
+                    future.add_done_callback(lambda _f, span=span: _stamp_end(span))
         chain.issued += 1

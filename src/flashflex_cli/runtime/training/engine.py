@@ -10,6 +10,7 @@ API (stable; later versions only add optional keyword arguments)::
     engine.pipeline_slice(global_batch) -> slice      # rows of the global batch this rank's pipeline takes
     engine.shard_specs() -> list[ShardSpec]           # global name, full shape, (dim, start, stop), owner
     engine.state_for_checkpoint() -> dict[str, Tensor]
+    engine.checkpoint_shards() -> dict[str, ShardSpec]  # where each key of state_for_checkpoint sits (for dcp.save)
     engine.load_local(fill)                           # resume in place, only this rank's slices (any plan)
     engine.load_from_full(get_full)                   # resume from full tensors (any plan)
     engine.gather_full_state() -> dict[str, Tensor]   # full tensors of this rank's state keys (TP collective)
@@ -29,7 +30,8 @@ summed over tokens and divided by the global token count), so a plan's run equal
 same global batch. `StepResult.loss` is that value, identical on every rank.
 
 State keys: "<name>" (fp32 master parameter shard), "<name>.exp_avg", "<name>.exp_avg_sq" (AdamW moments, same
-shard), "step" (int64 scalar tensor: steps taken), "optimizer_steps" (int64: AdamW updates taken, fewer than
+shard; with the plan's optimizer sharding, a sharded parameter's moments are this rank's pieces instead, keyed
+"<name>.<moment>@DIM:START:STOP" and placed by `checkpoint_shards()`: runtime/parallel/sharded_optimizer.py), "step" (int64 scalar tensor: steps taken), "optimizer_steps" (int64: AdamW updates taken, fewer than
 "step" by the steps fp16 loss scaling skipped) and, in fp16 plans, "loss_scale" (fp32) and
 "loss_scale_growth_tracker" (int32). Global names are plan-independent (see runtime/model/stage.py). A checkpoint that
 lacks the optional scalars loads with optimizer_steps = step and the initial loss scale.
@@ -57,8 +59,10 @@ import torch.distributed as dist
 
 from ...errors import InputError
 from ...plan.schema import Plan
+from ...semantics.optimizer_shards import ShardPiece, plan_pieces
 from ...semantics.parameters import ParamInfo, stage_params
 from ...semantics.runtime_paths import RuntimeOptions
+from ..checkpoint.dcp import shards_for
 from ..device.oom import PhaseTracker
 from ..device.op_timer import OpTimer
 from ..device.slowdown import Slowdown
@@ -70,6 +74,7 @@ from ..model.stage import StageModule
 from ..parallel.grad_sync import GradSync
 from ..parallel.groups import PlanGroups
 from ..parallel.pipeline import PipelineRunner, PipelineTimes
+from ..parallel.sharded_optimizer import ShardedGradSync
 from ..parallel.shards import ShardSpec
 from .loss_scale import SCALE_KEY, TRACKER_KEY, JobScaler, LossScaling, poison
 from .optimizer import OptimConfig, lr_at, make_optimizer, restore_moments, set_lr
@@ -161,13 +166,18 @@ class RankEngine:
                     shard_init(spec, info.name, info.shape, seed, info.shard_dim,
                                *info.bounds(self.tp.size, self.tp.rank), out=param)
         self.module.to(device)
-        self.optimizer = make_optimizer(((n, p) for n, (_, p) in self.params.items()), optim,
-                                        path=str(self.options.optimizer))
+        pieces = plan_pieces(plan, groups.slices)  # [] unless the plan shards its optimizer state
+        self.sync = ShardedGradSync(self.params, groups, pieces, overlap=self.options.overlap_dp,
+                                    hierarchical=self.options.hierarchical_dp,
+                                    num_micro=self.pipe.num_micro_batches) if pieces else \
+            GradSync(self.params, groups, overlap=self.options.overlap_dp,
+                     hierarchical=self.options.hierarchical_dp, num_micro=self.pipe.num_micro_batches)
+        named = self.sync.optimizer_parameters() if isinstance(self.sync, ShardedGradSync) else \
+            ((n, p) for n, (_, p) in self.params.items())
+        self.optimizer = make_optimizer(named, optim, path=str(self.options.optimizer))
         self.scaler = JobScaler(loss_scaling or LossScaling(), device, self.optimizer, groups.world_group) \
             if self.amp_dtype == torch.float16 else None
         self.overflow_steps = frozenset(overflow_steps)
-        self.sync = GradSync(self.params, groups, overlap=self.options.overlap_dp,
-                             hierarchical=self.options.hierarchical_dp, num_micro=self.pipe.num_micro_batches)
         self.slow = Slowdown(slowdown, comm_clock=lambda: self.tp.comm_seconds)
         self.runner = PipelineRunner(self.module, groups, len(self.pipe.stages), self.pipe.num_micro_batches,
                                      (self.pipe.micro_batch_size, train.seq_len, spec.hidden_size), device,
@@ -238,7 +248,8 @@ class RankEngine:
         scaling: list[torch.Tensor] = []  # fp16: [found-inf flag, the scale this step used], read at the end
         if self.scaler is not None:
             if self.step in self.overflow_steps:
-                poison([p.grad for _, p in self.params.values() if p.grad is not None])
+                poison(self.sync.local_grads() if isinstance(self.sync, ShardedGradSync)
+                       else [p.grad for _, p in self.params.values() if p.grad is not None])
             scaling = [self.scaler.unscale_and_agree(), self.scaler.current()]  # clipping sees true gradients
         grad_norm = self.sync.clip(self.optim.grad_clip)  # a device scalar: read with the loss, at the end
         with self.slow.op():  # an emulated slow device updates its parameters as slowly as it computes
@@ -247,6 +258,8 @@ class RankEngine:
                 self.scaler.update()
             else:
                 self.optimizer.step()
+        if isinstance(self.sync, ShardedGradSync):
+            self.sync.gather_params()  # every holder's updated pieces into every holder's parameters
         t3 = timer.mark()
         if not (self.last and self.tp.rank == 0):
             loss_sum.zero_()
@@ -278,15 +291,44 @@ class RankEngine:
         """Local shards (detached views, do not modify): params, AdamW moments (zeros before the first step),
         "step", "optimizer_steps" and, with a loss scaler, its scale and growth tracker (module docstring)."""
         out: dict[str, torch.Tensor] = {}
+        sharded = self._sharded_names()
         for name, (_, param) in self.params.items():
             out[name] = param.detach()
+            if name in sharded:
+                continue
             state = self.optimizer.state.get(param, {})
             for moment in MOMENTS:
                 out[f"{name}.{moment}"] = state[moment].detach() if moment in state else torch.zeros_like(param)
+        for key, (_, leaf, moment) in self._piece_moments().items():
+            state = self.optimizer.state.get(leaf, {})
+            out[key] = state[moment].detach() if moment in state else torch.zeros_like(leaf)
         out["step"] = torch.tensor(self.step, dtype=torch.int64)
         out[UPDATES_KEY] = torch.tensor(self.optimizer_steps, dtype=torch.int64)
         if self.scaler is not None:
             out.update(self.scaler.state())
+        return out
+
+    def _sharded_names(self) -> set[str]:
+        """Parameters whose optimizer state is sharded across their holders (none without sharding)."""
+        return self.sync.sharded if isinstance(self.sync, ShardedGradSync) else set()
+
+    def _piece_moments(self) -> dict[str, tuple[ShardSpec, torch.Tensor, str]]:
+        """Checkpoint key -> (its slice of the moment's full tensor, the optimizer leaf, moment name) for every
+        piece of this rank (semantics/optimizer_shards.py); each piece has one holder, who saves it."""
+        if not isinstance(self.sync, ShardedGradSync):
+            return {}
+        out: dict[str, tuple[ShardSpec, torch.Tensor, str]] = {}
+        for piece, leaf in self.sync.leaves.items():
+            shape = self.params[piece.name][0].shape
+            for moment in MOMENTS:
+                spec = ShardSpec(f"{piece.name}.{moment}", shape, piece.dim, piece.start, piece.stop, True)
+                out[spec.key] = (spec, leaf, moment)
+        return out
+
+    def checkpoint_shards(self) -> dict[str, ShardSpec]:
+        """The ShardSpec of every key of `state_for_checkpoint` (what `checkpoint.dcp.save` takes)."""
+        out = shards_for(self.state_for_checkpoint(), self._specs, self.rank)
+        out.update({key: spec for key, (spec, _, _) in self._piece_moments().items()})
         return out
 
     def _scalar_defaults(self, step: int) -> dict[str, torch.Tensor]:
@@ -323,13 +365,22 @@ class RankEngine:
             if scalars[key].numel() != 1:
                 raise InputError(f"checkpoint {key}: shape {list(scalars[key].shape)}, a scalar expected")
         updates = int(scalars[UPDATES_KEY].item())
+        sharded = self._sharded_names()
         with torch.no_grad():
             for name, (info, param) in self.params.items():
+                if name in sharded:
+                    continue
                 if updates > 0:
                     restore_moments(self.optimizer, param, updates,
                                     *(self._shard(info, get_full(f"{name}.{m}")).clone() for m in MOMENTS))
                 else:
                     restore_moments(self.optimizer, param, 0)
+            if isinstance(self.sync, ShardedGradSync):
+                for piece, leaf in self.sync.leaves.items():
+                    info = self.params[piece.name][0]
+                    moments = [self.sync.piece_view(piece, self._shard(info, get_full(f"{piece.name}.{m}"))).clone()
+                               for m in MOMENTS] if updates > 0 else []
+                    restore_moments(self.optimizer, leaf, updates, *moments)
         self._restore_scalars(step, scalars)
 
     def _shard(self, info: ParamInfo, full: torch.Tensor) -> torch.Tensor:
@@ -354,21 +405,49 @@ class RankEngine:
     def gather_full_grads(self) -> dict[str, torch.Tensor]:
         """Full gradient tensors (after DP sync and clipping) of this rank's params (collective over TP group)."""
         out = {}
+        sharded = self._gathered_grads()
         for name, (info, param) in self.params.items():
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            grad = sharded.get(name, param.grad if param.grad is not None else torch.zeros_like(param))
             out[name] = self._gather(info, grad).cpu()
+        return out
+
+    def _gathered_grads(self) -> dict[str, torch.Tensor]:
+        """The reduced local gradients of the sharded parameters, all-gathered from the holders' pieces
+        (collective over the DP groups; test helper)."""
+        if not isinstance(self.sync, ShardedGradSync):
+            return {}
+        sync = self.sync
+        out = {name: torch.zeros_like(self.params[name][1]).detach() for name in sync.sharded}
+        sync.gather(lambda piece: sync.leaves[piece].grad if sync.leaves[piece].grad is not None
+                    else torch.zeros_like(sync.leaves[piece]),
+                    lambda piece: sync.piece_view(piece, out[piece.name]))
         return out
 
     def gather_full_state(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) CPU tensors of this rank's entries of `state_for_checkpoint` (collective over the TP
         group): what `load_from_full` takes, under any plan."""
         out: dict[str, torch.Tensor] = {}
-        local = self.state_for_checkpoint()
+        local = {**self.state_for_checkpoint(), **self._gathered_moments()}
         for name, (info, _) in self.params.items():
             for key in (name, f"{name}.exp_avg", f"{name}.exp_avg_sq"):
                 out[key] = self._gather(info, local[key]).cpu()
         for key in ("step", *self._scalar_defaults(0)):
             out[key] = local[key]
+        return out
+
+    def _gathered_moments(self) -> dict[str, torch.Tensor]:
+        """The local (TP-shard) moments "<name>.<moment>" of every sharded parameter, all-gathered from the
+        holders' pieces (collective over the DP groups; test and export helper, not the checkpoint path)."""
+        if not isinstance(self.sync, ShardedGradSync):
+            return {}
+        out = {f"{name}.{m}": torch.zeros_like(self.params[name][1]).detach() for name in self.sync.sharded
+               for m in MOMENTS}
+        for moment in MOMENTS:
+            def own(piece: ShardPiece, moment: str = moment) -> torch.Tensor:
+                state = self.optimizer.state.get(self.sync.leaves[piece], {})  # type: ignore[union-attr]
+                return state[moment] if moment in state else torch.zeros_like(self.sync.leaves[piece])  # type: ignore[union-attr]
+            self.sync.gather(own, lambda piece, moment=moment: self.sync.piece_view(  # type: ignore[union-attr]
+                piece, out[f"{piece.name}.{moment}"]))
         return out
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
@@ -385,9 +464,15 @@ class RankEngine:
         moments (on CPU) plus what `fill` holds at once."""
         targets: dict[str, tuple[ShardSpec, torch.Tensor]] = {}
         moments: dict[str, dict[str, torch.Tensor]] = {}
+        sharded = self._sharded_names()
+        pieces = {key: (spec, torch.empty_like(leaf), leaf, moment)
+                  for key, (spec, leaf, moment) in self._piece_moments().items()}
+        targets.update({key: (spec, buf) for key, (spec, buf, _, _) in pieces.items()})
         for spec in self._specs:
             param = self.params[spec.name][1].detach()
             targets[spec.name] = (spec, param)
+            if spec.name in sharded:
+                continue
             for m in MOMENTS:
                 buf = moments.setdefault(spec.name, {})[m] = torch.empty_like(param)
                 targets[f"{spec.name}.{m}"] = (ShardSpec(f"{spec.name}.{m}", spec.full_shape, spec.dim, spec.start,
@@ -404,5 +489,12 @@ class RankEngine:
             scalars[UPDATES_KEY].fill_(steps)
         updates = int(scalars[UPDATES_KEY].item())
         for name, (_, param) in self.params.items():
-            restore_moments(self.optimizer, param, updates, moments[name]["exp_avg"], moments[name]["exp_avg_sq"])
+            if name not in sharded:
+                restore_moments(self.optimizer, param, updates, moments[name]["exp_avg"],
+                                moments[name]["exp_avg_sq"])
+        by_leaf: dict[int, dict[str, torch.Tensor]] = {}
+        for _, buf, leaf, moment in pieces.values():
+            by_leaf.setdefault(id(leaf), {"leaf": leaf})[moment] = buf
+        for found in by_leaf.values():
+            restore_moments(self.optimizer, found["leaf"], updates, found["exp_avg"], found["exp_avg_sq"])
         self._restore_scalars(steps, scalars)

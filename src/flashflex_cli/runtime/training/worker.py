@@ -287,7 +287,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
         print(f"flashflex: compiled in {engine.compile_seconds:.1f} s (warm-up before step 0, in no step's time)",
               file=sys.stderr, flush=True)
     source = open_source(config.data, model.vocab_size, train.global_batch, train.seq_len, seed=config.seed)
-    shards = ckpt.shards_for(engine.state_for_checkpoint(), engine.shard_specs(), rank)
+    shards = engine.checkpoint_shards()
 
     start = 0
     found = ckpt.latest_checkpoint(config.checkpoint_dir) if decision.resume and config.checkpoint_dir else None

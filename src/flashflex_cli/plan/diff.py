@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .outer_text import outer_sync_changes
 from .schema import Plan
 from .text import compact_devices, layer_text
 
@@ -132,6 +133,7 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
                 if sa.layers != sb.layers:
                     parts.append(f"layers {layer_text(sa.layers)} -> {layer_text(sb.layers)}")
                 out.changes.append(f"pipeline {p} stage {s}: " + "; ".join(parts))
+    out.changes += outer_sync_changes(a, b)
     ua, ub = [u.device for u in a.unused_devices], [u.device for u in b.unused_devices]
     idle, used = [d for d in ub if d not in ua], [d for d in ua if d not in ub]
     if idle:

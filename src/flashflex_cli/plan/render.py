@@ -10,6 +10,7 @@ from rich.table import Table
 from ..hardware.catalog import GIB
 from ..semantics.stated_error import MEDIAN_STEP_ERROR, mfu_advice
 from .diff import PlanDiff
+from .outer_text import outer_sync_lines
 from .schema import Plan
 from .text import compact_devices, layer_text
 
@@ -140,7 +141,7 @@ def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
     console.print(f"  global batch {train.global_batch} x seq {train.seq_len} ({train.dtype}, {train.attention} attention"
                   f"{', recompute' if train.recompute else ''}), {plan.world_size} devices, "
                   f"{len(plan.pipelines)} pipelines")
-    for line in dtype_lines(plan):
+    for line in dtype_lines(plan) + outer_sync_lines(plan):
         console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"  predicted: {summary_line(plan.predicted, plan.world_size)}", soft_wrap=True)
     mfu = float((plan.predicted or {}).get("mfu") or 0.0)

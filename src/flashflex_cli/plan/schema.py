@@ -22,6 +22,7 @@ from pydantic import (
 from ..fileio import dumps_json, load_model
 from ..model.spec import ModelSpec
 from ..physical_limits import LAYER_INDEX, SEED, SEQ_LEN, SEQUENCES, TP_DEGREE, limited, shown
+from ..semantics.outer_sync import OUTER_LR, OUTER_MOMENTUM
 
 PLAN_SCHEMA = "flashflex.plan/1"
 
@@ -104,6 +105,42 @@ class PipelinePlan(_Strict):
     def sequences(self) -> int:
         """Sequences of the global batch this pipeline processes per step."""
         return self.micro_batch_size * self.num_micro_batches
+
+
+class OuterOptimizer(_Strict):
+    """The outer optimizer of low-communication training: SGD with Nesterov momentum on the global parameters
+    (DiLoCo, arXiv 2311.08105: lr 0.7, momentum 0.9). lr 1 and momentum 0 make the outer step plain averaging."""
+
+    lr: float = Field(OUTER_LR, gt=0.0, le=10.0)
+    momentum: float = Field(OUTER_MOMENTUM, ge=0.0, lt=1.0)
+    nesterov: bool = True
+
+
+class ReplicaGroup(_Strict):
+    """One replica group: consecutive pipelines of the plan (indices into `Plan.pipelines`), training
+    synchronously among themselves, and the inner steps they run per round."""
+
+    pipelines: list[LayerIndex] = Field(min_length=1)
+    inner_steps: Sequences
+
+
+class OuterSync(_Strict):
+    """Replica groups joined by an outer step every round (semantics/outer_sync.py). `compression`: the dtype
+    pseudo-gradients cross the links in (fp32, bf16, int8); `fragments`: the model's layers split into this many
+    fragments synced in turn (Streaming DiLoCo, arXiv 2501.18512; 1 = the whole model each round).
+    `reason`: why the planner chose it (traffic saved, the quality evidence); absent in hand-written plans."""
+
+    groups: list[ReplicaGroup] = Field(min_length=1)
+    optimizer: OuterOptimizer = OuterOptimizer()
+    compression: Literal["fp32", "bf16", "int8"] = "bf16"
+    fragments: LayerIndex = 1
+    reason: str | None = None
+
+    @model_validator(mode="after")
+    def _fragments(self) -> OuterSync:
+        if self.fragments < 1:
+            raise ValueError(f"fragments must be at least 1, got {self.fragments}")
+        return self
 
 
 class UnusedDevice(_Strict):
@@ -218,6 +255,22 @@ def check_predicted(predicted: dict[str, Any] | None) -> dict[str, Any] | None:
     return predicted
 
 
+def _check_groups(outer: OuterSync, pipelines: int, layers: int) -> None:
+    """The groups cover pipelines 0..pipelines-1 once each, as consecutive runs in order; the fragments are at
+    most the model's layers."""
+    expected = 0
+    for g, group in enumerate(outer.groups):
+        want = list(range(expected, expected + len(group.pipelines)))
+        if group.pipelines != want:
+            raise ValueError(f"outer_sync.groups.{g}.pipelines must be {want} (groups take consecutive pipelines "
+                             f"in order), got {group.pipelines}")
+        expected += len(group.pipelines)
+    if expected != pipelines:
+        raise ValueError(f"outer_sync.groups cover {expected} pipelines, the plan has {pipelines}")
+    if outer.fragments > layers:
+        raise ValueError(f"outer_sync.fragments {outer.fragments} exceeds the model's {layers} layers")
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """One process of a plan: where it sits (pipeline, stage, TP rank) and which device it drives."""
@@ -236,6 +289,7 @@ class Plan(_Strict):
     inputs: PlanInputs
     pipelines: list[PipelinePlan] = Field(min_length=1)
     unused_devices: list[UnusedDevice] = []
+    outer_sync: OuterSync | None = None
     predicted: dict[str, Any] | None = None
 
     _predicted = field_validator("predicted")(check_predicted)
@@ -270,6 +324,8 @@ class Plan(_Strict):
         for unused in self.unused_devices:
             if unused.device in seen:
                 raise ValueError(f"unused device {unused.device} is also used by a stage")
+        if self.outer_sync is not None:
+            _check_groups(self.outer_sync, len(self.pipelines), model.num_layers)
         return self
 
     def ranks(self) -> list[RankInfo]:

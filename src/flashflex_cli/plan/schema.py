@@ -109,7 +109,7 @@ class PipelinePlan(_Strict):
 
 class OuterOptimizer(_Strict):
     """The outer optimizer of low-communication training: SGD with Nesterov momentum on the global parameters
-    (DiLoCo, arXiv 2311.08105: lr 0.7, momentum 0.9). lr 1 and momentum 0 make the outer step plain averaging."""
+    (DiLoCo, arXiv 2311.08105: lr 0.7, momentum 0.9). lr 1 and momentum 0 make the outer step plain averaging (Nesterov needs a momentum: off at 0)."""
 
     lr: float = Field(OUTER_LR, gt=0.0, le=10.0)
     momentum: float = Field(OUTER_MOMENTUM, ge=0.0, lt=1.0)

@@ -97,10 +97,16 @@ def plan_command(
     exclude: str | None = typer.Option(None, "--exclude", metavar="NODES", help="Nodes not to plan on: node3,node5."),
     explain_groups: bool = typer.Option(False, "--explain", help="Per node group: drop it, re-plan, and print "
                                         "what it adds in tokens/s and costs (with --prices)."),
+    sync: str = typer.Option("auto", "--sync", help="full (synchronous data parallelism), local (replica groups "
+                             "cut along slow links, joined by outer steps: DiLoCo) or auto (local only where the "
+                             "cost model predicts it much faster)."),
+    inner_steps: str = typer.Option("16:500", "--inner-steps", metavar="MIN:MAX",
+                                    help="Range of H, the inner steps per round of local sync."),
 ) -> None:
     """Plan an asymmetric DP x PP x TP layout and print its predicted throughput next to the uniform one."""
     from ..planner.search import SearchStats, plan_layout
     from ..planner.search.pool import usable_cores
+    from ..planner.search.replica_groups import SYNC_CHOICES, choose_sync, parse_inner_steps
 
     if out is not None:
         check_writable_output(out)
@@ -111,6 +117,9 @@ def plan_command(
     validate_numbers.batch_shape(global_batch, seq_len, 1 if micro_batch is None else micro_batch)
     if dtype not in DTYPE_CHOICES:
         raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    if sync not in SYNC_CHOICES:
+        raise InputError(f"--sync must be one of {', '.join(SYNC_CHOICES)}, got {sync!r}")
+    steps_range = parse_inner_steps(inner_steps)
     cluster = load_cluster(cluster_file)
     spec = resolve_model(model)
     dtypes = AUTO_DTYPES if dtype == AUTO else (dtype,)
@@ -146,6 +155,10 @@ def plan_command(
     recorded = plan.inputs.model_copy(update={"cluster_path": str(cluster_file), "dtype_reason": reason})
     plan = plan.model_copy(update={"inputs": recorded})
     plan = fleet.finish(plan, params)  # measured idle reasons, MFU over the whole cluster, dollars
+    plan = choose_sync(sync, plan, cluster, lambda sub, trained: plan_layout(  # replica groups (issue 32)
+        sub, spec, trained, strategy=strategy, time_budget_s=time_budget, seed=seed, params=params,
+        max_micro_batch=max_micro_batch if micro_batch is None else None, jobs=jobs or usable_cores(),
+        micro_batch=micro_batch or 1), params, steps_range)
     if out is not None:
         atomic_write_text(out, plan.to_json())
     if json_out:

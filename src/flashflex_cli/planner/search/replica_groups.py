@@ -110,11 +110,12 @@ def evidence_text(record: dict[str, Any] | None, steps: int) -> str:
     smallest)."""
     if not record or not record.get("local"):
         return "no quality measurement recorded (run benchmarks/bench_low_comm.py)"
-    runs = sorted(record["local"], key=lambda r: r["inner_steps"])
+    runs = sorted(record["local"], key=lambda r: (r["inner_steps"], r.get("eval_loss_change_pct", 0.0)))
     below = [r for r in runs if r["inner_steps"] <= steps]
     run = below[-1] if below else runs[0]
+    outer = (f", outer lr {run['outer_lr']:g} momentum {run['outer_momentum']:g}" if "outer_lr" in run else "")
     return (f"measured by benchmarks/bench_low_comm.py ({record.get('model', '?')}, {record.get('corpus', '?')}, "
-            f"{record.get('tokens', 0):,} tokens): H={run['inner_steps']} reached eval loss "
+            f"{record.get('tokens', 0):,} tokens): H={run['inner_steps']}{outer} reached eval loss "
             f"{run['eval_loss_change_pct']:+.1f}% vs synchronous at equal tokens"
             + ("" if run["inner_steps"] >= steps else f"; H={steps} lies beyond what was measured"))
 

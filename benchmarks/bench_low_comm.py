@@ -23,7 +23,9 @@ Gutenberg). Byte-level tokens (vocabulary 256). Held out for evaluation: Hamlet 
     --rate (default 100mbit), one emulated CPU device each; `flashflex launch --launcher torchrun` runs every
     synchronous layout of the two devices (one device alone, data parallel across the link, a pipeline across
     it) and the local-sync plan; tokens/s is the median of the per-step (per-round) rows after the first; bytes
-    across the link are read from the veth's counters. The round time is compared with the cost model's
+    across the link are read from the veth's counters. Every layout runs --speed-repeats times (default 2), in
+    alternating order; tokens/s is the median over the rows of all its runs, and each run's ratio is printed too
+    (the host is shared: other users' load moves these figures by tens of percent from run to run). The round time is compared with the cost model's
     prediction for the plan on a cluster file whose link is the shaped rate, compute calibrated (`flashflex
     calibrate`) by the measured one-device run (the device's compute alone: the data-parallel run's stage times
     also hold its overlapped reduction's interference, +54% when calibrated from it); and the run-to-run spread
@@ -240,6 +242,7 @@ def main() -> int:
     parser.add_argument("--speed-model", default="llama-tiny", help="part (B): the model")
     parser.add_argument("--speed-steps", type=int, default=48, help="part (B): steps of each synchronous run")
     parser.add_argument("--speed-rounds", type=int, default=8, help="part (B): rounds of the local-sync run")
+    parser.add_argument("--speed-repeats", type=int, default=2, help="part (B): runs of every layout, alternating")
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     if args.long:

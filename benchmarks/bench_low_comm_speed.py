@@ -122,28 +122,53 @@ def speed(args: argparse.Namespace, work: Path, inner_steps: int | None) -> tupl
     lines: list[str] = []
     measured: dict[str, dict[str, Any]] = {}
     port = 29600 + os.getpid() % 200
+    collected: dict[str, dict[str, Any]] = {}
+    repeat_ratios: list[float] = []
     with NetnsHosts(2, shape={0: args.rate, 1: args.rate}, prefix=PREFIX) as net:
-        for name, plan in plans.items():
-            steps = h * rounds if name == "local sync" else args.speed_steps
-            out = work / f"speed-{name.replace(' ', '-')}"
-            port += 1
-            try:
-                figures = launch(net, plan, cluster, out, steps, f"ffL-{port}", port, 1 if name == "one device" else 2)
-            except CommandFailed as exc:
-                lines.append(f"speed {name}: failed: {str(exc).splitlines()[0]}")
+        for repeat in range(args.speed_repeats):  # every layout once per repeat, the order reversed each time
+            order = list(plans) if repeat % 2 == 0 else list(reversed(plans))
+            this: dict[str, float] = {}
+            for name in order:
+                steps = h * rounds if name == "local sync" else args.speed_steps
+                out = work / f"speed-{name.replace(' ', '-')}-{repeat}"
+                port += 1
+                try:
+                    figures = launch(net, plans[name], cluster, out, steps, f"ffL-{port}", port,
+                                     1 if name == "one device" else 2)
+                except CommandFailed as exc:
+                    lines.append(f"speed {name}: failed: {str(exc).splitlines()[0]}")
+                    print(lines[-1], flush=True)
+                    continue
+                rows = rows_of(out)[1:]  # the first step (round) pays for warm-up
+                tokens = sum(r["tokens"] for r in rows_of(out))
+                got = collected.setdefault(name, {"rows": [], "bytes": 0.0, "tokens": 0, "out": out, "runs": []})
+                got["rows"] += rows
+                got["bytes"] += figures["link_bytes"]
+                got["tokens"] += tokens
+                got["runs"].append(figures)
+                if name == "one device":
+                    got["out"] = out
+                this[name] = statistics.median(r["tokens_per_s"] for r in rows)
+                lines.append(f"speed run {repeat + 1} {name:<13}: {this[name]:8,.0f} tokens/s (median of {len(rows)} "
+                             f"{'rounds' if name == 'local sync' else 'steps'}), "
+                             f"{figures['link_bytes'] / tokens:9,.1f} bytes/token on the link | wall "
+                             f"{figures['wall_s']:.0f} s, CPU {figures['cpu_s']:.0f} s, load "
+                             f"{figures['load_before']:.1f}->{figures['load_after']:.1f}")
                 print(lines[-1], flush=True)
-                continue
-            rows = rows_of(out)[1:]  # the first step (round) pays for warm-up
-            tokens = sum(r["tokens"] for r in rows_of(out))
-            measured[name] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows),
-                              "step_s": [r["step_time_s"] for r in rows], "bytes_per_token":
-                              figures["link_bytes"] / tokens, "out": out, **figures}
-            m = measured[name]
-            lines.append(f"speed {name:<13}: {m['tokens_per_s']:8,.0f} tokens/s (median of {len(rows)} "
-                         f"{'rounds' if name == 'local sync' else 'steps'}), {m['bytes_per_token']:9,.1f} bytes/token "
-                         f"on the link | wall {m['wall_s']:.0f} s, CPU {m['cpu_s']:.0f} s, load "
-                         f"{m['load_before']:.1f}->{m['load_after']:.1f}")
-            print(lines[-1], flush=True)
+            if "local sync" in this and len(this) > 1:
+                repeat_ratios.append(this["local sync"] / max(v for k, v in this.items() if k != "local sync"))
+    for name, got in collected.items():
+        measured[name] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in got["rows"]),
+                          "step_s": [r["step_time_s"] for r in got["rows"]],
+                          "bytes_per_token": got["bytes"] / got["tokens"], "out": got["out"]}
+        lines.append(f"speed {name:<13}: {measured[name]['tokens_per_s']:8,.0f} tokens/s (median of "
+                     f"{len(got['rows'])} {'rounds' if name == 'local sync' else 'steps'} over "
+                     f"{len(got['runs'])} runs), {measured[name]['bytes_per_token']:9,.1f} bytes/token on the link")
+        print(lines[-1], flush=True)
+    if repeat_ratios:
+        lines.append("speed: local / best synchronous per run: " + ", ".join(f"{r:.2f}x" for r in repeat_ratios)
+                     + " (this shared host's run-to-run spread)")
+        print(lines[-1], flush=True)
     sync = {k: v for k, v in measured.items() if k != "local sync"}
     if "local sync" not in measured or not sync:
         return float("nan"), lines

@@ -121,11 +121,11 @@ def main() -> None:
         t1 = time.perf_counter()
         try:
             base = plan_layout(cluster, model, train, strategy="uniform")
-            base_tps = base.predicted["tokens_per_s"]
+            base_tps = base.predicted.tokens_per_s
         except Exception:  # noqa: BLE001 - no symmetric layout fits: report it, keep benchmarking
             base_tps = float("nan")
         uniform_s = time.perf_counter() - t1
-        tps = plan.predicted["tokens_per_s"]
+        tps = plan.predicted.tokens_per_s
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         print(f"{name:<17} {size:>7} {model.name:<11} {batch:>5} {wall:>11.2f} {cpu:>6.2f} {uniform_s:>9.2f} "
               f"{wall / max(uniform_s, 1e-9):>6.1f} {stats.candidates:>5} {tps:>11,.0f} {tps / base_tps:>9.2f}x "

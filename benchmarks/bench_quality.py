@@ -62,7 +62,7 @@ def main() -> None:
         t1 = time.perf_counter()
         best = plan_layout(cluster, PRESETS[model], train, strategy="exhaustive", time_budget_s=3600)
         t2 = time.perf_counter()
-        a, b = ours.predicted["tokens_per_s"], best.predicted["tokens_per_s"]
+        a, b = ours.predicted.tokens_per_s, best.predicted.tokens_per_s
         gap = (b - a) / b * 100
         gaps.append(gap)
         print(f"{spec:<62} {model:<11} {a:>15,.0f} {b:>14,.0f} {gap:>6.2f}% {t1 - t0:>6.2f} {t2 - t1:>7.2f}",

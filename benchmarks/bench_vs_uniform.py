@@ -17,6 +17,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -58,20 +59,25 @@ def idle_share(plan: Plan, cluster: Cluster) -> float:
 Row = tuple[float | None, float, float | None]  # ratio, flashflex idle share, uniform idle share
 
 
+def _figures(plan: Plan) -> dict[str, Any]:
+    """The plan's predicted figures by name (none without a prediction)."""
+    return plan.predicted.model_dump() if plan.predicted else {}
+
+
 def compare(name: str, cluster: Cluster, model: str, train: TrainConfig, budget_s: float, jobs: int) -> Row:
     """Plan both ways and print one row; (ratio, flashflex idle share, uniform idle share), the uniform parts
     None when no uniform layout exists."""
     t0 = time.perf_counter()
     ours = plan_layout(cluster, PRESETS[model], train, time_budget_s=budget_s, jobs=jobs)
     seconds = time.perf_counter() - t0
-    a, idle_a = ours.predicted or {}, idle_share(ours, cluster)
+    a, idle_a = _figures(ours), idle_share(ours, cluster)
     try:
         base = plan_layout(cluster, PRESETS[model], train, strategy="uniform")
     except FlashflexError as exc:
         print(f"{name:<20} {model:<11} {a['tokens_per_s']:>15,.0f} {a['mfu'] * 100:>5.1f}% {idle_a:>5.0%} "
               f"uniform: {exc}", flush=True)
         return None, idle_a, None
-    b, idle_b = base.predicted or {}, idle_share(base, cluster)
+    b, idle_b = _figures(base), idle_share(base, cluster)
     ratio = a["tokens_per_s"] / b["tokens_per_s"]
     print(f"{name:<20} {model:<11} {a['tokens_per_s']:>15,.0f} {a['mfu'] * 100:>5.1f}% {idle_a:>5.0%} "
           f"{b['tokens_per_s']:>14,.0f} {b['mfu'] * 100:>5.1f}% {idle_b:>5.0%} {ratio:>5.2f}x {seconds:>7.2f}",

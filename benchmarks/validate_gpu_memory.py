@@ -90,7 +90,7 @@ def _shared_gpu(folder: Path) -> bool:
 
 def replay(folder: Path, layers: list[Path]) -> Replay:
     """Predict the run in `folder` (its plan and cluster, its recorded runtime paths) and read what it measured."""
-    from flashflex_cli.commands.planning import _cost_params
+    from flashflex_cli.commands.planning import read_cost_params
     from flashflex_cli.cost.estimate import estimate
     from flashflex_cli.hardware.cluster import load_cluster
     from flashflex_cli.plan.schema import load_plan
@@ -99,7 +99,7 @@ def replay(folder: Path, layers: list[Path]) -> Replay:
     from flashflex_cli.runs.reader import load_run
 
     plan, cluster = load_plan(folder / "plan.json"), load_cluster(folder / "cluster.json")
-    params = params_for_run(_cost_params(None, layers or None, plan), folder, plan, cluster)
+    params = params_for_run(read_cost_params(None, layers or None, plan), folder, plan, cluster)
     est = estimate(plan, cluster, params)
     predicted = {(st.pipeline, st.stage): st.memory.allocated if st.on_cuda else st.memory.total for st in est.stages}
     name = f"{folder.parent.name}/{folder.name}"

@@ -103,6 +103,50 @@ def test_uncatalogued_device_type_with_its_peaks_is_accepted(tmp_path, source):
     assert not is_catalogued("Some-Future-GPU") and is_catalogued("4090")
 
 
+def _future_gpu_cluster(tmp_path, drop: str | None = None):
+    """A cluster file of two devices of a type the catalog does not know, with a 4090's figures (less `drop`)."""
+    data = json.loads(build_cluster("1x2x4090").to_json())
+    for device in data["nodes"][0]["devices"]:
+        device["type"] = "Some-Future-GPU"
+        if drop == "peak_flops":
+            device["peak_flops"] = {}
+        elif drop is not None:
+            del device[drop]
+    path = tmp_path / "future.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_an_uncatalogued_type_with_all_its_figures_is_planned_with_a_warning(tmp_path, capsys):
+    from flashflex_cli.cli import main
+
+    path = _future_gpu_cluster(tmp_path)
+    assert {d.numbers_source for d in load_cluster(path).nodes[0].devices} == {"cluster file"}  # not "catalog"
+    assert build_cluster("1x1x4090").device("node0/0").numbers_source == "catalog"
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--model", "llama-tiny", "--global-batch", "8", "--seq-len", "128",
+                 "--no-baseline", "--out", str(out)]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "Some-Future-GPU" in line]
+    assert warnings == [f"warning: {path}: device type 'Some-Future-GPU' (2 devices) is not in the catalog: its peak "
+                        "FLOP/s, memory and memory bandwidth are the cluster file's (source: cluster file), costed "
+                        "with the default efficiency curve (give a layer profile to measure them)"]
+    assert main(["show", str(out), "--cluster", str(path)]) == 0
+    assert capsys.readouterr().err.count("not in the catalog") == 1
+
+
+@pytest.mark.parametrize("drop", ["peak_flops", "memory_bytes", "memory_bandwidth"])
+def test_an_uncatalogued_type_without_all_its_figures_is_refused_by_name(tmp_path, capsys, drop):
+    from flashflex_cli.cli import main
+
+    path, out = _future_gpu_cluster(tmp_path, drop), tmp_path / "plan.json"
+    assert main(["plan", str(path), "--model", "llama-tiny", "--global-batch", "8", "--seq-len", "128",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}: nodes.0.devices.0: device type "
+                                                    "'Some-Future-GPU' is not in the catalog"), err
+    assert f"it lacks {drop}" in err and "Traceback" not in err and not out.exists()
+
+
 def test_an_rdma_node_reaches_a_slow_ethernet_node_at_that_nodes_speed() -> None:
     """InfiniBand to Ethernet falls back to Ethernet: the Ethernet class, or the Ethernet end's own slower NIC."""
     slow = build_cluster("1x8xA100-80G-SXM:nic=ib,1x8xRTX-3090:nic=eth:bw=1")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flashflex_cli.cli import main
-from flashflex_cli.commands.planning import _cost_params
+from flashflex_cli.commands.planning import read_cost_params
 from flashflex_cli.cost.estimate import estimate
 from flashflex_cli.hardware.cluster import load_cluster
 from flashflex_cli.plan.schema import load_plan
@@ -37,7 +37,7 @@ def _replay(run: str, layers: list[Path] | None = None) -> tuple[float, float, f
     """(predicted allocated peak, measured peak, predicted step s, measured step s) of one recorded run."""
     folder = H100 / run
     plan, cluster = load_plan(folder / "plan.json"), load_cluster(folder / "cluster.json")
-    est = estimate(plan, cluster, params_for_run(_cost_params(None, layers, plan), folder, plan, cluster))
+    est = estimate(plan, cluster, params_for_run(read_cost_params(None, layers, plan), folder, plan, cluster))
     comparison = compare_run(plan, est, load_run(folder, plan=plan, cluster=cluster))
     memory = comparison.stages[0].term("memory")
     assert memory.measured is not None
@@ -65,7 +65,7 @@ def test_the_run_that_died_of_memory_is_predicted_not_to_fit(capsys: pytest.Capt
     folder = H100 / "run-mb8"
     assert (folder / "FAILED.txt").is_file()
     plan, cluster = load_plan(folder / "plan.json"), load_cluster(folder / "cluster.json")
-    est = estimate(plan, cluster, params_for_run(_cost_params(None), folder, plan, cluster))
+    est = estimate(plan, cluster, params_for_run(read_cost_params(None), folder, plan, cluster))
     assert not est.fits and est.stages[0].memory.allocated > cluster.nodes[0].devices[0].memory_bytes
     assert "needs" in est.problems[0] and "at its peak" in est.problems[0]
     assert main(["show", str(folder / "plan.json"), "--cluster", str(folder / "cluster.json")]) == 0

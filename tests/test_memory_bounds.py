@@ -82,7 +82,7 @@ import torch.distributed.checkpoint  # library code is loaded before the baselin
 import torch._dynamo  # (so is what torch.optim.AdamW's constructor imports: torch._dynamo, ~70 MiB of code)
 
 from flashflex_cli.plan.schema import Plan
-from flashflex_cli.runtime import checkpoint as ckpt
+from flashflex_cli.runtime.checkpoint import dcp as ckpt
 from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
 from flashflex_cli.runtime.parallel.groups import build_groups
 from flashflex_cli.runtime.model.init import shard_init

@@ -16,6 +16,7 @@ from flashflex_cli.errors import InputError
 from flashflex_cli.hardware.synthetic import build_cluster
 from flashflex_cli.model.flops import total_params
 from flashflex_cli.model.spec import PRESETS
+from flashflex_cli.plan.predicted import Predicted
 from flashflex_cli.plan.schema import Plan, TrainConfig
 from flashflex_cli.planner.search import plan_layout
 from flashflex_cli.planner.search.replica_groups import (
@@ -64,7 +65,8 @@ def test_inner_steps_range(text: str, ok: tuple[int, int] | None) -> None:
 def slow_plans() -> tuple[Plan, Plan]:
     cluster = build_cluster(SLOW)
     synchronous = plan_layout(cluster, MODEL, TRAIN, time_budget_s=5)
-    synchronous = synchronous.model_copy(update={"predicted": estimate(synchronous, cluster).to_predicted()})
+    synchronous = synchronous.model_copy(update={"predicted": Predicted.model_validate(
+        estimate(synchronous, cluster).to_predicted())})
     return synchronous, choose_sync("local", synchronous, cluster, planner(), CostParams())
 
 
@@ -138,3 +140,9 @@ def test_cli_local_plan_round_trips(tmp_path: Path) -> None:
     assert all(50 <= g.inner_steps for g in plan.outer_sync.groups)
     assert min(g.inner_steps for g in plan.outer_sync.groups) <= 100
     assert json.loads(out.read_text())["predicted"]["outer_sync"]["round_s"] > 0
+    shown = subprocess.run([FLASHFLEX, "show", str(out), "--cluster", str(cluster)], capture_output=True, text=True,
+                           timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    assert "local sync: 2 replica groups" in shown.stdout
+    tokens = f"{plan.predicted['tokens_per_s']:,.0f} tokens/s"  # the round's prediction, not one step's
+    assert tokens in shown.stdout

@@ -20,10 +20,12 @@ from flashflex_cli.cli import main
 from flashflex_cli.errors import InputError
 from flashflex_cli.launch.options import launch_config
 from flashflex_cli.run_config import (
+    ADDED_LATER,
     SCHEMA,
     LossScaling,
     OptimConfig,
     RunConfig,
+    build_checked,
     default_optimizer,
     from_dict,
     load_run_config,
@@ -84,7 +86,8 @@ def test_the_saved_file_holds_every_setting_by_its_name() -> None:
     data = _data()
     assert set(data) == {"schema", "plan", "cluster", "out", "data", "steps", "seed", "timeout_s", "setup_timeout_s",
                          "checkpoint_dir", "checkpoint_every", "resume", "init_from", "share_gpu", "gpus", "runtime",
-                         "optimizer", "loss_scaling"}
+                         "optimizer", "loss_scaling", "metrics"}
+    assert data["metrics"] == ["jsonl", "console"]
     assert data["runtime"] == {"lean_p2p": False, "overlap_dp": True, "hierarchical_dp": True, "compile": True,
                                "chunked_loss": True, "optimizer": "fused"}
     assert data["optimizer"] == {"lr": 2e-3, "min_lr": 0.0, "warmup_steps": 0, "total_steps": 9,
@@ -153,6 +156,9 @@ IMPOSSIBLE = [
     ("runtime.compile", "auto", "must be true or false or null"),
     ("plan", 3, "must be a string"),
     ("checkpoint_dir", ["a"], "must be a string or null"),
+    ("metrics", "jsonl", "must be a list, each one of jsonl, console, tensorboard, wandb, got 'jsonl'"),
+    ("metrics", ["console", "console"], "names console twice"),
+    ("optimizer.betas", [0.9, "0.95"], "must be a list of 2 numbers, got [0.9, '0.95']"),
     # unknown and missing keys
     ("lrate", 0.1, "is no setting"),
     ("optimizer.momentum", 0.9, "is no setting"),
@@ -198,6 +204,54 @@ def test_settings_built_in_code_are_checked_too() -> None:
     with pytest.raises(InputError, match="^steps must be an integer"):
         dataclasses.replace(CUSTOM, steps=0)
     assert from_dict(_data()) == CUSTOM
+
+
+def test_settings_are_frozen_and_refused_in_one_line_however_they_are_built() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CUSTOM.steps = 3  # type: ignore[misc]
+    with pytest.raises(InputError, match=r"^optimizer\.min_lr must be at most lr \(0\.0001\), got 0\.001$"):
+        build_checked(OptimConfig, {"lr": 1e-4, "min_lr": 1e-3}, "optimizer")
+    with pytest.raises(InputError, match=r"^min_lr must be at most lr \(0\.0001\), got 0\.001$"):
+        OptimConfig(lr=1e-4, min_lr=1e-3)
+    with pytest.raises(InputError, match=r"^steps must be a whole number, got 1\.5$"):
+        dataclasses.replace(CUSTOM, steps=1.5)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"^lr must be a finite number, got inf$"):
+        OptimConfig(lr=10**400)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=r"^betas must be two numbers in \[0, 1\), got \(0\.9, 1\.0\)$"):
+        OptimConfig(betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match=r"^optimizer must be one of auto, fused, foreach, got 'adam'$"):
+        RuntimeOptions(optimizer="adam")  # type: ignore[arg-type]
+    assert OptimConfig(lr=1).lr == 1.0 and isinstance(OptimConfig(lr=1).lr, float)  # an integer for a number
+
+
+def test_a_file_written_before_a_setting_existed_loads_with_its_default(tmp_path: Path) -> None:
+    """Keys added to flashflex.run/1 after its first version (ADDED_LATER) may be absent; any other may not."""
+    data = _data()
+    for key in ADDED_LATER:
+        data.pop(key)
+    assert set(ADDED_LATER) == {"setup_timeout_s", "share_gpu", "gpus", "metrics"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    config = load_run_config(path)
+    assert config == dataclasses.replace(CUSTOM, setup_timeout_s=None, share_gpu=False, gpus=None,
+                                         metrics=("jsonl", "console"))
+    path.write_text(json.dumps(_set(data, "seed", _DROP)))
+    with pytest.raises(InputError, match=f"^{path}: seed is missing$"):
+        load_run_config(path)
+
+
+def test_the_metrics_sinks_are_recorded_with_jsonl_always_first(tmp_path: Path) -> None:
+    config = launch_config(plan="p.json", cluster="c.json", out="o", metrics=("tensorboard", "console"))
+    assert config.metrics == ("jsonl", "console", "tensorboard")  # canonical order, jsonl always on
+    assert json.loads(config.to_json())["metrics"] == ["jsonl", "console", "tensorboard"]
+    assert launch_config(plan="p.json", cluster="c.json", out="o").metrics == ("jsonl", "console")
+    with pytest.raises(InputError, match="^--metrics names wandb twice$"):
+        launch_config(plan="p.json", cluster="c.json", out="o", metrics=("wandb", "wandb"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_set(_data(), "metrics", ["jsonl", "csv"])))
+    with pytest.raises(InputError, match=f"^{path}: metrics.1 must be one of jsonl, console, tensorboard, wandb, "
+                                         "got 'csv'$"):
+        load_run_config(path)
 
 
 @pytest.mark.parametrize(("options", "message"), [

@@ -18,8 +18,9 @@ from pathlib import Path
 from flashflex_cli.launch.local import FAILURE_GRACE_S, LocalJob, Worker
 from flashflex_cli.launch.options import launch_config
 from flashflex_cli.runtime.training import heartbeat
+from flashflex_cli.semantics import worker_protocol
 
-TIMEOUT_S = 5.0  # the launcher's smallest silence limit (heartbeat.MIN_SILENCE_S)
+TIMEOUT_S = 5.0  # the launcher's smallest silence limit (worker_protocol.MIN_SILENCE_S)
 
 
 def _job(tmp_path: Path) -> tuple[LocalJob, Worker]:
@@ -47,7 +48,7 @@ def test_a_silent_rank_that_is_not_done_is_frozen(tmp_path: Path) -> None:
 
 def test_a_done_rank_tearing_down_is_not_frozen(tmp_path: Path) -> None:
     job, worker = _job(tmp_path)
-    heartbeat.done_file(tmp_path, 0).touch()  # done just now, heartbeat long silent
+    worker_protocol.done_file(tmp_path, 0).touch()  # done just now, heartbeat long silent
     job.check_health()
     assert worker.proc.poll() is None and worker.silent is None and not job.failing
     worker.proc.kill()
@@ -56,9 +57,9 @@ def test_a_done_rank_tearing_down_is_not_frozen(tmp_path: Path) -> None:
 
 def test_a_done_rank_that_lingers_is_killed_and_its_work_counts(tmp_path: Path, capfd) -> None:
     job, worker = _job(tmp_path)
-    done = heartbeat.done_file(tmp_path, 0)
+    done = worker_protocol.done_file(tmp_path, 0)
     done.touch()
-    _age(done, heartbeat.silence_limit(TIMEOUT_S) + FAILURE_GRACE_S + 1.0)
+    _age(done, worker_protocol.silence_limit(TIMEOUT_S) + FAILURE_GRACE_S + 1.0)
     job.check_health()
     worker.proc.wait(timeout=30)
     job.reap()
@@ -67,11 +68,11 @@ def test_a_done_rank_that_lingers_is_killed_and_its_work_counts(tmp_path: Path, 
 
 
 def test_mark_done_writes_the_launchers_file(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv(heartbeat.JOB_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(worker_protocol.JOB_DIR_ENV, str(tmp_path))
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert heartbeat.finished_at(tmp_path, 3) is None
+    assert worker_protocol.finished_at(tmp_path, 3) is None
     heartbeat.mark_done()
-    assert heartbeat.finished_at(tmp_path, 3) is not None
+    assert worker_protocol.finished_at(tmp_path, 3) is not None
 
 
 def test_exit_now_flushes_and_skips_teardown(tmp_path: Path) -> None:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import stat
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+import types
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from pydantic import BaseModel, ValidationError
 
@@ -210,22 +213,155 @@ def read_json(path: str | os.PathLike[str]) -> Any:
         raise InputError(f"{source}: holds a number of more than {sys.get_int_max_str_digits()} digits") from None
 
 
-def validation_message(source: str, exc: ValidationError) -> str:
-    """Turn a pydantic ValidationError into one line naming the file, the field and the problem."""
+# Custom pydantic error types whose messages show the refused value already: a physical limit (physical_limits.py),
+# a run setting (run_config.py) and a plan's predicted figure (plan/predicted.py).
+SHOWS_VALUE = ("physical_limit", "setting", "prediction")
+
+
+def validation_problem(exc: ValidationError) -> tuple[str, str]:
+    """The first problem of a pydantic ValidationError as (the field's dotted path, what is wrong with it, the
+    value given and how many more problems there are). A validator of a whole object may name the field it
+    refuses in its error's context ("field")."""
     first = exc.errors()[0]
-    where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    where, problem = _error_problem(first)
     more = len(exc.errors()) - 1
     suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
-    message = str(first["msg"]).removeprefix("Value error, ")
-    if message.startswith(f"{where}."):  # a validator that names the nested field itself
-        return f"{source}: {message}{suffix}"
-    return f"{source}: {where}: {message}{_given(first)}{suffix}"
+    return where, f"{problem}{suffix}"
+
+
+def _error_problem(error: Any) -> tuple[str, str]:
+    """One pydantic error as (the field's dotted path, what is wrong with it and the value given)."""
+    parts = [str(part) for part in error["loc"]]
+    named = (error.get("ctx") or {}).get("field")
+    where = ".".join([*parts, named] if named else parts)
+    return where, f"{str(error['msg']).removeprefix('Value error, ')}{_given(error)}"
+
+
+# ---- settings: pydantic dataclasses refused in the project's words -------------------------------------------
+#
+# The run configuration (run_config.py, semantics/runtime_paths.RuntimeOptions) is made of pydantic dataclasses
+# with strict JSON types. `setting_problem` words a refused value as the project always has: the type a field
+# takes in plain words ("must be a whole number, got 1.5", "must be true or false or null", "must be one of auto,
+# fused, foreach"), "is no setting (known: ...)", "is missing", "must be an object"; a range check's own message
+# (a custom error) as it is.
+
+# pydantic error types of a value of the wrong JSON type: worded by the field's type (`type_text`)
+_TYPE_ERRORS = frozenset({
+    "int_type", "int_parsing", "int_from_float", "float_type", "float_parsing", "bool_type", "bool_parsing",
+    "string_type", "literal_error", "enum", "tuple_type", "list_type", "too_short", "too_long", "none_required",
+    "is_instance_of"})
+_UNKNOWN_KEY = frozenset({"extra_forbidden", "unexpected_keyword_argument", "unexpected_positional_argument"})
+_MISSING = frozenset({"missing", "missing_argument", "missing_keyword_only_argument", "missing_positional_only_argument"})
+_NOT_AN_OBJECT = frozenset({"dataclass_type", "dataclass_exact_type", "dataclass_args_type", "model_type", "dict_type"})
+
+
+def type_text(hint: Any) -> str:
+    """What a value of type `hint` is called in an error ("a number", "true or false", ...)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        return f"one of {', '.join(str(a) for a in args)}"
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_text(a) for a in args)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return f"a list, each {type_text(args[0]).removeprefix('a ')}"
+    if origin is tuple:
+        return f"a list of {len(args)} {type_text(args[0]).removeprefix('a ')}s"
+    if dataclasses.is_dataclass(hint):
+        return "an object"
+    return {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
+            type(None): "null"}[hint]
+
+
+def _error_rank(error: Any) -> int:
+    """The order the problems of one value are reported in: unknown keys, missing ones, wrong types, the rest."""
+    kind = error["type"]
+    return 0 if kind in _UNKNOWN_KEY else 1 if kind in _MISSING else 2 if kind in _TYPE_ERRORS | _NOT_AN_OBJECT else 3
+
+
+def _part(value: Any, name: str) -> Any:
+    """Item or attribute `name` of `value` (None when it has none)."""
+    if isinstance(value, dict):
+        return value.get(name)
+    if isinstance(value, list | tuple) and name.isdigit():
+        return value[int(name)] if int(name) < len(value) else None
+    return getattr(value, name, None)
+
+
+def setting_problem(cls: type, values: dict[str, Any], exc: ValidationError) -> tuple[str, str]:
+    """The first problem of `exc`, raised building the settings dataclass `cls` from `values`, as (the field's
+    dotted path, what is wrong with it, in the project's words)."""
+    error = sorted(exc.errors(), key=_error_rank)[0]
+    kind, loc = error["type"], [str(part) for part in error["loc"]]
+    hint: Any = cls
+    value: Any = values
+    where: list[str] = []
+    for part in loc:  # down to the field the error is about; a fixed-length tuple is refused as a whole
+        origin, args = get_origin(hint), get_args(hint)
+        if dataclasses.is_dataclass(hint):
+            hints = get_type_hints(hint)
+            if part not in hints:
+                break
+            hint = hints[part]
+        elif origin is tuple and len(args) == 2 and args[1] is Ellipsis and part.isdigit():
+            hint = args[0]
+        else:
+            break
+        value = _part(value, part)
+        where.append(part)
+    if len(where) < len(loc) and not dataclasses.is_dataclass(hint) and kind in _MISSING | _TYPE_ERRORS:
+        kind = "tuple_type"  # an item of a fixed-length list missing or mistyped: the list is refused as a whole
+    if kind in _UNKNOWN_KEY:
+        parent = hint if dataclasses.is_dataclass(hint) else cls
+        known = sorted(field.name for field in dataclasses.fields(parent))  # type: ignore[arg-type]
+        return ".".join(loc), f"is no setting (known: {', '.join(known)})"
+    if kind in _MISSING:
+        return ".".join(loc), "is missing"
+    if kind in _NOT_AN_OBJECT:
+        return ".".join(where), f"must be an object, got {shown(value)}"
+    if kind in _TYPE_ERRORS:
+        return ".".join(where), f"must be {type_text(hint)}, got {shown(value)}"
+    return _error_problem(error)
+
+
+T = TypeVar("T")
+
+
+def refused_in_one_line(error: Callable[[str, str], Exception]) -> Callable[[type[T]], type[T]]:
+    """A class decorator for a pydantic dataclass: building it in code (`cls(...)`, dataclasses.replace) raises
+    `error(field, problem)` (setting_problem's words) instead of pydantic's ValidationError. (Loading one from
+    values goes through build_checked in run_config.py, which words its errors the same way.)"""
+
+    def decorate(cls: type[T]) -> type[T]:
+        init = cls.__init__
+        names = [field.name for field in dataclasses.fields(cls)]  # type: ignore[arg-type]
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                init(self, *args, **kwargs)
+            except ValidationError as exc:
+                values = {**dict(zip(names, args, strict=False)), **kwargs}
+                raise error(*setting_problem(cls, values, exc)) from None
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        return cls
+
+    return decorate
+
+
+def validation_message(source: str, exc: ValidationError) -> str:
+    """Turn a pydantic ValidationError into one line naming the file, the field and the problem."""
+    where, problem = validation_problem(exc)
+    where = where or "(top level)"
+    if problem.startswith(f"{where}."):  # a validator that names the nested field itself
+        return f"{source}: {problem}"
+    return f"{source}: {where}: {problem}"
 
 
 def _given(error: Any) -> str:
     """', got VALUE' for an error about one scalar value whose message does not show it already."""
     value = error.get("input")
-    if error["type"] == "physical_limit" or not isinstance(value, str | int | float | bool):
+    if error["type"] in SHOWS_VALUE or not isinstance(value, str | int | float | bool):
         return ""
     return f", got {shown(value)}"
 

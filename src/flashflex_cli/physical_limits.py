@@ -165,6 +165,12 @@ PER_DEVICE_HOUR = Limit("per device-hour", 1e-6, 1e6)
 # the same limits for the command-line options).
 SEQUENCES = Limit("sequences", 1, MAX_GLOBAL_BATCH, integer=True)  # a batch, micro-batch or micro-batch count
 SEQ_LEN = Limit("tokens", 1, MAX_SEQ_LEN, integer=True)
+# Micro-batches one pipeline accumulates into one optimizer step: 65,536. The runtime adds each micro-batch's
+# gradients into fp32 gradients, one addition after another; the worst-case relative rounding error of such a sum
+# of n terms is about n x 2**-24 (fp32's unit roundoff): 0.4% at 2**16 terms, 6% at 2**20, and from 2**24 on a
+# term of the size of the sum so far no longer changes it. The 1F1B schedule (cost/schedule.py, runtime/pipeline.py)
+# steps through every micro-batch, so a larger count is refused where the plan is read, before anything runs it.
+MICRO_BATCHES = Limit("micro-batches", 1, 2**16, integer=True)
 TP_DEGREE = Limit("devices", 1, MAX_DEVICES, integer=True)
 SEED = Limit("", 0, MAX_SEED, integer=True)
 # A model's width (hidden, MLP, head size): 4Mi, 80x the widest published MLP (Llama 3.1 405B's 53,248).

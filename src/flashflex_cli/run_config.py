@@ -16,26 +16,51 @@ The file: {"schema": "flashflex.run/1", the run's fields, "runtime": {...}, "opt
 "loss_scaling": {...}}, keys sorted, written atomically. Paths are kept as the user gave them: relative ones are
 relative to the working directory of the launch, which must be the workers' too, and a rendered script's hosts
 must all read the plan, the cluster and RUN/config.json at these paths. Loading refuses a missing or unknown key,
-a wrong JSON type and an impossible value, each in one line naming the field (InputError, exit code 2).
+a wrong JSON type and an impossible value, each in one line naming the field (InputError, exit code 2). A key
+added to the format after its first version (`ADDED_LATER`) may be absent: files written before it load with its
+default.
 
-The settings are frozen dataclasses (RuntimeOptions is shared with the cost model's reader of runtime.json), so
-the loader checks the JSON types by their annotations (`build_checked`) rather than restating each class as a schema.
+The settings are frozen pydantic dataclasses: pydantic checks every value's JSON type (no conversion: "1" is no
+number, 1.5 no step count, true no integer; an integer for a number becomes a float), refuses unknown keys, and
+runs the range checks declared with each field (validate_numbers), on load and whenever a setting is built or
+replaced in code (dataclasses.replace works, and checks). They stay dataclasses because RuntimeOptions is shared
+with the cost model, and code across the runtime and the launcher copies settings with dataclasses.replace. The
+first refused value is a FieldError naming the field, in the project's words (fileio.setting_problem): on load
+(`build_checked`) and when built in code (`fileio.refused_in_one_line`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
-import types
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    ConfigDict,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
+from pydantic_core import PydanticCustomError
 
 from . import validate_numbers
 from .errors import InputError
-from .fileio import atomic_write_text, read_json
+from .fileio import atomic_write_text, read_json, refused_in_one_line, setting_problem
 from .physical_limits import shown
+from .semantics.metrics_sinks import DEFAULT_SINKS, SinkName, normalized
 from .semantics.runtime_paths import RuntimeOptions
 
 SCHEMA = "flashflex.run/1"
@@ -44,6 +69,7 @@ DEFAULT_STEPS = 10  # `flashflex launch --steps`
 DEFAULT_SETUP_TIMEOUT_S = 600.0  # the long collective timeout's floor (runtime/parallel/timeouts.py)
 FP32_MAX = 3.4028234663852886e38  # the largest finite fp32 number: GradScaler keeps its scale in fp32
 MAX_GROWTH_INTERVAL = 2**31 - 1  # GradScaler counts clean steps in an int32
+SETTING_ERROR = "setting"  # the pydantic error type of a refused value (its message shows the value)
 
 
 class FieldError(InputError):
@@ -59,83 +85,123 @@ class FieldError(InputError):
         return FieldError(f"{section}.{self.field}", self.problem)
 
 
-def _checked(field: str, check: Any, value: Any, *args: Any) -> None:
-    """Apply a validate_numbers check to `value`, its InputError becoming a FieldError of `field`."""
-    try:
-        check(value, field, *args)
-    except InputError as exc:
-        raise FieldError(field, str(exc).removeprefix(f"{field} ")) from None
+def _checked(check: Callable[..., Any], *args: Any) -> AfterValidator:
+    """A field's range check: validate_numbers' `check(value, what, *args)`, its one-line InputError becoming the
+    field's pydantic error (the field's name is added by whoever reports it)."""
+
+    def validate(value: Any) -> Any:
+        try:
+            check(value, "", *args)
+        except InputError as exc:
+            raise PydanticCustomError(SETTING_ERROR, str(exc).strip()) from None
+        return value
+
+    return AfterValidator(validate)
 
 
-def _path(value: str | None, field: str) -> None:
-    if value is not None and not value:
-        raise FieldError(field, "must be a path, got an empty string")
+def _refused(field: str, problem: str) -> PydanticCustomError:
+    """The error of a check across fields, naming the `field` it refuses."""
+    return PydanticCustomError(SETTING_ERROR, problem, {"field": field})
+
+
+def _a_path(value: str, what: str) -> str:
+    if not value:
+        raise InputError(f"{what} must be a path, got an empty string")
+    return value
+
+
+def _more_than_one(value: float, what: str) -> float:
+    if not validate_numbers.finite(value, what) > 1.0:
+        raise InputError(f"{what} must be more than 1, got {shown(value)}")
+    return value
+
+
+def _in_open_unit(value: float, what: str) -> float:
+    if not 0.0 < validate_numbers.finite(value, what) < 1.0:
+        raise InputError(f"{what} must be in (0, 1), got {shown(value)}")
+    return value
+
+
+def _betas(value: tuple[float, float], what: str) -> tuple[float, float]:
+    if not all(0.0 <= beta < 1.0 for beta in value):
+        raise InputError(f"{what} must be two numbers in [0, 1), got {shown(value)}")
+    return value
+
+
+def _as_float(value: Any) -> Any:
+    """An integer given for a number as a float (one beyond any float: infinity, which the range check refuses);
+    anything else as it is, for the strict type check."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf
+    return value
+
+
+# The field types: a JSON type (strict: no conversion but an integer for a number) and its range.
+Number = Annotated[StrictFloat, BeforeValidator(_as_float)]
+PathText = Annotated[StrictStr, _checked(_a_path)]
+StepCount = Annotated[StrictInt, _checked(validate_numbers.steps)]
+StepInterval = Annotated[StrictInt, _checked(validate_numbers.int_in_range, 0, validate_numbers.MAX_STEPS)]
+Seconds = Annotated[Number, _checked(validate_numbers.timeout_s)]
+Positive = Annotated[Number, _checked(validate_numbers.positive)]
+NonNegative = Annotated[Number, _checked(validate_numbers.non_negative)]
+
+# pydantic's settings of every part: unknown keys refused, frozen; NaN and infinities reach the range checks,
+# which refuse them by name.
+SETTINGS_CONFIG = ConfigDict(extra="forbid", allow_inf_nan=True)
 
 
 # ---- the optimizer and its learning-rate schedule ----------------------------------------------------------------
 
-@dataclass(frozen=True)
+@refused_in_one_line(FieldError)
+@dataclass(frozen=True, config=SETTINGS_CONFIG)
 class OptimConfig:
     """AdamW with a learning-rate schedule (runtime/training/optimizer.py). lr and min_lr are the peak and final learning
     rates; warmup_steps and total_steps count optimizer steps (warm-up to lr, cosine decay to min_lr at
     total_steps); weight_decay applies to matrices only; grad_clip is the global gradient-norm limit (0: none)."""
 
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_steps: int = 10
-    total_steps: int = 1000
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    lr: Annotated[Number, _checked(validate_numbers.learning_rate)] = 3e-4
+    min_lr: NonNegative = 3e-5
+    warmup_steps: StepInterval = 10
+    total_steps: StepCount = 1000
+    weight_decay: NonNegative = 0.1
+    betas: Annotated[tuple[Number, Number], _checked(_betas)] = (0.9, 0.95)
+    eps: Positive = 1e-8
+    grad_clip: NonNegative = 1.0
 
-    def __post_init__(self) -> None:
-        _checked("lr", validate_numbers.learning_rate, self.lr)
-        _checked("min_lr", validate_numbers.non_negative, self.min_lr)
+    @model_validator(mode="after")
+    def _schedule(self) -> OptimConfig:
         if self.min_lr > self.lr:
-            raise FieldError("min_lr", f"must be at most lr ({self.lr:g}), got {self.min_lr:g}")
-        _checked("total_steps", validate_numbers.steps, self.total_steps)
-        _checked("warmup_steps", validate_numbers.int_in_range, self.warmup_steps, 0, validate_numbers.MAX_STEPS)
+            raise _refused("min_lr", f"must be at most lr ({self.lr:g}), got {self.min_lr:g}")
         if self.warmup_steps > self.total_steps:
-            raise FieldError("warmup_steps", f"must be at most total_steps ({self.total_steps}), got "
-                                             f"{self.warmup_steps}")
-        _checked("weight_decay", validate_numbers.non_negative, self.weight_decay)
-        if len(self.betas) != 2 or not all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in self.betas):
-            raise FieldError("betas", f"must be two numbers in [0, 1), got {shown(self.betas)}")
-        _checked("eps", validate_numbers.positive, self.eps)
-        _checked("grad_clip", validate_numbers.non_negative, self.grad_clip)
+            raise _refused("warmup_steps", f"must be at most total_steps ({self.total_steps}), got "
+                                           f"{self.warmup_steps}")
+        return self
 
 
 def default_optimizer(lr: float, total_steps: int) -> OptimConfig:
     """The launcher's learning-rate policy for a peak `lr` over a schedule of `total_steps` optimizer steps:
     decay to lr / 10, warm-up over a tenth of the schedule (at least 1 step, at most 10), AdamW's other settings
-    at OptimConfig's defaults."""
-    return OptimConfig(lr=lr, min_lr=lr / 10, warmup_steps=min(10, max(1, total_steps // 10)),
-                       total_steps=total_steps)
+    at OptimConfig's defaults. FieldError naming a bad value."""
+    return build_checked(OptimConfig, {"lr": lr, "min_lr": lr / 10, "total_steps": total_steps,
+                                       "warmup_steps": min(10, max(1, total_steps // 10))})
 
 
 # ---- precision ----------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@refused_in_one_line(FieldError)
+@dataclass(frozen=True, config=SETTINGS_CONFIG)
 class LossScaling:
     """Dynamic loss scaling of fp16 plans (runtime/training/loss_scale.py; torch.amp.GradScaler's defaults): the initial
     scale, the factor it grows by after `growth_interval` clean steps in a row, the factor it shrinks by on a
     skipped step."""
 
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-
-    def __post_init__(self) -> None:
-        _checked("init_scale", validate_numbers.positive, self.init_scale, FP32_MAX)
-        _checked("growth_factor", validate_numbers.finite, self.growth_factor)
-        if not self.growth_factor > 1.0:
-            raise FieldError("growth_factor", f"must be more than 1, got {shown(self.growth_factor)}")
-        _checked("backoff_factor", validate_numbers.finite, self.backoff_factor)
-        if not 0.0 < self.backoff_factor < 1.0:
-            raise FieldError("backoff_factor", f"must be in (0, 1), got {shown(self.backoff_factor)}")
-        _checked("growth_interval", validate_numbers.int_in_range, self.growth_interval, 1, MAX_GROWTH_INTERVAL)
+    init_scale: Annotated[Number, _checked(validate_numbers.positive, FP32_MAX)] = 2.0**16
+    growth_factor: Annotated[Number, _checked(_more_than_one)] = 2.0
+    backoff_factor: Annotated[Number, _checked(_in_open_unit)] = 0.5
+    growth_interval: Annotated[StrictInt, _checked(validate_numbers.int_in_range, 1, MAX_GROWTH_INTERVAL)] = 2000
 
     def to_record(self) -> dict[str, float | int]:
         """The runtime.json object of the settings."""
@@ -144,7 +210,8 @@ class LossScaling:
 
 # ---- the run ------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True, kw_only=True)
+@refused_in_one_line(FieldError)
+@dataclass(frozen=True, kw_only=True, config=SETTINGS_CONFIG)
 class RunConfig:
     """One run's settings (module docstring). Paths as the user gave them; timeout_s: collective timeout of the
     steps in seconds (survivors of a dead rank exit instead of hanging); setup_timeout_s: the long collective
@@ -154,41 +221,42 @@ class RunConfig:
     resume onto the same trajectory); checkpoint_every: steps between checkpoints (0: only at the end and on a
     stop signal); init_from: a local Hugging Face checkpoint folder of the initial weights (hf/load.py);
     share_gpu: every rank of the GPU plan drives this machine's first GPU (launch/share_gpu.py, a validation
-    mode); gpus: the host's GPUs a local launch runs on, comma-separated ("2,3": launch/gpu_subset.py)."""
+    mode); gpus: the host's GPUs a local launch runs on, comma-separated ("2,3": launch/gpu_subset.py);
+    metrics: where rank 0 writes the metrics rows (semantics/metrics_sinks.py; jsonl always, in canonical order)."""
 
-    plan: str
-    cluster: str
-    out: str
-    data: str = "synthetic"
-    steps: int = DEFAULT_STEPS
-    seed: int = 0
-    timeout_s: float = 60.0
-    setup_timeout_s: float | None = None
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    resume: bool = False
-    init_from: str | None = None
-    share_gpu: bool = False
-    gpus: str | None = None
+    plan: PathText
+    cluster: PathText
+    out: PathText
+    data: PathText = "synthetic"
+    steps: StepCount = DEFAULT_STEPS
+    seed: Annotated[StrictInt, _checked(validate_numbers.seed)] = 0
+    timeout_s: Seconds = 60.0
+    setup_timeout_s: Seconds | None = None
+    checkpoint_dir: PathText | None = None
+    checkpoint_every: StepInterval = 0
+    resume: StrictBool = False
+    init_from: PathText | None = None
+    share_gpu: StrictBool = False
+    gpus: Annotated[StrictStr, _checked(validate_numbers.gpu_list)] | None = None
+    metrics: tuple[SinkName, ...] = DEFAULT_SINKS
     runtime: RuntimeOptions
     optimizer: OptimConfig
     loss_scaling: LossScaling
 
-    def __post_init__(self) -> None:
-        for name in ("plan", "cluster", "out", "data", "checkpoint_dir", "init_from"):
-            _path(getattr(self, name), name)
-        _checked("steps", validate_numbers.steps, self.steps)
-        _checked("seed", validate_numbers.seed, self.seed)
-        _checked("timeout_s", validate_numbers.timeout_s, self.timeout_s)
-        if self.setup_timeout_s is not None:
-            _checked("setup_timeout_s", validate_numbers.timeout_s, self.setup_timeout_s)
-            if self.setup_timeout_s < self.timeout_s:
-                raise FieldError("setup_timeout_s", f"must be at least timeout_s (--timeout: {self.timeout_s:g}), got "
-                                                    f"{self.setup_timeout_s:g}")
-        _checked("checkpoint_every", validate_numbers.int_in_range, self.checkpoint_every, 0,
-                 validate_numbers.MAX_STEPS)
-        if self.gpus is not None:
-            _checked("gpus", validate_numbers.gpu_list, self.gpus)
+    @field_validator("metrics")
+    @classmethod
+    def _sinks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        try:
+            return normalized(value)
+        except ValueError as exc:
+            raise PydanticCustomError(SETTING_ERROR, str(exc)) from None
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> RunConfig:
+        if self.setup_timeout_s is not None and self.setup_timeout_s < self.timeout_s:
+            raise _refused("setup_timeout_s", f"must be at least timeout_s (--timeout: {self.timeout_s:g}), got "
+                                              f"{self.setup_timeout_s:g}")
+        return self
 
     @property
     def gpu_indices(self) -> tuple[int, ...] | None:
@@ -213,82 +281,48 @@ class RunConfig:
         return json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n"
 
 
+# Keys of RunConfig added after the format's first version: a file written before one was added loads with its
+# default (every other key must be in the file).
+ADDED_LATER = ("setup_timeout_s", "share_gpu", "gpus", "metrics")
+
+
 def config_path(out: str | os.PathLike[str]) -> Path:
     """The run configuration of run folder `out`."""
     return Path(out) / CONFIG_FILE
 
 
-_SECTIONS: dict[str, type] = {"runtime": RuntimeOptions, "optimizer": OptimConfig, "loss_scaling": LossScaling}
-
-
-# ---- building from values, checking JSON types ---------------------------------------------------------------
-
-def _type_text(hint: Any) -> str:
-    """What a value of type `hint` is called in an error ("a number", "true or false", ...)."""
-    origin, args = get_origin(hint), get_args(hint)
-    if origin is Literal:
-        return f"one of {', '.join(str(a) for a in args)}"
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_text(a) for a in args)
-    if origin is tuple:
-        return f"a list of {len(args)} {_type_text(args[0]).removeprefix('a ')}s"
-    return {bool: "true or false", int: "a whole number", float: "a number", str: "a string",
-            type(None): "null"}[hint]
-
-
-def _typed(value: Any, hint: Any) -> tuple[bool, Any]:
-    """(whether `value`, as JSON gives it, is of type `hint`; the value to construct with: a list becomes a
-    tuple, an integer for a float field a float)."""
-    origin, args = get_origin(hint), get_args(hint)
-    if origin is Literal:
-        return value in args and isinstance(value, str), value
-    if origin in (Union, types.UnionType):
-        for arg in args:
-            ok, converted = _typed(value, arg)
-            if ok:
-                return True, converted
-        return False, value
-    if origin is tuple:
-        if not isinstance(value, list | tuple) or len(value) != len(args):
-            return False, value
-        items = [_typed(item, arg) for item, arg in zip(value, args, strict=True)]
-        return all(ok for ok, _ in items), tuple(converted for _, converted in items)
-    if hint is type(None):
-        return value is None, value
-    if isinstance(value, bool) or hint is bool:
-        return isinstance(value, bool) and hint is bool, value
-    if hint is float and isinstance(value, int | float):
-        try:
-            return True, float(value)
-        except OverflowError:  # an integer beyond any float: the range check refuses the infinity
-            return True, math.inf
-    return isinstance(value, hint), value
-
+# ---- building from values --------------------------------------------------------------------------------------
 
 T = TypeVar("T")
 
 
+@functools.cache
+def _adapter(cls: type) -> TypeAdapter[Any]:
+    return TypeAdapter(cls)
+
+
+_SECTIONS: dict[str, type] = {"runtime": RuntimeOptions, "optimizer": OptimConfig, "loss_scaling": LossScaling}
+
+
 def build_checked(cls: type[T], values: dict[str, Any], where: str = "") -> T:
-    """`cls(**values)` after checking that `values` names every field of the dataclass `cls` and nothing else,
-    each of its annotated type; a FieldError names the field inside `where` ("optimizer")."""
-    prefix = f"{where}." if where else ""
-    names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
-    unknown = sorted(set(values) - set(names))
-    if unknown:
-        raise FieldError(prefix + unknown[0], f"is no setting (known: {', '.join(sorted(names))})")
-    missing = [name for name in names if name not in values]
-    if missing:
-        raise FieldError(prefix + missing[0], "is missing")
-    hints = get_type_hints(cls)
-    checked: dict[str, Any] = {}
-    for name in names:
-        ok, checked[name] = _typed(values[name], hints[name])
-        if not ok:
-            raise FieldError(prefix + name, f"must be {_type_text(hints[name])}, got {shown(values[name])}")
+    """`cls` (a settings dataclass) from `values`, as JSON gives them (unknown keys refused; absent ones take their
+    defaults); a FieldError names the first refused field inside `where` ("optimizer")."""
     try:
-        return cls(**checked)
-    except FieldError as exc:
-        raise exc.within(where) if where else exc from None
+        return _adapter(cls).validate_python(values)
+    except ValidationError as exc:
+        error = FieldError(*setting_problem(cls, values, exc))
+        raise error.within(where) if where else error from None
+
+
+def _refuse_absent(values: dict[str, Any]) -> None:
+    """FieldError for the first key a config file must hold and `values` lacks (ADDED_LATER ones may be absent)."""
+    for field in fields(RunConfig):
+        if field.name not in values and field.name not in ADDED_LATER:
+            raise FieldError(field.name, "is missing")
+    for section, part in _SECTIONS.items():
+        for field in fields(part):
+            if field.name not in values[section]:
+                raise FieldError(f"{section}.{field.name}", "is missing")
 
 
 def from_dict(data: Any) -> RunConfig:
@@ -298,12 +332,9 @@ def from_dict(data: Any) -> RunConfig:
     if data.get("schema") != SCHEMA:
         raise InputError(f"unknown schema {data.get('schema')!r}, expected {SCHEMA!r}")
     values = {key: value for key, value in data.items() if key != "schema"}
-    for section, cls in _SECTIONS.items():
-        if isinstance(values.get(section), dict):
-            values[section] = build_checked(cls, values[section], section)
-        elif section in values:
-            raise FieldError(section, f"must be an object, got {shown(values[section])}")
-    return build_checked(RunConfig, values)
+    config = build_checked(RunConfig, values)
+    _refuse_absent(values)
+    return config
 
 
 def load_run_config(path: str | os.PathLike[str]) -> RunConfig:

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from .cluster_input import load_cluster_warned
 from .consoles import results
 
 
@@ -44,7 +45,6 @@ def calibrate_command(
     scaled by the run (every micro-batch size and TP degree of it)."""
     from ..cost.params import CostParams
     from ..errors import InputError
-    from ..hardware.cluster import load_cluster
     from ..layers.schema import load_layer_profile, save_layer_profile
     from ..plan.schema import load_plan
     from ..runs.calibrate import fit_profiles, scale_profile
@@ -52,7 +52,7 @@ def calibrate_command(
     from ..runs.reader import load_run, require_plan_cluster
 
     plan = load_plan(plan_file) if plan_file is not None else None
-    cluster = load_cluster(cluster_file) if cluster_file is not None else None
+    cluster = load_cluster_warned(cluster_file) if cluster_file is not None else None
     run = load_run(run_dir, plan=plan, cluster=cluster)
     plan, cluster = require_plan_cluster(run)
     params = params_for_run(CostParams(), run.path, plan, cluster)  # the runtime paths the run took

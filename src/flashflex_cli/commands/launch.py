@@ -21,6 +21,7 @@ from ..launch.preflight import check_run_dirs, start_decision
 from ..launch.recorded_cluster import recorded_cluster_path
 from ..launch.share_gpu import check_share_gpu
 from ..run_config import RunConfig, save_run_config
+from ..semantics.metrics_sinks import DEFAULT_SINKS, check_packages, parse_sinks
 from ..semantics.run_folder import (
     METRICS,
     RUNTIME_RECORD,
@@ -29,7 +30,10 @@ from ..semantics.run_folder import (
     launch_index,
     metric_rows,
 )
+from ..semantics.runtime_paths import RuntimeOptions
 from ..validate_numbers import port as port_number
+from . import runtime_switches as switches
+from .cluster_input import load_cluster_warned
 
 if TYPE_CHECKING:
     from ..plan.schema import Plan
@@ -105,6 +109,20 @@ def _run_here(plan: Plan, plan_path: Path, options: RunConfig, lock_fds: tuple[i
     except Interrupted as exc:
         typer.echo(str(exc), err=True)
         raise typer.Exit(exc.exit_code) from None
+
+
+def _say_planned_paths(console: Console, plan: Plan, given: dict[str, object]) -> None:
+    """One line when the plan's recorded runtime switches (`flashflex plan --no-compile ...`) set paths that the
+    command line did not."""
+    from ..semantics.runtime_paths import switch_flag
+
+    recorded = plan.inputs.runtime
+    if recorded is None:
+        return
+    taken = [switch_flag(name, value) for name, value in recorded.model_dump().items()
+             if name not in given and value != getattr(RuntimeOptions(), name)]
+    if taken:
+        console.print(f"runtime switches the plan was predicted for: {' '.join(taken)}", markup=False)
 
 
 def _print_result(as_json: bool, summary: dict[str, object], lines: list[str]) -> None:
@@ -199,27 +217,22 @@ def launch_command(
                                       "tokens/s gain in percent that a re-plan needs."),
     layers: list[Path] | None = typer.Option(None, "--layers", help="With --elastic: the layer profiles the plan "
                                              "was costed with, for re-planning."),
-    no_lean_p2p: bool = typer.Option(False, "--no-lean-p2p", help="For comparison only: stage-boundary sends in "
-                                     "fp32 and in full from every TP rank."),
-    no_overlap_dp: bool = typer.Option(False, "--no-overlap-dp", help="For comparison only: one blocking "
-                                       "gradient reduction after the whole backward."),
-    no_hierarchical_dp: bool = typer.Option(False, "--no-hierarchical-dp", help="For comparison only: one flat "
-                                            "reduction ring over all holders of a slice."),
-    compile_: bool | None = typer.Option(None, "--compile/--no-compile", help="torch.compile each layer, the "
-                                         "final norm and the loss, warmed up before step 0 (default: on for GPU "
-                                         "plans, off on CPU devices)."),
-    no_chunked_loss: bool = typer.Option(False, "--no-chunked-loss", help="For comparison only: the whole "
-                                         "logits tensor, upcast to fp32 for the loss."),
+    lean_p2p: bool | None = switches.LEAN_P2P,
+    overlap_dp: bool | None = switches.OVERLAP_DP,
+    hierarchical_dp: bool | None = switches.HIERARCHICAL_DP,
+    compile_: bool | None = switches.COMPILE,
+    chunked_loss: bool | None = switches.CHUNKED_LOSS,
+    optimizer: str | None = switches.OPTIMIZER,
     gpus: str | None = typer.Option(None, "--gpus", metavar="LIST", help="This host's GPUs the plan's node runs "
                                     "on, e.g. 2,3 (CUDA_VISIBLE_DEVICES of the workers; local launcher)."),
     share_gpu: bool = typer.Option(False, "--share-gpu", help="Validation only, never for a real cluster: run "
                                    "every rank of a GPU plan on this machine's one GPU, each rank its own NCCL "
                                    "host talking over loopback sockets (docs/multi-gpu.md)."),
-    optimizer: str = typer.Option("auto", "--optimizer", help="AdamW kernels: fused or foreach (auto: fused on "
-                                  "GPUs, foreach on CPU devices)."),
+    metrics: str = typer.Option(",".join(DEFAULT_SINKS), "--metrics", metavar="LIST", help="Where the per-step "
+                                "metrics go, comma-separated: jsonl (RUN/metrics.jsonl, always written), console, "
+                                "tensorboard (RUN/tensorboard/), wandb (offline, RUN/wandb/)."),
 ) -> None:
     """Check PLAN against the cluster, the machine and the data, then run it or render its launch commands."""
-    from ..hardware.cluster import load_cluster
     from ..launch.preflight import (
         check_checkpoint_space,
         check_init_from,
@@ -233,24 +246,28 @@ def launch_command(
     if launcher not in LAUNCHERS:
         raise InputError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     host_list, ifnames = _host_addresses(_split(hosts, "--hosts")), _split(ifname, "--ifname") or ()
+    sinks = parse_sinks(metrics)
+    if launcher == "local":  # a rendered script's hosts: the worker refuses a missing package when it starts
+        check_packages(sinks)
     checkpoints = checkpoint_folder(out, checkpoint_dir, checkpoint_every, no_checkpoint, resume, overwrite)
     elastic_settings = elastic_options(elastic, launcher, max_restarts, min_devices, cluster_watch, replan_gain,
                                        layers, checkpoints)
+    given = switches.given_switches(lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer)
     if cluster_path is None:
         cluster_path = recorded_cluster_path(plan_path)
     every = DEFAULT_CHECKPOINT_EVERY if checkpoint_every is None else checkpoint_every
     options = launch_config(plan=str(plan_path), cluster=str(cluster_path), out=str(out), data=data, steps=steps,
                             seed=seed, lr=lr, checkpoint_dir=checkpoints, checkpoint_every=every if checkpoints
                             else 0, resume=resume, timeout_s=timeout, setup_timeout_s=setup_timeout,
-                            share_gpu=share_gpu, gpus=gpus,
+                            share_gpu=share_gpu, gpus=gpus, metrics=sinks,
                             schedule_steps=schedule_steps, init_from=str(init_from) if init_from else None,
-                            runtime={"lean_p2p": not no_lean_p2p, "overlap_dp": not no_overlap_dp,
-                                     "hierarchical_dp": not no_hierarchical_dp, "compile": compile_,
-                                     "chunked_loss": not no_chunked_loss, "optimizer": optimizer})
+                            runtime=given)
     if launcher != "local":
         port_number(port)
     _check_outputs(launcher, script, options, _script_inputs(plan_path, cluster_path, data, template), dry_run)
-    plan, cluster = load_plan(plan_path), load_cluster(cluster_path)
+    plan, cluster = load_plan(plan_path), load_cluster_warned(cluster_path)
+    # the paths the plan was predicted for, but for the switches given here
+    options = dataclasses.replace(options, runtime=switches.switched(plan.inputs.runtime_options(), given))
     check_plan_cluster(plan, cluster, str(cluster_path))
     if share_gpu:
         check_share_gpu(plan, cluster, launcher, elastic)
@@ -274,6 +291,9 @@ def launch_command(
             decision = start_decision(plan, options, overwrite)
             for line in warnings:
                 console.print(f"[yellow]warning:[/] {line}")
+            for note in lock.notes if lock is not None else ():
+                console.print(note, markup=False)
+            _say_planned_paths(console, plan, given)
             if dry_run or lock is None:
                 if decision.line:
                     console.print(f"would start: {decision.line}", markup=False)
@@ -305,11 +325,14 @@ def launch_command(
         text = render_slurm(plan, cluster, options, settings, SlurmSettings(job_name=job_name))
     for line in warnings:  # after rendering, so that a refused value is the only line
         console.print(f"[yellow]warning:[/] {line}")
+    _say_planned_paths(console, plan, given)
     if not dry_run:  # what every rendered worker reads; not while a local launch runs in the folder
         from ..launch.lock import run_lock
 
-        with run_lock(options.out, None):
+        with run_lock(options.out, None) as lock:
             decision = start_decision(plan, options, overwrite)
+            for note in lock.notes:
+                console.print(note, markup=False)
             if overwrite:
                 clear_progress(options.out, options.checkpoint_dir)
             save_run_config(dataclasses.replace(options, resume=decision.resume))

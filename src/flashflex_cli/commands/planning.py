@@ -13,22 +13,25 @@ from ..cost.params import CostParams
 from ..cost.reestimate import reestimated, unmatched_profiles, validate_plan
 from ..errors import CheckFailed, FlashflexError, InputError
 from ..fileio import atomic_write_text, check_writable_output, read_json, refuse_same_path
-from ..hardware.cluster import Cluster, load_cluster
+from ..hardware.cluster import Cluster
 from ..layers.load import check_profile_fits, load_layer_profiles
 from ..model.hf_config import resolve_model
 from ..model.spec import ModelSpec
 from ..plan.diff import diff_plans
 from ..plan.render import render_baseline, render_diff, render_plan
-from ..plan.schema import Plan, TrainConfig, load_plan
+from ..plan.schema import Plan, PlannedPaths, TrainConfig, load_plan
 from ..planner.fleet.economics import annotated
 from ..planner.fleet.precision import AUTO, AUTO_DTYPES, DTYPE_CHOICES, DtypeTrial, choose_dtype
+from ..semantics.runtime_paths import RuntimeOptions
+from . import runtime_switches as switches
+from .cluster_input import load_cluster_warned
 from .consoles import diagnostics, results
 from .plan_objective import PRICES_HELP, Fleet, device_prices
 
 LAYERS_HELP = "Measured layer profile (flashflex.layers/1); repeatable. Stages it matches are costed from it."
 
 
-def _cost_params(path: Path | None, layers: list[Path] | None = None, plan: Plan | None = None,
+def read_cost_params(path: Path | None, layers: list[Path] | None = None, plan: Plan | None = None,
                  model: ModelSpec | None = None, train: TrainConfig | None = None,
                  dtypes: tuple[str, ...] = ()) -> CostParams:
     """Defaults, `path`'s overrides, and the layer profiles of `layers`, each of which must describe the
@@ -97,6 +100,12 @@ def plan_command(
     exclude: str | None = typer.Option(None, "--exclude", metavar="NODES", help="Nodes not to plan on: node3,node5."),
     explain_groups: bool = typer.Option(False, "--explain", help="Per node group: drop it, re-plan, and print "
                                         "what it adds in tokens/s and costs (with --prices)."),
+    lean_p2p: bool | None = switches.LEAN_P2P,
+    overlap_dp: bool | None = switches.OVERLAP_DP,
+    hierarchical_dp: bool | None = switches.HIERARCHICAL_DP,
+    compile_: bool | None = switches.COMPILE,
+    chunked_loss: bool | None = switches.CHUNKED_LOSS,
+    optimizer: str | None = switches.OPTIMIZER,
     sync: str = typer.Option("auto", "--sync", help="full (synchronous data parallelism), local (replica groups "
                              "cut along slow links, joined by outer steps: DiLoCo) or auto (local only where the "
                              "cost model predicts it much faster)."),
@@ -120,11 +129,13 @@ def plan_command(
     if sync not in SYNC_CHOICES:
         raise InputError(f"--sync must be one of {', '.join(SYNC_CHOICES)}, got {sync!r}")
     steps_range = parse_inner_steps(inner_steps)
-    cluster = load_cluster(cluster_file)
+    runtime = switches.switched(RuntimeOptions(), switches.given_switches(
+        lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer))
+    cluster = load_cluster_warned(cluster_file)
     spec = resolve_model(model)
     dtypes = AUTO_DTYPES if dtype == AUTO else (dtype,)
     train = _train(global_batch, seq_len, dtypes[0], recompute, attention)
-    params = _cost_params(cost_params, layers, model=spec, train=train, dtypes=dtypes)
+    params = read_cost_params(cost_params, layers, model=spec, train=train, dtypes=dtypes).for_launch(runtime)
     options = Fleet.from_options(cluster, prices_file, objective, budget, exclude)
     stats = SearchStats()
     fleets: list[Fleet] = []  # one per dtype planned (two at most, with --dtype auto)
@@ -139,7 +150,7 @@ def plan_command(
             jobs=jobs or usable_cores(), micro_batch=micro_batch or 1))
         found = reestimated(found, estimate(found, cluster, params))  # records the layer profiles it used
         assert fleet.choice is not None  # fleet.plan raises otherwise
-        return DtypeTrial(chosen, found, float(found.predicted["tokens_per_s"]),  # type: ignore[index]
+        return DtypeTrial(chosen, found, float(found.predicted.tokens_per_s),  # type: ignore[union-attr]
                           fleet.choice.best.per_million_tokens, payload=fleet)
 
     reason = None
@@ -152,7 +163,9 @@ def plan_command(
     assert trial.plan is not None and isinstance(trial.payload, Fleet)
     plan, fleet, train = trial.plan, trial.payload, trial.plan.inputs.train
     # where `flashflex launch` finds the cluster when --cluster is not given (the sha256 is still checked)
-    recorded = plan.inputs.model_copy(update={"cluster_path": str(cluster_file), "dtype_reason": reason})
+    # and the runtime switches it was predicted for (none for the launch defaults)
+    recorded = plan.inputs.model_copy(update={"cluster_path": str(cluster_file), "dtype_reason": reason,
+                                              "runtime": PlannedPaths.of(runtime)})
     plan = plan.model_copy(update={"inputs": recorded})
     plan = fleet.finish(plan, params)  # measured idle reasons, MFU over the whole cluster, dollars
     plan = choose_sync(sync, plan, cluster, lambda sub, trained: plan_layout(  # replica groups (issue 32)
@@ -164,8 +177,8 @@ def plan_command(
     if json_out:
         typer.echo(plan.to_json(), nl=False)
     console, warn = results(json_out), diagnostics()
-    for line in unmatched_profiles(estimate(plan, cluster, params), params) if params.layer_profiles else ():
-        warn.print(f"[yellow]warning[/yellow]: {line}")
+    for line in unmatched_profiles(estimate(plan, cluster, params), params, cluster) if params.layer_profiles else ():
+        warn.print(f"[yellow]warning[/yellow]: {line}", soft_wrap=True)
     render_plan(console, plan)
     uniform, why = None, ""
     if baseline and strategy != "uniform":
@@ -197,32 +210,62 @@ def show_command(
     timeline: Path | None = typer.Option(None, "--timeline", help="Draw the 1F1B schedules (predicted, and "
                                          "measured with --run) to this PNG (needs matplotlib)."),
     prices_file: Path | None = typer.Option(None, "--prices", help="With --cluster: " + PRICES_HELP),
+    lean_p2p: bool | None = switches.LEAN_P2P,
+    overlap_dp: bool | None = switches.OVERLAP_DP,
+    hierarchical_dp: bool | None = switches.HIERARCHICAL_DP,
+    compile_: bool | None = switches.COMPILE,
+    chunked_loss: bool | None = switches.CHUNKED_LOSS,
+    optimizer: str | None = switches.OPTIMIZER,
 ) -> None:
     """Render a plan; with --cluster, validate it there and predict it afresh (exit 1 if it cannot run); with
     --run, side by side with what a run of it measured."""
     plan_file, run_dir = _plan_and_run(plan_file, run_dir)
     if prices_file is not None and cluster_file is None and run_dir is None:
         raise InputError("--prices needs --cluster (prices are per device type; the cluster names the types)")
+    given = switches.given_switches(lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer)
+    if given and run_dir is not None:
+        raise InputError(f"{switches.flags_text(given)} and --run contradict each other: a run is predicted by the "
+                         "paths it recorded (RUN/runtime.json)")
+    if given and cluster_file is None and timeline is None:  # predict afresh on the cluster the plan was made for
+        from ..launch.recorded_cluster import recorded_cluster_path
+
+        cluster_file = recorded_cluster_path(plan_file)
     plan = load_plan(plan_file)
-    params = _cost_params(cost_params, layers, plan)  # read and checked with or without --cluster, as plan does
+    runtime = switches.switched(plan.inputs.runtime_options(), given)
+    params = read_cost_params(cost_params, layers, plan)  # read and checked with or without --cluster, as plan does
     console, warn = results(json_out), diagnostics()
+    if run_dir is not None:
+        from ..launch.lock import stale_lock_note
+
+        if (note := stale_lock_note(run_dir)) is not None:
+            warn.print(note, markup=False, soft_wrap=True)
     if run_dir is not None or timeline is not None:
         from ..runs.show import cluster_for_run
 
         cluster_file = cluster_for_run(cluster_file, run_dir)
     if cluster_file is not None:
-        cluster = load_cluster(cluster_file)
+        cluster = load_cluster_warned(cluster_file)
         prices = device_prices(prices_file, cluster)
-        params = _cost_params(cost_params, layers, plan)
         if run_dir is not None:  # predict the run by the runtime paths it took
             from ..runs.paths import params_for_run
 
             params = params_for_run(params, run_dir, plan, cluster)
+        else:  # the launch the plan was predicted for, or the one the switches describe
+            params = params.for_launch(runtime)
+            plan = plan.model_copy(update={"inputs": plan.inputs.model_copy(
+                update={"runtime": PlannedPaths.of(runtime)})})
         result = validate_plan(plan, cluster, params)
         for line in result.warnings:
-            warn.print(f"[yellow]warning[/yellow]: {line}")
+            warn.print(f"[yellow]warning[/yellow]: {line}", soft_wrap=True)
         if result.estimate is not None:
-            plan = annotated(reestimated(plan, result.estimate), cluster, prices)
+            found = reestimated(plan, result.estimate)
+            if plan.outer_sync is not None:  # replica groups: the round (cost/outer_sync.py), not one step
+                from ..cost.outer_sync import round_predicted
+                from ..plan.predicted import Predicted
+
+                found = found.model_copy(update={"predicted": Predicted.model_validate(
+                    round_predicted(plan, cluster, params))})
+            plan = annotated(found, cluster, prices)
         compared = None
         if run_dir is not None or timeline is not None:
             from ..runs.show import plan_json_with_run, render_run, run_views
@@ -263,7 +306,8 @@ def _plan_and_run(plan_file: Path | None, run_dir: Path | None) -> tuple[Path, P
 
 def _predicted_on(plan: Plan, cluster: Cluster, cost_params: Path | None, layers: list[Path] | None) -> Plan:
     """`plan` with its prediction made afresh on `cluster` (its checks' errors as one InputError)."""
-    result = validate_plan(plan, cluster, _cost_params(cost_params, layers, plan))
+    params = read_cost_params(cost_params, layers, plan).for_launch(plan.inputs.runtime_options())
+    result = validate_plan(plan, cluster, params)
     if result.estimate is None:
         raise InputError("; ".join(result.errors))
     return reestimated(plan, result.estimate)
@@ -295,7 +339,7 @@ def diff_command(
                          "predictions otherwise)")
     a, b = load_plan(plan_a), load_plan(plan_b)
     if cluster_file is not None:
-        cluster = load_cluster(cluster_file)
+        cluster = load_cluster_warned(cluster_file)
         prices = device_prices(prices_file, cluster)
         a, b = (annotated(_predicted_on(plan, cluster, cost_params, layers), cluster, prices) for plan in (a, b))
     result = diff_plans(a, b)

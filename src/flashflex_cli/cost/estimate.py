@@ -13,6 +13,7 @@ from typing import Any
 
 from ..hardware.cluster import Cluster
 from ..model import flops as model_flops
+from ..plan.predicted import Predicted
 from ..plan.schema import Plan
 from ..semantics.process_groups import rank_communicators
 from ..units import byte_size
@@ -96,8 +97,13 @@ class Estimate:
     problems: list[str] = field(default_factory=list)
     optimizer_s: float = 0.0
 
+    def prediction(self) -> Predicted:
+        """Plan.predicted of this estimate (`to_predicted` as the typed model)."""
+        return Predicted.model_validate(self.to_predicted())
+
     def to_predicted(self) -> dict[str, Any]:
-        """JSON-ready dict for Plan.predicted: stable key order, floats to 6 significant digits."""
+        """JSON-ready dict of Plan.predicted: stable key order, floats to 6 significant digits (byte-stable plan
+        files)."""
         return {
             "iteration_time_s": _r(self.iteration_time_s),
             "tokens_per_s": _r(self.tokens_per_s),

@@ -140,6 +140,22 @@ def round_estimate(plan: Plan, cluster: Cluster, params: CostParams | None = Non
                          sent, groups)
 
 
+def round_predicted(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> dict[str, Any]:
+    """The `predicted` section of a plan of replica groups: its round's figures over the groups' stages and
+    pipelines (renumbered in plan order)."""
+    rounded = round_estimate(plan, cluster, params)
+    stages: list[dict[str, Any]] = []
+    pipes: list[dict[str, Any]] = []
+    for est in rounded.groups:
+        predicted = est.to_predicted()
+        stages += [{**stage, "pipeline": stage["pipeline"] + len(pipes)} for stage in predicted["stages"]]
+        pipes += predicted["pipelines"]
+    base = {"model_flops_per_token": rounded.groups[0].model_flops_per_token,
+            "dp_exposed_s": max(e.dp_exposed_s for e in rounded.groups),
+            "optimizer_s": max(e.optimizer_s for e in rounded.groups), "pipelines": pipes, "stages": stages}
+    return rounded.to_predicted(base)
+
+
 def cross_bytes(slices: Sequence[Any], element_bytes: float, rank_site: Sequence[int], plan: Plan) -> float:
     """Bytes the ring all-reduces of `slices` (those needing a reduction, grouped by holder set) put on links
     between sites, `rank_site[r]` the site of rank r (module docstring)."""

@@ -235,6 +235,13 @@ class CostParams:
                 return table[key]
         return self.default_compute_intercept
 
+    def for_launch(self, runtime: RuntimeOptions) -> CostParams:
+        """These parameters charging a launch on `runtime`'s paths (`flashflex plan/show/launch` switches): its
+        communication switches turned off turn the DP overlap and hierarchy off (a cost-parameter file's
+        `dp_overlap: false` stays off)."""
+        return dataclasses.replace(self, runtime=runtime, dp_overlap=self.dp_overlap and runtime.overlap_dp,
+                                   dp_hierarchical=self.dp_hierarchical and runtime.hierarchical_dp)
+
     def with_layer_profiles(self, profiles: tuple[LayerProfile, ...]) -> CostParams:
         """These parameters with `profiles` as the measured layer profiles."""
         return dataclasses.replace(self, layer_profiles=tuple(profiles))

@@ -10,7 +10,7 @@ import hashlib
 import math
 import os
 from functools import cached_property, lru_cache
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, model_validator
 from pydantic_core import PydanticCustomError
@@ -76,12 +76,39 @@ class Device(_Strict):
     memory_bytes: MemoryBytes
     peak_flops: dict[str, Flops]
     memory_bandwidth: MemoryBandwidth
-    source: Literal["catalog", "measured"] = "catalog"
+    source: Literal["catalog", "measured", "cluster file"] = "catalog"
     achieved_flops: dict[str, Flops] | None = None
     slowdown: Slowdown = 1.0  # emulated devices compute this many times slower; the runtime honours it
     native_dtypes: tuple[ComputeDtype, ...] | None = None
     uuid: GpuUuid | None = None
     pci_bus_id: PciBusId | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numbers_of_an_uncatalogued_type(cls, data: Any) -> Any:
+        """A type the catalog does not know has no figures but the file's: the file must give them all (its peak
+        FLOP/s in at least one dtype, its memory and memory bandwidth). A measured device has its probe's
+        figures. A dtype without a peak figure is costed at the fp32 rate, refused where that is missing too."""
+        if not isinstance(data, dict) or not isinstance(data.get("type"), str) or data.get("source") == "measured":
+            return data
+        if _catalog_native(data["type"]) is not None:
+            return data
+        peaks = data.get("peak_flops")
+        missing = [name for name, given in (("peak_flops (FLOP/s)", isinstance(peaks, dict) and bool(peaks)),
+                                            ("memory_bytes", "memory_bytes" in data),
+                                            ("memory_bandwidth (B/s)", "memory_bandwidth" in data)) if not given]
+        if missing:
+            raise ValueError(f"device type {data['type'][:60]!r} is not in the catalog, so the cluster file must "
+                             f"give its figures; it lacks {', '.join(missing)}")
+        return data
+
+    @property
+    def numbers_source(self) -> str:
+        """Where this device's peak FLOP/s, memory and bandwidth come from: "measured" (its probe), "catalog"
+        (its type's datasheet entry), or "cluster file" (a type the catalog does not know: the file's own)."""
+        if self.source == "measured":
+            return "measured"
+        return "catalog" if _catalog_native(self.type) is not None else "cluster file"
 
     def native(self) -> frozenset[str]:
         """The dtypes this device computes natively: its own `native_dtypes`, else the catalog's for its type,
@@ -285,6 +312,19 @@ def load_cluster(path: str | os.PathLike[str]) -> Cluster:
     return load_model(path, Cluster, CLUSTER_SCHEMA)
 
 
+def file_figures_warnings(cluster: Cluster, path: str | os.PathLike[str]) -> list[str]:
+    """One line per device type of `cluster` that the catalog does not know and no probe measured: its figures
+    are the cluster file's alone, costed with the default efficiency curve."""
+    kinds: dict[str, int] = {}
+    for node in cluster.nodes:
+        for device in node.devices:
+            if device.numbers_source == "cluster file":
+                kinds[device.type] = kinds.get(device.type, 0) + 1
+    return [f"{path}: device type {name!r} ({count} device{'s' if count > 1 else ''}) is not in the catalog: its "
+            "peak FLOP/s, memory and memory bandwidth are the cluster file's (source: cluster file), costed with "
+            "the default efficiency curve (give a layer profile to measure them)" for name, count in kinds.items()]
+
+
 def is_catalogued(type_name: str) -> bool:
     """True when the device catalog knows `type_name` (or an alias of it)."""
     try:
@@ -302,4 +342,4 @@ def save_cluster(path: str | os.PathLike[str], cluster: Cluster) -> None:
 
 
 __all__ = ["CLUSTER_SCHEMA", "Cluster", "Device", "DevicePair", "InterNode", "IntraLink", "Node", "NodePair",
-           "is_catalogued", "load_cluster", "save_cluster", "write_model"]
+           "file_figures_warnings", "is_catalogued", "load_cluster", "save_cluster", "write_model"]

@@ -145,7 +145,8 @@ def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, t
     plan = plan_layout(cluster, inputs.model, inputs.train, strategy=strategy, time_budget_s=time_budget_s,
                        seed=inputs.seed, params=params, micro_batch=micro_batch, max_micro_batch=max_micro_batch)
     plan = reestimated(plan, estimate(plan, cluster, params))
-    return plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"cluster_path": cluster_path})})
+    return plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"cluster_path": cluster_path,
+                                                                            "runtime": inputs.runtime})})
 
 
 def latest_step(checkpoint_dir: str | None) -> int:
@@ -212,7 +213,7 @@ class WatchHook:
             self.say(f"cluster-watch: {path} changed, no plan fits it ({exc}); continuing under the current plan")
             return None
         before = predicted_tokens_per_s(self.current.plan, cluster, self.params)
-        after = float((plan.predicted or {}).get("tokens_per_s", 0.0))
+        after = float(plan.predicted.tokens_per_s) if plan.predicted else 0.0
         gain = None if not before else 100.0 * (after / before - 1.0)
         if gain is not None and gain < self.settings.replan_gain_pct:
             self.say(f"cluster-watch: {path} changed: a new plan predicts {_tps_text(after)} tokens/s against "
@@ -301,7 +302,7 @@ class ElasticRun:
                                  f"remaining device(s) ({exc}); stopping: {_checkpoint_text(ckpt)}") from None
         self.restarts += 1
         before = predicted_tokens_per_s(plan, self.layout.cluster, self.params)
-        after = float((new.predicted or {}).get("tokens_per_s", 0.0))
+        after = float(new.predicted.tokens_per_s) if new.predicted else 0.0
         return Replan(Layout(new, "", cluster, ""), "lost devices", lost, before, after)
 
     def _file(self, kind: str, index: int) -> str:

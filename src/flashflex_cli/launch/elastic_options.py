@@ -69,8 +69,8 @@ def check_elastic_plan(plan: Plan, settings: ElasticSettings | None) -> None:
 def cost_params(plan: Plan, layers: tuple[str, ...]) -> CostParams:
     """The cost parameters to re-plan `plan` with: the layer profiles its `inputs.layer_profiles` name, found
     among `layers` by sha256 (InputError naming the missing ones). Other cost overrides are not recorded in a
-    plan: re-planning uses the defaults."""
-    params = CostParams()
+    plan: re-planning uses the defaults, on the runtime paths the plan was predicted for."""
+    params = CostParams().for_launch(plan.inputs.runtime_options())
     wanted = set(plan.inputs.layer_profiles or ())
     if not wanted:
         return params

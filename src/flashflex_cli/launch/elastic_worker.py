@@ -97,7 +97,7 @@ def decide_round(config: RunConfig, config_path: str, present: list[str], round_
                               "new_plan": plan_path, "old_cluster": config.cluster, "new_cluster": cluster_path,
                               "config": written,
                               "predicted_tokens_per_s_before": predicted_tokens_per_s(plan, cluster, params),
-                              "predicted_tokens_per_s_after": (new.predicted or {}).get("tokens_per_s")})
+                              "predicted_tokens_per_s_after": new.predicted.tokens_per_s if new.predicted else None})
     print(f"flashflex elastic: round {round_}: plan nodes {', '.join(present)} present; re-planned "
           f"{plan.world_size} -> {new.world_size} devices ({plan_path})", file=sys.stderr, flush=True)
     return written

@@ -64,7 +64,7 @@ LAUNCH_OPTIONS: dict[str, str] = {
     "plan": "PLAN", "cluster": "--cluster", "out": "--out", "data": "--data", "steps": "--steps", "seed": "--seed",
     "timeout_s": "--timeout", "setup_timeout_s": "--setup-timeout", "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every",
     "init_from": "--init-from", "share_gpu": "--share-gpu", "gpus": "--gpus", "optimizer.lr": "--lr", "optimizer.total_steps": "--schedule-steps",
-    "runtime.optimizer": "--optimizer", "runtime.compile": "--compile",
+    "runtime.optimizer": "--optimizer", "runtime.compile": "--compile", "metrics": "--metrics",
 }
 
 
@@ -91,5 +91,5 @@ def launch_config(*, plan: str, cluster: str, out: str, lr: float = DEFAULT_LR, 
             optimizer = default_optimizer(lr, total_steps)
         except FieldError as exc:
             raise exc.within("optimizer") from None
-        return RunConfig(plan=plan, cluster=cluster, out=out, runtime=switches, optimizer=optimizer,
-                         loss_scaling=LossScaling(), **run)
+        return build_checked(RunConfig, {"plan": plan, "cluster": cluster, "out": out, "runtime": switches,
+                                         "optimizer": optimizer, "loss_scaling": LossScaling(), **run})

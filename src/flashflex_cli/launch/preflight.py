@@ -7,7 +7,6 @@ or inconsistent inputs are input errors (exit code 2).
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +66,7 @@ def rank_memory_bytes(plan: Plan, cluster: Cluster, runtime: RuntimeOptions | No
     from ..cost.params import CostParams
 
     runtime = runtime or RuntimeOptions()
-    params = dataclasses.replace(CostParams(), runtime=runtime, dp_overlap=runtime.overlap_dp,
-                                 dp_hierarchical=runtime.hierarchical_dp)
+    params = CostParams().for_launch(runtime)
     stages = plan_memory(plan, cluster, params)
     return [stages[(info.pipeline, info.stage)].total for info in plan.ranks()]
 

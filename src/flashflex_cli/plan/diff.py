@@ -10,7 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..semantics.runtime_paths import non_default_flags
 from .outer_text import outer_sync_changes
+from .predicted import Predicted
 from .schema import Plan
 from .text import compact_devices, layer_text
 
@@ -94,6 +96,10 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
                            f"{ib.cluster_name or '?'} ({ib.cluster_sha256[:12]})")
     if ia.strategy != ib.strategy:
         out.changes.append(f"strategy: {ia.strategy} -> {ib.strategy}")
+    ra, rb = ia.runtime_options(), ib.runtime_options()
+    if ra != rb:  # the launch each prediction is for
+        out.changes.append(f"runtime switches: {' '.join(non_default_flags(ra)) or 'launch defaults'} -> "
+                           f"{' '.join(non_default_flags(rb)) or 'launch defaults'}")
     la, lb = set(ia.layer_profiles or ()), set(ib.layer_profiles or ())
     for sha in sorted(lb - la):
         out.changes.append(f"layer profile {sha[:12]}: now used")
@@ -140,14 +146,14 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
         out.changes.append(f"unused: {compact_devices(idle)} now idle")
     if used:
         out.changes.append(f"unused: {compact_devices(used)} now used")
-    pa_, pb_ = a.predicted or {}, b.predicted or {}
+    pa_, pb_ = a.predicted, b.predicted
     for name in METRICS:
-        va, vb = pa_.get(name), pb_.get(name)
+        va, vb = (None if p is None else getattr(p, name) for p in (pa_, pb_))
         out.metrics.append(MetricDelta(name, None if va is None else float(va), None if vb is None else float(vb)))
-    da, db = pa_.get("dollars") or {}, pb_.get("dollars") or {}
-    if da and db and (da.get("currency"), da.get("prices_sha256")) != (db.get("currency"), db.get("prices_sha256")):
-        out.changes.append(f"prices: {da.get('currency', '?')} ({str(da.get('prices_sha256', ''))[:12]}) -> "
-                           f"{db.get('currency', '?')} ({str(db.get('prices_sha256', ''))[:12]})")
+    da, db = (None if p is None else p.dollars for p in (pa_, pb_))
+    if da and db and (da.currency, da.prices_sha256) != (db.currency, db.prices_sha256):
+        out.changes.append(f"prices: {da.currency or '?'} ({(da.prices_sha256 or '')[:12]}) -> "
+                           f"{db.currency or '?'} ({(db.prices_sha256 or '')[:12]})")
     for name in OPTIONAL_METRICS:
         va, vb = optional_metric(pa_, name), optional_metric(pb_, name)
         if va is not None or vb is not None:
@@ -155,10 +161,12 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
     return out
 
 
-def optional_metric(predicted: dict[str, Any], name: str) -> float | None:
+def optional_metric(predicted: Predicted | None, name: str) -> float | None:
     """One of OPTIONAL_METRICS from a prediction; None when it does not carry it."""
+    if predicted is None:
+        return None
     if name == "mfu_cluster":
-        mfu, used, whole = (predicted.get(k) for k in ("mfu", "peak_flops_used", "peak_flops_cluster"))
-        return None if not (mfu is not None and used and whole) else float(mfu) * float(used) / float(whole)
-    value = (predicted.get("dollars") or {}).get(name)
+        mfu, used, whole = predicted.mfu, predicted.peak_flops_used, predicted.peak_flops_cluster
+        return None if not (used and whole) else float(mfu) * float(used) / float(whole)
+    value = None if predicted.dollars is None else getattr(predicted.dollars, name)
     return None if value is None else float(value)

@@ -7,7 +7,9 @@ Ranks are numbered pipelines in order, stages in order, devices in order (`Plan.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,14 +17,28 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 
 from ..fileio import dumps_json, load_model
 from ..model.spec import ModelSpec
-from ..physical_limits import LAYER_INDEX, SEED, SEQ_LEN, SEQUENCES, TP_DEGREE, limited, shown
+from ..physical_limits import (
+    DEVICE_MEMORY_BYTES,
+    LAYER_INDEX,
+    MICRO_BATCHES,
+    SEED,
+    SEQ_LEN,
+    SEQUENCES,
+    TP_DEGREE,
+    limited,
+)
 from ..semantics.outer_sync import OUTER_LR, OUTER_MOMENTUM
+from ..semantics.runtime_paths import OptimizerPath, RuntimeOptions
+from ..units import byte_size
+from .predicted import Predicted, prediction_problem
 
 PLAN_SCHEMA = "flashflex.plan/1"
 
@@ -37,6 +53,9 @@ SeqLen = limited(SEQ_LEN)
 TpDegree = limited(TP_DEGREE)
 LayerIndex = limited(LAYER_INDEX)
 Seed = limited(SEED)
+MicroBatches = limited(MICRO_BATCHES)
+# The fewest bytes a token's hidden state takes (16-bit), to refuse a micro-batch no device could hold
+HIDDEN_STATE_BYTES = 2
 
 
 class TrainConfig(_Strict):
@@ -98,7 +117,7 @@ class PipelinePlan(_Strict):
     """One data-parallel replica: its stages and its share of the global batch (in micro-batches)."""
 
     micro_batch_size: Sequences
-    num_micro_batches: Sequences
+    num_micro_batches: MicroBatches
     stages: list[StagePlan] = Field(min_length=1)
 
     @property
@@ -150,12 +169,35 @@ class UnusedDevice(_Strict):
     reason: str
 
 
+class PlannedPaths(_Strict):
+    """The runtime switches a plan was predicted for (`flashflex plan --no-compile ...`: semantics/runtime_paths.py
+    RuntimeOptions); `flashflex show` and `flashflex launch` take them unless told otherwise. A plan predicted
+    for the launch defaults has none (its file keeps the bytes it had before the switches were recorded)."""
+
+    lean_p2p: bool = True
+    overlap_dp: bool = True
+    hierarchical_dp: bool = True
+    compile: bool | None = None
+    chunked_loss: bool = True
+    optimizer: OptimizerPath = "auto"
+
+    def options(self) -> RuntimeOptions:
+        """These switches as the runtime's options."""
+        return RuntimeOptions(**self.model_dump())
+
+    @classmethod
+    def of(cls, options: RuntimeOptions) -> PlannedPaths | None:
+        """The record of `options`; None for the launch defaults (nothing is written)."""
+        return None if options == RuntimeOptions() else cls(**dataclasses.asdict(options))
+
+
 class PlanInputs(_Strict):
     """What the plan was made from: the cluster (by hash), the model, the training configuration, and the
     sha256 of every measured layer profile its prediction used (absent: none, or an earlier version).
     cluster_path: the cluster file as `flashflex plan` was given it (absent in older plans); `flashflex launch`
     without --cluster opens it and still checks its sha256.
-    dtype_reason: why `flashflex plan --dtype auto` chose `train.dtype` (absent: the dtype was given)."""
+    dtype_reason: why `flashflex plan --dtype auto` chose `train.dtype` (absent: the dtype was given).
+    runtime: the runtime switches the prediction is for (absent: the launch defaults)."""
 
     cluster_sha256: str
     cluster_name: str = ""
@@ -166,93 +208,21 @@ class PlanInputs(_Strict):
     layer_profiles: list[str] | None = None
     cluster_path: str | None = None
     dtype_reason: str | None = None
+    runtime: PlannedPaths | None = None
+
+    def runtime_options(self) -> RuntimeOptions:
+        """The runtime switches the plan was predicted for (the launch defaults where it records none)."""
+        return self.runtime.options() if self.runtime is not None else RuntimeOptions()
 
 
-_PREDICTED_REQUIRED = ("tokens_per_s", "mfu", "iteration_time_s")
-_PREDICTED_NUMBERS = ("model_flops_per_token", "peak_flops_used", "dp_exposed_s", "optimizer_s",
-                      "peak_flops_cluster")
-# optional `predicted.dollars` (planner/fleet/economics.py): cost per hour and per million tokens; null = unknown
-_DOLLAR_NUMBERS = ("per_hour_used", "per_hour_cluster", "per_million_tokens_used", "per_million_tokens_cluster")
-_STAGE_NUMBERS = ("time_s", "memory_bytes", "memory_capacity_bytes")
-_LARGEST_NUMBER = 1e300  # above it a product or a sum of two predicted figures overflows a float
-
-
-def _expect(value: Any, kind: str, where: str) -> None:
-    """Raise ValueError unless `value` is of `kind`: number (int/float, not bool), integer, bool, str, list."""
-    numeric = isinstance(value, int | float) and not isinstance(value, bool)
-    ok = {"number": numeric, "integer": numeric and isinstance(value, int), "bool": isinstance(value, bool),
-          "str": isinstance(value, str), "list": isinstance(value, list), "object": isinstance(value, dict)}[kind]
-    if not ok:
-        raise ValueError(f"{where} must be a{'n' if kind[0] in 'aeiou' else ''} {kind}, got {value!r}"[:200])
-
-
-def _check_predicted_stage(stage: Any, where: str) -> None:
-    _expect(stage, "object", where)
-    for key in ("pipeline", "stage"):
-        _expect(stage.get(key), "integer", f"{where}.{key}")
-    for key in _STAGE_NUMBERS:
-        if key in stage:
-            _expect(stage[key], "number", f"{where}.{key}")
-    _check_not_negative(stage, _STAGE_NUMBERS, where)
-    if "source" in stage:
-        _expect(stage["source"], "str", f"{where}.source")
-    if "dtype_not_native_on" in stage:  # device types lacking the training dtype (absent: none, or older)
-        _expect(stage["dtype_not_native_on"], "list", f"{where}.dtype_not_native_on")
-        for j, name in enumerate(stage["dtype_not_native_on"]):
-            _expect(name, "str", f"{where}.dtype_not_native_on.{j}")
-
-
-def _check_finite(value: Any, where: str) -> None:
-    """Every number in `value` (nested objects and lists too) is finite and at most _LARGEST_NUMBER in size:
-    JSON's NaN and Infinity, and an integer too large for a float, are no prediction the cost model makes."""
-    if isinstance(value, dict):
-        for key, item in value.items():
-            _check_finite(item, f"{where}.{key}")
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_finite(item, f"{where}.{i}")
-    elif isinstance(value, int | float) and not isinstance(value, bool) and not abs(value) <= _LARGEST_NUMBER:
-        raise ValueError(f"{where} must be a finite number, got {shown(value)}")
-
-
-def _check_not_negative(section: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
-    """The times, rates and sizes show and diff read are not negative (a breakdown term may be by rounding:
-    a bubble fraction of -4e-16)."""
-    for key in keys:
-        value = section.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
-            raise ValueError(f"{where}.{key} must not be negative, got {shown(value)}")
-
-
-def check_predicted(predicted: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The fields of a plan's `predicted` section that show/diff read have the right types and are not
-    negative; every number in it is finite."""
-    if not predicted:
-        return predicted
-    _check_finite(predicted, "predicted")
-    for key in _PREDICTED_REQUIRED:
-        _expect(predicted.get(key), "number", f"predicted.{key}")
-    for key in _PREDICTED_NUMBERS:
-        if key in predicted:
-            _expect(predicted[key], "number", f"predicted.{key}")
-    if "devices_cluster" in predicted:
-        _expect(predicted["devices_cluster"], "integer", "predicted.devices_cluster")
-    if "dollars" in predicted:
-        _expect(predicted["dollars"], "object", "predicted.dollars")
-        for key in _DOLLAR_NUMBERS:
-            if predicted["dollars"].get(key) is not None:
-                _expect(predicted["dollars"][key], "number", f"predicted.dollars.{key}")
-        _expect(predicted["dollars"].get("currency", ""), "str", "predicted.dollars.currency")
-    if "fits" in predicted:
-        _expect(predicted["fits"], "bool", "predicted.fits")
-    for key in ("stages", "pipelines", "problems"):
-        if key in predicted:
-            _expect(predicted[key], "list", f"predicted.{key}")
-    for i, stage in enumerate(predicted.get("stages", [])):
-        _check_predicted_stage(stage, f"predicted.stages.{i}")
-    _check_not_negative(predicted, _PREDICTED_REQUIRED + _PREDICTED_NUMBERS, "predicted")
-    _check_not_negative(predicted.get("dollars") or {}, _DOLLAR_NUMBERS, "predicted.dollars")
-    return predicted
+def _check_micro_batch_fits_a_device(pipe: PipelinePlan, model: ModelSpec, train: TrainConfig, where: str) -> None:
+    """ValueError when one micro-batch's hidden states alone (micro_batch_size x seq_len tokens x hidden_size, 16-bit)
+    exceed the largest memory a device may have (physical_limits.DEVICE_MEMORY_BYTES): no device could run it."""
+    held = pipe.micro_batch_size * train.seq_len * model.hidden_size * HIDDEN_STATE_BYTES
+    if held > DEVICE_MEMORY_BYTES.high:
+        raise ValueError(f"{where}: micro_batch_size {pipe.micro_batch_size} x seq_len {train.seq_len} tokens hold "
+                         f"{byte_size(held)} of hidden states alone (hidden_size {model.hidden_size}, 16-bit), more "
+                         f"than any device's memory may be ({byte_size(DEVICE_MEMORY_BYTES.high)})")
 
 
 def _check_groups(outer: OuterSync, pipelines: int, layers: int) -> None:
@@ -290,9 +260,27 @@ class Plan(_Strict):
     pipelines: list[PipelinePlan] = Field(min_length=1)
     unused_devices: list[UnusedDevice] = []
     outer_sync: OuterSync | None = None
-    predicted: dict[str, Any] | None = None
+    predicted: Predicted | None = None
 
-    _predicted = field_validator("predicted")(check_predicted)
+    @field_validator("predicted", mode="wrap")
+    @classmethod
+    def _prediction(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Predicted | None:
+        """The prediction, a refused figure named in one line ("predicted.mfu must be a number, got '0.5'")."""
+        try:
+            return handler(value)  # type: ignore[no-any-return]
+        except ValidationError as exc:
+            raise ValueError(prediction_problem(exc)) from None
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Plan:
+        """A copy with `update`d fields; a `predicted` given as a mapping (the JSON object, or a prediction's
+        fields with some replaced: `{**plan.predicted, "mfu": 0.5}`) becomes the typed prediction."""
+        predicted = (update or {}).get("predicted")
+        if isinstance(predicted, Mapping) and not isinstance(predicted, Predicted):
+            try:
+                update = {**(update or {}), "predicted": Predicted.model_validate(dict(predicted))}
+            except ValidationError as exc:
+                raise ValueError(prediction_problem(exc)) from None
+        return super().model_copy(update=update, deep=deep)
 
     @model_validator(mode="after")
     def _consistent(self) -> Plan:
@@ -300,6 +288,7 @@ class Plan(_Strict):
         seen: set[str] = set()
         batch = 0
         for p, pipe in enumerate(self.pipelines):
+            _check_micro_batch_fits_a_device(pipe, model, train, f"pipelines.{p}")
             expected_start = 0
             for s, stage in enumerate(pipe.stages):
                 where = f"pipelines.{p}.stages.{s}"

@@ -3,7 +3,8 @@
 Plans are edited by hand, so nothing in them is trusted: every device must exist in the cluster, the
 cluster's hash should match the one the plan was made for (a mismatch is a warning: a re-profiled
 cluster is still the same machine), and every device of the cluster should be either used or listed as
-unused (a warning otherwise). Structural rules (contiguous layers, TP dividing the heads) are enforced
+unused (a warning otherwise). A device type the catalog does not know is warned about where its cluster file is
+read (commands/cluster_input.py). Structural rules (contiguous layers, TP dividing the heads) are enforced
 when the plan is loaded (`plan/schema.py`).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..hardware.cluster import Cluster, is_catalogued
+from ..hardware.cluster import Cluster
 from .schema import Plan
 
 
@@ -55,10 +56,6 @@ def check_plan(plan: Plan, cluster: Cluster) -> Validation:
     if idle:
         out.warnings.append(f"{len(idle)} device(s) of the cluster are neither used nor listed as unused: "
                             f"{', '.join(idle[:5])}")
-    uncatalogued = sorted({cluster.device(d).type for d in used if not is_catalogued(cluster.device(d).type)})
-    if uncatalogued:
-        out.warnings.append(f"device type(s) {', '.join(uncatalogued)} not in the catalog: the cluster file's peaks "
-                            "with the default efficiency curve (give a layer profile to measure them)")
     short = [p for p, pipe in enumerate(plan.pipelines) if pipe.num_micro_batches < len(pipe.stages)]
     if short:
         out.warnings.append(f"pipeline(s) {', '.join(map(str, short))} have fewer micro-batches than stages: "

@@ -26,6 +26,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Literal
 
+from pydantic import ConfigDict, StrictBool
+from pydantic.dataclasses import dataclass as settings_dataclass
+
+from ..fileio import refused_in_one_line
+
 OptimizerPath = Literal["auto", "fused", "foreach"]
 OPTIMIZER_PATHS: tuple[str, ...] = ("auto", "fused", "foreach")
 
@@ -45,21 +50,24 @@ def compute_dtype(plan_dtype: str) -> str:
     return plan_dtype if plan_dtype in ("bf16", "fp16") else "fp32"
 
 
-@dataclass(frozen=True)
+def _refused(field: str, problem: str) -> ValueError:
+    return ValueError(f"{field} {problem}")
+
+
+@refused_in_one_line(_refused)
+@settings_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class RuntimeOptions:
     """The runtime's switches (module docstring). `compile` None and `optimizer` "auto" are resolved per device
-    by `resolved`; every other field is already concrete."""
+    by `resolved`; every other field is already concrete. A pydantic dataclass, part of the run configuration
+    (run_config.py): each value is checked (JSON types, no conversion) when built, loaded or replaced; built in
+    code, a bad value is a ValueError in one line ("optimizer must be one of auto, fused, foreach, got 'adam'")."""
 
-    lean_p2p: bool = True
-    overlap_dp: bool = True
-    hierarchical_dp: bool = True
-    compile: bool | None = None
-    chunked_loss: bool = True
+    lean_p2p: StrictBool = True
+    overlap_dp: StrictBool = True
+    hierarchical_dp: StrictBool = True
+    compile: StrictBool | None = None
+    chunked_loss: StrictBool = True
     optimizer: OptimizerPath = "auto"
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZER_PATHS:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_PATHS)}, got {self.optimizer!r}")
 
     def resolved(self, on_cuda: bool) -> RuntimeOptions:
         """These options with the device-dependent defaults decided for a CUDA (`on_cuda`) or CPU device."""
@@ -69,6 +77,29 @@ class RuntimeOptions:
     def to_record(self, plan_dtype: str) -> dict[str, Any]:
         """The runtime.json object of a resolved run (keys sorted by the writer)."""
         return {**asdict(self), "compute_dtype": compute_dtype(plan_dtype)}
+
+
+# The command-line flags of each switch (`flashflex plan/show/launch`): (on, off); the optimizer takes a value.
+SWITCH_FLAGS: dict[str, tuple[str, str]] = {
+    "lean_p2p": ("--lean-p2p", "--no-lean-p2p"), "overlap_dp": ("--overlap-dp", "--no-overlap-dp"),
+    "hierarchical_dp": ("--hierarchical-dp", "--no-hierarchical-dp"), "compile": ("--compile", "--no-compile"),
+    "chunked_loss": ("--chunked-loss", "--no-chunked-loss"),
+}
+OPTIMIZER_FLAG = "--optimizer"
+
+
+def switch_flag(name: str, value: Any) -> str:
+    """The flag that sets switch `name` to `value`: "--no-compile", "--optimizer foreach"."""
+    if name == "optimizer":
+        return f"{OPTIMIZER_FLAG} {value}"
+    return SWITCH_FLAGS[name][0 if value else 1]
+
+
+def non_default_flags(options: RuntimeOptions) -> list[str]:
+    """The flags that give `options` from the launch defaults, in field order (empty for the defaults)."""
+    default = RuntimeOptions()
+    return [switch_flag(f.name, getattr(options, f.name)) for f in fields(RuntimeOptions)
+            if getattr(options, f.name) != getattr(default, f.name)]
 
 
 # What a run did where its runtime.json lacks a key: the paths that existed before the key was recorded.

@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from ...hardware.cluster import Cluster
+from ...plan.predicted import PredictedDollars
 from ...plan.schema import Plan
 from .pricing import DevicePrices, per_million_tokens
 
@@ -28,19 +28,19 @@ def cluster_peak_flops(cluster: Cluster, dtype: str) -> float:
     return float(sum(device.flops(dtype) for node in cluster.nodes for device in node.devices))
 
 
-def dollars(plan: Plan, prices: DevicePrices) -> dict[str, Any]:
+def dollars(plan: Plan, prices: DevicePrices) -> PredictedDollars:
     """The plan's cost per hour (devices used; whole cluster) and per million tokens on both bases."""
-    tokens_per_s = float((plan.predicted or {}).get("tokens_per_s", 0.0))
+    tokens_per_s = float(plan.predicted.tokens_per_s) if plan.predicted else 0.0
     used = prices.hourly(rank.device for rank in plan.ranks())
     whole = prices.cluster_hourly()
-    return {
+    return PredictedDollars.model_validate({
         "currency": prices.currency,
         "prices_sha256": prices.sha256,
         "per_hour_used": _r(used),
         "per_hour_cluster": _r(whole),
         "per_million_tokens_used": _r(per_million_tokens(used, tokens_per_s)),
         "per_million_tokens_cluster": _r(per_million_tokens(whole, tokens_per_s)),
-    }
+    })
 
 
 def annotated(plan: Plan, cluster: Cluster, prices: DevicePrices | None = None) -> Plan:
@@ -48,10 +48,8 @@ def annotated(plan: Plan, cluster: Cluster, prices: DevicePrices | None = None) 
     without a prediction is returned as it is."""
     if not plan.predicted:
         return plan
-    predicted = dict(plan.predicted)
-    predicted["peak_flops_cluster"] = _r(cluster_peak_flops(cluster, plan.inputs.train.dtype))
-    predicted["devices_cluster"] = len(cluster.device_ids)
-    predicted.pop("dollars", None)
-    if prices is not None:
-        predicted["dollars"] = dollars(plan, prices)
+    predicted = plan.predicted.model_copy(update={
+        "peak_flops_cluster": _r(cluster_peak_flops(cluster, plan.inputs.train.dtype)),
+        "devices_cluster": len(cluster.device_ids),
+        "dollars": None if prices is None else dollars(plan, prices)})
     return plan.model_copy(update={"predicted": predicted})

@@ -73,8 +73,8 @@ class Search:
         except FlashflexError as exc:
             found = Trial(key, None, str(exc))
         else:
-            tokens = float((plan.predicted or {}).get("tokens_per_s", 0.0))
-            fits = bool((plan.predicted or {}).get("fits", True)) and math.isfinite(tokens) and tokens > 0
+            tokens = float(plan.predicted.tokens_per_s) if plan.predicted else 0.0
+            fits = (plan.predicted is None or plan.predicted.fits_memory) and math.isfinite(tokens) and tokens > 0
             hourly = None if self.prices is None else self.prices.hourly(r.device for r in plan.ranks())
             found = Trial(key, plan if fits else None, "" if fits else "the plan found does not fit",
                           tokens if fits else 0.0, hourly)

@@ -14,6 +14,7 @@ from functools import cached_property
 
 from ...cost.estimate import estimate
 from ...cost.schedule import closed_form_s
+from ...physical_limits import MICRO_BATCHES
 from ...plan.schema import PipelinePlan, Plan, PlanInputs, StagePlan, UnusedDevice
 from ..space.batch_split import split_batch
 from .cost_cache import CostCache
@@ -53,7 +54,7 @@ def score(cache: CostCache, pipes: list[PipeEval] | tuple[PipeEval, ...], total_
     ordered = tuple(sorted(pipes, key=lambda pipe: pipe.first_device))
     micro = split_batch(total_micro, [p.pace_s for p in ordered], [p.fill_s - p.pace_s for p in ordered],
                         [p.num_stages for p in ordered])
-    if micro is None:
+    if micro is None or max(micro) > MICRO_BATCHES.high:  # more than a plan may hold (physical_limits.py)
         return None
     ends = [closed_form_s(p.pace_s, p.fill_s, m) for p, m in zip(ordered, micro, strict=True)]
     if max(ends) >= bound or (bound < float("inf") and dp_finish_floor(cache, ordered, ends) >= bound):
@@ -82,5 +83,5 @@ def build_plan(cache: CostCache, cand: Candidate, strategy: str, seed: int,
                         strategy=strategy, seed=seed)
     plan = Plan(inputs=inputs, pipelines=pipelines, unused_devices=idle)
     if predict:
-        plan = plan.model_copy(update={"predicted": estimate(plan, g.cluster, cache.params).to_predicted()})
+        plan = plan.model_copy(update={"predicted": estimate(plan, g.cluster, cache.params).prediction()})
     return plan

@@ -56,7 +56,7 @@ def finalise(cache: CostCache, cands: list[Candidate], strategy: str, seed: int,
     why.update({g.ids[i]: text for i, text in (reasons or {}).get(id(cand), {}).items()})
     why.update(_unused_reasons(cache, cand))
     plan = build_plan(cache, cand, strategy, seed, why, predict=False)
-    return plan.model_copy(update={"predicted": est.to_predicted()})
+    return plan.model_copy(update={"predicted": est.prediction()})
 
 
 def _idle_reasons(cache: CostCache, cand: Candidate, pool: list[Candidate]) -> dict[str, str]:

@@ -23,10 +23,11 @@ from importlib import resources
 from typing import Any
 
 from ...cost.estimate import estimate
-from ...cost.outer_sync import cross_bytes_per_token, round_estimate
+from ...cost.outer_sync import cross_bytes_per_token, round_estimate, round_predicted
 from ...cost.params import CostParams
 from ...errors import InfeasibleError, InputError
 from ...hardware.cluster import Cluster
+from ...plan.predicted import Predicted
 from ...plan.schema import OuterSync, Plan, ReplicaGroup, TrainConfig, UnusedDevice
 from ..fleet.reduced import reduced_cluster
 
@@ -172,9 +173,7 @@ def local_sync_plan(cluster: Cluster, train: TrainConfig, plan_site: Callable[[C
             chosen = h
             break
     plan = build(chosen)
-    rounded = round_estimate(plan, cluster, params)
-    base = _merged_predicted(plan, rounded.groups)
-    return plan.model_copy(update={"predicted": rounded.to_predicted(base)})
+    return plan.model_copy(update={"predicted": Predicted.model_validate(round_predicted(plan, cluster, params))})
 
 
 def _candidates(low: int, high: int) -> list[int]:
@@ -192,23 +191,6 @@ def _group_indices(counts: list[int]) -> list[list[int]]:
         out.append(list(range(start, start + n)))
         start += n
     return out
-
-
-def _merged_predicted(plan: Plan, groups: list[Any]) -> dict[str, Any]:
-    """The groups' predictions as one (stages and pipelines renumbered in plan order)."""
-    stages: list[dict[str, Any]] = []
-    pipes: list[dict[str, Any]] = []
-    offset = 0
-    for est in groups:
-        predicted = est.to_predicted()
-        for stage in predicted["stages"]:
-            stages.append({**stage, "pipeline": stage["pipeline"] + offset})
-        pipes += predicted["pipelines"]
-        offset += len(predicted["pipelines"])
-    first = groups[0].to_predicted()
-    return {"model_flops_per_token": first["model_flops_per_token"],
-            "dp_exposed_s": max(e.dp_exposed_s for e in groups), "optimizer_s": max(e.optimizer_s for e in groups),
-            "pipelines": pipes, "stages": stages}
 
 
 def site_of_ranks(plan: Plan, cluster: Cluster, sites: list[list[str]]) -> list[int]:
@@ -253,9 +235,10 @@ def choose_sync(sync: str, synchronous: Plan, cluster: Cluster, plan_site: Calla
     for key in ("peak_flops_cluster", "devices_cluster"):  # whole-cluster figures: the same cluster
         if key in (synchronous.predicted or {}):
             predicted[key] = (synchronous.predicted or {})[key]
-    predicted["outer_sync"] = {**predicted.get("outer_sync", {}), "synchronous_tokens_per_s": fast,
+    predicted["outer_sync"] = {**dict(predicted.get("outer_sync") or {}), "synchronous_tokens_per_s": fast,
                                "cross_bytes_per_token": local_bytes, "synchronous_cross_bytes_per_token": sync_bytes}
     inputs = local.inputs.model_copy(update={"cluster_path": synchronous.inputs.cluster_path,
                                              "dtype_reason": synchronous.inputs.dtype_reason,
                                              "strategy": synchronous.inputs.strategy})
-    return local.model_copy(update={"outer_sync": outer, "predicted": predicted, "inputs": inputs})
+    return local.model_copy(update={"outer_sync": outer, "predicted": Predicted.model_validate(predicted),
+                                    "inputs": inputs})

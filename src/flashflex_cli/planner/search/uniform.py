@@ -120,7 +120,7 @@ def best_uniform(cache: CostCache, total_micro: int, seed: int) -> Plan:
         plan = uniform_plan(cache, layout, total_micro, seed)
         est = estimate(plan, cache.graph.cluster, cache.params)
         if est.fits and (best is None or (est.iteration_time_s, index) < best[:2]):
-            best = (est.iteration_time_s, index, plan.model_copy(update={"predicted": est.to_predicted()}))
+            best = (est.iteration_time_s, index, plan.model_copy(update={"predicted": est.prediction()}))
     if best is None:
         raise InfeasibleError(
             f"no symmetric DP x PP x TP layout of {cache.model.name} fits on these {cache.graph.size} devices "

@@ -164,15 +164,15 @@ def _finite(value: Any) -> float | None:
 
 
 def stage_place(plan: Plan, rank: int) -> StagePlace:
-    """The StagePlace of plan rank `rank`; the prediction is the entry of `plan.predicted["stages"]` for its
-    pipeline and stage, where the plan carries one with finite figures."""
+    """The StagePlace of plan rank `rank`; the prediction is the entry of `plan.predicted.stages` for its
+    pipeline and stage, where the plan carries one."""
     me = plan.ranks()[rank]
     pipe = plan.pipelines[me.pipeline]
     stage = pipe.stages[me.stage]
     predicted = capacity = None
-    for entry in (plan.predicted or {}).get("stages", []):
-        if entry.get("pipeline") == me.pipeline and entry.get("stage") == me.stage:
-            predicted, capacity = _finite(entry.get("memory_bytes")), _finite(entry.get("memory_capacity_bytes"))
+    for entry in (plan.predicted.stages or []) if plan.predicted else []:
+        if (entry.pipeline, entry.stage) == (me.pipeline, me.stage):
+            predicted, capacity = _finite(entry.memory_bytes), _finite(entry.memory_capacity_bytes)
     return StagePlace(rank=rank, device=me.device, pipeline=me.pipeline, stage=me.stage,
                       layers=(stage.layers[0], stage.layers[1]), tp=stage.tp,
                       micro_batch_size=pipe.micro_batch_size, recompute=plan.inputs.train.recompute,

@@ -1,5 +1,6 @@
-"""Per-step metrics on rank 0: a line per step on stderr (loss, throughput, MFU, memory, elapsed time and ETA:
-plain text, so a SLURM log has them too), `RUN_DIR/metrics.jsonl`, and the run's summary at its end.
+"""Per-step metrics on rank 0: one row per optimizer step, written to every metrics sink the run chose
+(runtime/training/sinks/: `RUN_DIR/metrics.jsonl` always, the stderr line, TensorBoard, W&B offline; RunConfig.metrics,
+`flashflex launch --metrics`), and the run's summary at its end.
 
 Each JSON line holds at least: step (1-based, as the screen numbers it), launch (which launch into the folder
 wrote it), loss, tokens_per_s, mfu, step_time_s, lr, grad_norm, tokens, memory_bytes (largest over ranks; what
@@ -23,16 +24,16 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from ...fileio import atomic_write_text
 from ...hardware.catalog import GIB
+from ...plan.predicted import Predicted
+from ...semantics.metrics_sinks import DEFAULT_SINKS, normalized
 from ...semantics.run_folder import METRICS, launch_index
-from ...semantics.stated_error import mfu_advice
+from .sinks import open_sinks
+from .sinks.console import duration_text, memory_label
 
 
 def stage_times(plan_ranks: list[Any], per_rank: list[dict[str, float]],
@@ -83,55 +84,36 @@ def write_timeline(run_dir: str | os.PathLike[str], rows: list[dict[str, Any]]) 
     return atomic_write_text(Path(run_dir) / "timeline.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
 
-def memory_label(device_type: str) -> str:
-    """What a rank's `memory_bytes` measures on this device type: the CUDA allocator's peak of allocated tensors
-    on GPUs, the process's peak resident set size (tensors, the allocator's cache, torch's libraries) on CPU."""
-    return "peak allocated" if device_type == "cuda" else "peak resident"
-
-
-def duration_text(seconds: float) -> str:
-    """"42s", "3m05s", "2h07m" (rounded down)."""
-    whole = max(0, int(seconds))
-    if whole < 60:
-        return f"{whole}s"
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
-
-
 class MetricsLog:
-    """Rank 0's metrics: appends one JSON object per step to `run_dir/metrics.jsonl` and prints a line.
+    """Rank 0's metrics: builds one row per step and hands it to each sink (the JSONL file always).
 
     Rows are numbered as the screen numbers steps: row `"step": k` is the k-th optimizer step, after which a
-    checkpoint is `step-00000k`. The file is only ever appended to: a resumed launch adds its rows after the
+    checkpoint is `step-00000k`. metrics.jsonl is only ever appended to: a resumed launch adds its rows after the
     earlier ones (steps redone after a crash appear twice; readers keep the last), each row carrying the launch
     it came from (`"launch"`: 0, 1, ... in the folder) so that every launch's first, warm-up step is known."""
 
     def __init__(self, run_dir: str | os.PathLike[str], total_steps: int, flops_per_token: float,
-                 peak_flops: float, quiet: bool = False, device_type: str = "cpu") -> None:
-        """quiet: write the rows without printing them; device_type: what `memory_bytes` measures there."""
+                 peak_flops: float, quiet: bool = False, device_type: str = "cpu",
+                 sinks: tuple[str, ...] = DEFAULT_SINKS, settings: dict[str, Any] | None = None) -> None:
+        """flops_per_token: model FLOPs per token; peak_flops: summed peak FLOP/s of the devices used (FLOP/s);
+        quiet: no console line whatever `sinks` says; device_type: what `memory_bytes` measures there; sinks:
+        the sinks to write (jsonl is added: always on); settings: the run configuration, for the W&B sink."""
         self.path = Path(run_dir) / METRICS
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.launch = launch_index(self.path)
-        self._handle = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-        self.total_steps = total_steps
+        self.launch = launch_index(self.path)  # before the JSONL sink adds to the file
+        chosen = normalized(tuple(name for name in sinks if not (quiet and name == "console")))
+        self.sinks = open_sinks(chosen, run_dir, total_steps, device_type, settings)
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.device_type = device_type
-        self.console = Console(stderr=True, highlight=False, soft_wrap=True)
-        self.quiet = quiet
-        self.step_times: list[float] = []
         self.rows: list[dict[str, Any]] = []
-        self.started = time.monotonic()
-        self._mfu_flagged = False
 
     def record(self, step: int, loss: float, tokens: int, step_time_s: float, lr: float, grad_norm: float,
                memory_bytes: int, stages: list[dict[str, Any]],
                memory_growth_bytes: int | None = None, loss_scale: float | None = None,
                skipped: bool = False) -> dict[str, Any]:
-        """Write and show optimizer step `step` (1-based: `tokens` processed in `step_time_s` seconds); returns the
-        record. `memory_growth_bytes`: the largest rank's peak memory above what it held before the first step;
-        `loss_scale` (fp16 runs, else None) and `skipped`: the step's loss scale and whether it was skipped."""
+        """Write optimizer step `step` (1-based: `tokens` processed in `step_time_s` seconds) to every sink;
+        returns the row. `memory_growth_bytes`: the largest rank's peak memory above what it held before the first
+        step; `loss_scale` (fp16 runs, else None) and `skipped`: the step's loss scale and whether it was skipped."""
         tokens_per_s = tokens / step_time_s if step_time_s > 0 else 0.0
         mfu = self.flops_per_token * tokens_per_s / self.peak_flops if self.peak_flops > 0 else 0.0
         row = {"step": step, "launch": self.launch, "loss": round(loss, 6), "tokens_per_s": round(tokens_per_s, 3),
@@ -142,30 +124,15 @@ class MetricsLog:
             row["memory_growth_bytes"] = memory_growth_bytes
         if loss_scale is not None:
             row["loss_scale"], row["skipped"] = loss_scale, skipped
-        self._handle.write(json.dumps(row) + "\n")
-        self._handle.flush()
-        self.step_times.append(step_time_s)
+        for sink in self.sinks:
+            sink.write(row)
         self.rows.append(row)
-        if self.quiet:
-            return row
-        elapsed = time.monotonic() - self.started
-        typical = statistics.median(self.step_times[1:] if len(self.step_times) > 1 else self.step_times)
-        eta = typical * max(0, self.total_steps - step)
-        self.console.print(
-            f"[bold]step {step:>4}/{self.total_steps}[/]  loss [cyan]{loss:7.4f}[/]  "
-            f"{tokens_per_s:9,.0f} tok/s  MFU {100 * mfu:5.2f}%  step {1e3 * step_time_s:7.1f} ms  "
-            f"mem {memory_bytes / GIB:5.2f} GiB {memory_label(self.device_type).split()[1]}  "
-            f"elapsed {duration_text(elapsed)}  eta {duration_text(eta)}"
-            + (f"  scale {loss_scale:g}" if loss_scale is not None else "")
-            + ("  [yellow]skipped (inf/NaN gradients)[/]" if skipped else ""))
-        if mfu > 1.0 and not self._mfu_flagged:
-            self._mfu_flagged = True
-            self.console.print(f"[yellow]warning:[/] {mfu_advice(mfu, self.device_type != 'cuda')}")
         return row
 
     def close(self) -> None:
-        """Close the JSONL file."""
-        self._handle.close()
+        """Close every sink (the JSONL file, the TensorBoard event file, the W&B run)."""
+        for sink in self.sinks:
+            sink.close()
 
 
 def run_summary(rows: list[dict[str, Any]], total_steps: int, wall_s: float, predicted_step_s: float | None,
@@ -204,13 +171,8 @@ def run_summary(rows: list[dict[str, Any]], total_steps: int, wall_s: float, pre
     return lines
 
 
-def predicted_step_seconds(predicted: dict[str, Any] | None) -> float | None:
-    """The predicted iteration time (seconds) from a plan's `predicted` section, under the names the cost
-    model may use."""
-    if not predicted:
+def predicted_step_seconds(predicted: Predicted | None) -> float | None:
+    """The predicted iteration time (seconds) of a plan's `predicted` block (None: no prediction, or zero)."""
+    if predicted is None or predicted.iteration_time_s <= 0:
         return None
-    for key in ("iteration_time_s", "step_time_s", "iteration_s", "time_s"):
-        value = predicted.get(key)
-        if isinstance(value, int | float) and value > 0:
-            return float(value)
-    return None
+    return float(predicted.iteration_time_s)

@@ -316,7 +316,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     if rank == 0:
         peak = sum(cluster.device(info.device).flops(train.dtype) for info in ranks)
         log = MetricsLog(config.out, config.steps, model_flops_per_token(model, train.seq_len), peak,
-                         device_type=device.type)
+                         device_type=device.type, sinks=config.metrics, settings=json.loads(config.to_json()))
         # what `flashflex show --run` and `flashflex calibrate` read back next to metrics.jsonl
         atomic_write_text(os.path.join(config.out, "plan.json"), plan.to_json())
         atomic_write_text(os.path.join(config.out, "cluster.json"), cluster.to_json())

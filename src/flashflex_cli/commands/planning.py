@@ -110,10 +110,16 @@ def plan_command(
     shard_optimizer: str = typer.Option("auto", "--shard-optimizer", help="Shard the fp32 master weights and "
                                         "AdamW moments across each slice's data-parallel holders: auto (where it "
                                         "predicts faster), on or off."),
+    sync: str = typer.Option("auto", "--sync", help="full (synchronous data parallelism), local (replica groups "
+                             "cut along slow links, joined by outer steps: DiLoCo) or auto (local only where the "
+                             "cost model predicts it much faster)."),
+    inner_steps: str = typer.Option("16:500", "--inner-steps", metavar="MIN:MAX",
+                                    help="Range of H, the inner steps per round of local sync."),
 ) -> None:
     """Plan an asymmetric DP x PP x TP layout and print its predicted throughput next to the uniform one."""
     from ..planner.search import SearchStats, plan_layout
     from ..planner.search.pool import usable_cores
+    from ..planner.search.replica_groups import SYNC_CHOICES, choose_sync, parse_inner_steps
     from ..planner.search.sharding import MODES as SHARDING_MODES
     from ..planner.search.sharding import choose_sharding
 
@@ -128,6 +134,9 @@ def plan_command(
         raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     if shard_optimizer not in SHARDING_MODES:
         raise InputError(f"--shard-optimizer must be one of {', '.join(SHARDING_MODES)}, got {shard_optimizer!r}")
+    if sync not in SYNC_CHOICES:
+        raise InputError(f"--sync must be one of {', '.join(SYNC_CHOICES)}, got {sync!r}")
+    steps_range = parse_inner_steps(inner_steps)
     runtime = switches.switched(RuntimeOptions(), switches.given_switches(
         lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer))
     cluster = load_cluster_warned(cluster_file)
@@ -174,6 +183,10 @@ def plan_command(
                                               "runtime": PlannedPaths.of(runtime)})
     plan = plan.model_copy(update={"inputs": recorded})
     plan = fleet.finish(plan, params)  # measured idle reasons, MFU over the whole cluster, dollars
+    plan = choose_sync(sync, plan, cluster, lambda sub, trained: plan_layout(  # replica groups (issue 32)
+        sub, spec, trained, strategy=strategy, time_budget_s=time_budget, seed=seed, params=params,
+        max_micro_batch=max_micro_batch if micro_batch is None else None, jobs=jobs or usable_cores(),
+        micro_batch=micro_batch or 1), params, steps_range)
     if out is not None:
         atomic_write_text(out, plan.to_json())
     if json_out:
@@ -263,7 +276,14 @@ def show_command(
         for line in result.warnings:
             warn.print(f"[yellow]warning[/yellow]: {line}", soft_wrap=True)
         if result.estimate is not None:
-            plan = annotated(reestimated(plan, result.estimate), cluster, prices)
+            found = reestimated(plan, result.estimate)
+            if plan.outer_sync is not None:  # replica groups: the round (cost/outer_sync.py), not one step
+                from ..cost.outer_sync import round_predicted
+                from ..plan.predicted import Predicted
+
+                found = found.model_copy(update={"predicted": Predicted.model_validate(
+                    round_predicted(plan, cluster, params))})
+            plan = annotated(found, cluster, prices)
         compared = None
         if run_dir is not None or timeline is not None:
             from ..runs.show import plan_json_with_run, render_run, run_views

@@ -19,6 +19,7 @@ from ..hardware.cluster import Cluster
 from ..hardware.gpu_identity import cuda_ordinal, visible_gpus
 from ..model.flops import total_params
 from ..plan.schema import Plan
+from ..semantics.outer_sync import group_inner_steps
 from ..semantics.runtime_paths import RuntimeOptions
 from ..units import byte_size
 from .gpu_subset import listed_gpus
@@ -186,6 +187,10 @@ def check_run(plan: Plan, data: str, steps: int, checkpoint_dir: str | None, che
         raise InputError("--checkpoint-every and --resume need checkpoints (not --no-checkpoint)")
     train, model = plan.inputs.train, plan.inputs.model
     check_training_data(data, model.vocab_size, train.seq_len)
+    stride = max(group_inner_steps(plan))  # a plan of replica groups runs whole rounds (semantics/outer_sync.py)
+    if plan.outer_sync is not None and (steps % stride or checkpoint_every % stride):
+        raise InputError(f"--steps {steps} and --checkpoint-every {checkpoint_every} must be whole numbers of rounds "
+                         f"of {stride} inner steps (the plan's replica groups)")
     if resume and checkpoint_dir:
         from ..semantics.run_folder import latest_checkpoint, read_manifest
 

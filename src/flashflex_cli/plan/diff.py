@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..semantics.runtime_paths import non_default_flags
+from .outer_text import outer_sync_changes
 from .predicted import Predicted
 from .schema import Plan
 from .text import compact_devices, layer_text, sharding_text
@@ -140,6 +141,7 @@ def diff_plans(a: Plan, b: Plan) -> PlanDiff:
                 out.changes.append(f"pipeline {p} stage {s}: " + "; ".join(parts))
     if a.optimizer_sharding != b.optimizer_sharding:
         out.changes.append(f"optimizer state: {sharding_text(a)} -> {sharding_text(b)}")
+    out.changes += outer_sync_changes(a, b)
     ua, ub = [u.device for u in a.unused_devices], [u.device for u in b.unused_devices]
     idle, used = [d for d in ub if d not in ua], [d for d in ua if d not in ub]
     if idle:

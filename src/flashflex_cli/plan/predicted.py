@@ -170,11 +170,30 @@ class PredictedDollars(_Prediction):
         return {name: out.get(name) for name in type(self).model_fields if name in self.model_fields_set}
 
 
+class PredictedRound(_Prediction):
+    """A plan of replica groups (cost/outer_sync.py): the round (s), its inner part (the slowest group's steps, s),
+    the outer all-reduce (s) and what of it is exposed (s), each group's inner step (s), the round's tokens, the
+    pseudo-gradient bytes all ranks send per round; with `flashflex plan --sync`: the synchronous plan's tokens/s and
+    the bytes per token on links between sites of both."""
+
+    round_s: Amount
+    inner_s: Amount | None = None
+    outer_allreduce_s: Amount | None = None
+    outer_exposed_s: Amount | None = None
+    group_step_s: list[Amount] | None = None
+    round_tokens: Amount | None = None
+    outer_bytes_per_round: Amount | None = None
+    synchronous_tokens_per_s: Amount | None = None
+    cross_bytes_per_token: Amount | None = None
+    synchronous_cross_bytes_per_token: Amount | None = None
+
+
 class Predicted(_Prediction):
     """The cost model's answer for the plan: iteration time (s), tokens/s, MFU over the devices used (a fraction),
     whether it fits in memory, model FLOPs per token, the summed peak FLOP/s of the devices used, the exposed DP
     reduction and the optimizer step (s), per pipeline and per stage figures, problems found; then the cluster-wide
-    basis (peak FLOP/s and device count of the whole cluster) and the dollars, when annotated."""
+    basis (peak FLOP/s and device count of the whole cluster) and the dollars, when annotated; a plan of replica
+    groups, its round (`outer_sync`)."""
 
     iteration_time_s: Amount
     tokens_per_s: Amount
@@ -190,6 +209,7 @@ class Predicted(_Prediction):
     peak_flops_cluster: Amount | None = None
     devices_cluster: StrictInt | None = None
     dollars: PredictedDollars | None = None
+    outer_sync: PredictedRound | None = None
 
     @property
     def fits_memory(self) -> bool:

@@ -12,6 +12,7 @@ from ..hardware.catalog import GIB
 from ..semantics.runtime_paths import non_default_flags
 from ..semantics.stated_error import MEDIAN_STEP_ERROR, mfu_advice
 from .diff import PlanDiff
+from .outer_text import outer_sync_lines
 from .predicted import Predicted, PredictedStage, as_predicted
 from .schema import Plan
 from .text import compact_devices, layer_text, sharding_text
@@ -170,7 +171,7 @@ def render_plan(console: Console, plan: Plan, title: str | None = None) -> None:
     if flags := non_default_flags(plan.inputs.runtime_options()):
         console.print(f"  predicted for a launch with {' '.join(flags)} (flashflex launch takes them from the plan)",
                       markup=False, highlight=False, soft_wrap=True)
-    for line in dtype_lines(plan):
+    for line in dtype_lines(plan) + outer_sync_lines(plan):
         console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     console.print(f"  predicted: {summary_line(plan.predicted, plan.world_size)}", soft_wrap=True)
     mfu = float(plan.predicted.mfu) if plan.predicted else 0.0

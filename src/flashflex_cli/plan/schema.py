@@ -35,6 +35,7 @@ from ..physical_limits import (
     TP_DEGREE,
     limited,
 )
+from ..semantics.outer_sync import OUTER_LR, OUTER_MOMENTUM
 from ..semantics.runtime_paths import OptimizerPath, RuntimeOptions
 from ..units import byte_size
 from .predicted import Predicted, prediction_problem
@@ -125,6 +126,42 @@ class PipelinePlan(_Strict):
         return self.micro_batch_size * self.num_micro_batches
 
 
+class OuterOptimizer(_Strict):
+    """The outer optimizer of low-communication training: SGD with Nesterov momentum on the global parameters
+    (DiLoCo, arXiv 2311.08105: lr 0.7, momentum 0.9). lr 1 and momentum 0 make the outer step plain averaging (Nesterov needs a momentum: off at 0)."""
+
+    lr: float = Field(OUTER_LR, gt=0.0, le=10.0)
+    momentum: float = Field(OUTER_MOMENTUM, ge=0.0, lt=1.0)
+    nesterov: bool = True
+
+
+class ReplicaGroup(_Strict):
+    """One replica group: consecutive pipelines of the plan (indices into `Plan.pipelines`), training
+    synchronously among themselves, and the inner steps they run per round."""
+
+    pipelines: list[LayerIndex] = Field(min_length=1)
+    inner_steps: Sequences
+
+
+class OuterSync(_Strict):
+    """Replica groups joined by an outer step every round (semantics/outer_sync.py). `compression`: the dtype
+    pseudo-gradients cross the links in (fp32, bf16, int8); `fragments`: the model's layers split into this many
+    fragments synced in turn (Streaming DiLoCo, arXiv 2501.18512; 1 = the whole model each round).
+    `reason`: why the planner chose it (traffic saved, the quality evidence); absent in hand-written plans."""
+
+    groups: list[ReplicaGroup] = Field(min_length=1)
+    optimizer: OuterOptimizer = OuterOptimizer()
+    compression: Literal["fp32", "bf16", "int8"] = "bf16"
+    fragments: LayerIndex = 1
+    reason: str | None = None
+
+    @model_validator(mode="after")
+    def _fragments(self) -> OuterSync:
+        if self.fragments < 1:
+            raise ValueError(f"fragments must be at least 1, got {self.fragments}")
+        return self
+
+
 class UnusedDevice(_Strict):
     """A device the plan leaves idle, and why."""
 
@@ -205,6 +242,22 @@ class OptimizerSharding(_Strict):
         return weights
 
 
+def _check_groups(outer: OuterSync, pipelines: int, layers: int) -> None:
+    """The groups cover pipelines 0..pipelines-1 once each, as consecutive runs in order; the fragments are at
+    most the model's layers."""
+    expected = 0
+    for g, group in enumerate(outer.groups):
+        want = list(range(expected, expected + len(group.pipelines)))
+        if group.pipelines != want:
+            raise ValueError(f"outer_sync.groups.{g}.pipelines must be {want} (groups take consecutive pipelines "
+                             f"in order), got {group.pipelines}")
+        expected += len(group.pipelines)
+    if expected != pipelines:
+        raise ValueError(f"outer_sync.groups cover {expected} pipelines, the plan has {pipelines}")
+    if outer.fragments > layers:
+        raise ValueError(f"outer_sync.fragments {outer.fragments} exceeds the model's {layers} layers")
+
+
 @dataclass(frozen=True)
 class RankInfo:
     """One process of a plan: where it sits (pipeline, stage, TP rank) and which device it drives."""
@@ -224,6 +277,7 @@ class Plan(_Strict):
     pipelines: list[PipelinePlan] = Field(min_length=1)
     unused_devices: list[UnusedDevice] = []
     optimizer_sharding: OptimizerSharding | None = None  # absent: every replica holds the full optimizer state
+    outer_sync: OuterSync | None = None
     predicted: Predicted | None = None
 
     @field_validator("predicted", mode="wrap")
@@ -280,6 +334,11 @@ class Plan(_Strict):
         weights = self.optimizer_sharding.weights if self.optimizer_sharding is not None else None
         if weights is not None and len(weights) != len(seen):
             raise ValueError(f"optimizer_sharding.weights has {len(weights)} entries, the plan {len(seen)} ranks")
+        if self.outer_sync is not None:
+            _check_groups(self.outer_sync, len(self.pipelines), model.num_layers)
+        if self.outer_sync is not None and self.optimizer_sharding is not None:
+            raise ValueError("outer_sync with optimizer_sharding: a plan of replica groups keeps its optimizer state "
+                             "unsharded (the two are not combined yet)")
         return self
 
     def ranks(self) -> list[RankInfo]:

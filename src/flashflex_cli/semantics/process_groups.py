@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .outer_sync import group_pipelines, group_ranks, grouped
 from .parameters import ParamInfo, model_params, shard_bounds
 
 
@@ -106,44 +107,61 @@ def layout_key(plan: Any) -> tuple:
 
 
 def slice_holders(plan: Any) -> list[SliceHolders]:
-    """Every finest common slice of every parameter with its holders, in a fixed global order (the list of the
-    same layout is computed once and shared: do not modify it)."""
-    key = layout_key(plan)
+    """Every finest common slice of every parameter with its holders, in a fixed global order: the gradient
+    reduction's slices. A plan of replica groups (semantics/outer_sync.py) reduces gradients inside each group
+    only: each parameter's slices of group 0, then of group 1, and so on. The list of the same layout is computed
+    once and shared: do not modify it."""
+    groups = group_pipelines(plan)
+    key = (layout_key(plan), tuple(tuple(g) for g in groups))
     found = _HOLDERS.get(key)
     if found is None:
-        found = _slice_holders(plan)
+        found = _holders(plan, groups)
         if len(_HOLDERS) >= _HOLDERS_KEPT:
             _HOLDERS.pop(next(iter(_HOLDERS)))
         _HOLDERS[key] = found
     return found
 
 
-def _slice_holders(plan: Any) -> list[SliceHolders]:
-    """`slice_holders`, computed."""
+def outer_slice_holders(plan: Any) -> list[SliceHolders]:
+    """The finest common slices over every pipeline of the plan, whatever its replica groups: what the outer step
+    of a plan of replica groups all-reduces (pseudo-gradients, runtime/parallel/outer_sync.py)."""
+    return _holders(plan, [list(range(len(plan.pipelines)))])
+
+
+def _holders(plan: Any, pipeline_sets: list[list[int]]) -> list[SliceHolders]:
+    """The finest common slices of every parameter among the pipelines of each set (parameters first, then sets)."""
     ranks = stage_ranks(plan)
     out: list[SliceHolders] = []
     for info in model_params(plan.inputs.model):
-        holding: list[tuple[StageLike, list[int]]] = []
-        tied = False
-        for p in range(len(plan.pipelines)):
-            stages = _stages_of(plan, p, info)
-            tied = tied or len(stages) > 1
-            for s in stages:
-                holding.append((plan.pipelines[p].stages[s], ranks[p][s]))
-        if info.shard_dim is None:
-            members = tuple(sorted(r for _, rs in holding for r in rs))
-            contributors = tuple(rs[0] for _, rs in holding)
-            out.append(SliceHolders(info.name, None, 0, info.shape[0], members, contributors, len(holding), tied))
-            continue
-        n = info.shape[info.shard_dim]
-        cuts = sorted({b for st, _ in holding for t in range(st.tp) for b in shard_bounds(n, st.tp, t)})
-        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-            owners = []
-            for st, rs in holding:
-                t = min(st.tp - 1, ((a + 1) * st.tp - 1) // n)  # the floor split's shard holding index a
-                owners.append(rs[t])
-            out.append(SliceHolders(info.name, info.shard_dim, a, b, tuple(sorted(owners)), tuple(owners),
-                                    len(holding), tied))
+        for pipelines in pipeline_sets:
+            out += _param_holders(plan, info, pipelines, ranks)
+    return out
+
+
+def _param_holders(plan: Any, info: ParamInfo, pipelines: list[int],
+                   ranks: list[list[list[int]]]) -> list[SliceHolders]:
+    """The finest common slices of one parameter among `pipelines`."""
+    holding: list[tuple[StageLike, list[int]]] = []
+    tied = False
+    for p in pipelines:
+        stages = _stages_of(plan, p, info)
+        tied = tied or len(stages) > 1
+        for s in stages:
+            holding.append((plan.pipelines[p].stages[s], ranks[p][s]))
+    if info.shard_dim is None:
+        members = tuple(sorted(r for _, rs in holding for r in rs))
+        contributors = tuple(rs[0] for _, rs in holding)
+        return [SliceHolders(info.name, None, 0, info.shape[0], members, contributors, len(holding), tied)]
+    out: list[SliceHolders] = []
+    n = info.shape[info.shard_dim]
+    cuts = sorted({b for st, _ in holding for t in range(st.tp) for b in shard_bounds(n, st.tp, t)})
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        owners = []
+        for st, rs in holding:
+            t = min(st.tp - 1, ((a + 1) * st.tp - 1) // n)  # the floor split's shard holding index a
+            owners.append(rs[t])
+        out.append(SliceHolders(info.name, info.shard_dim, a, b, tuple(sorted(owners)), tuple(owners),
+                                len(holding), tied))
     return out
 
 
@@ -224,13 +242,17 @@ class GroupSpec:
 def group_members(plan: Any) -> list[GroupSpec]:
     """Every group `build_groups` creates beyond the default one, in creation order: one TP group per stage of
     two or more devices (pipelines, then stages); one DP group per holder set; the world; the hierarchical
-    reduction's groups (intra-node parts and leaders, created whatever the runtime options)."""
+    reduction's groups (intra-node parts and leaders, created whatever the runtime options); in a plan of
+    replica groups, one group per replica group and one per holder set of the outer step."""
     out = [GroupSpec(tuple(members), "tp") for pipe in stage_ranks(plan) for members in pipe if len(members) > 1]
     sets = holder_sets(slice_holders(plan))
     out += [GroupSpec(members, "dp") for members in sets]
     world = sum(stage.tp for pipe in plan.pipelines for stage in pipe.stages)
     out.append(GroupSpec(tuple(range(world)), "world"))
     out += [GroupSpec(members, "hierarchical") for members in hierarchical_groups(node_splits(plan, sets).values())]
+    if grouped(plan):  # replica groups: each group's own "world", then the outer step's holder sets
+        out += [GroupSpec(members, "replica") for members in group_ranks(plan)]
+        out += [GroupSpec(members, "outer") for members in holder_sets(outer_slice_holders(plan))]
     return out
 
 

@@ -65,10 +65,15 @@ class PlanGroups:
     # gloo: the timeout the pipeline's point-to-point waits use (gloo's sends and receives keep the timeout their
     # group was made with; runtime/parallel/timeouts.py sets this when it changes the groups'); None: that one
     p2p_wait: timedelta | None = None
+    # a plan of replica groups (semantics/outer_sync.py): `world_group` is this rank's replica group (loss, norm,
+    # pipeline transfers), `job_group` every rank of the job, `outer_groups` the outer step's holder sets
+    job_group: dist.ProcessGroup | None = None
+    outer_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
     def member_groups(self) -> list[dist.ProcessGroup]:
         """Every group built for the plan that this rank belongs to (TP, world, DP, hierarchical), once each."""
-        found = [self.tp_group, self.world_group, *self.dp_groups.values(), *self.node_groups.values()]
+        found = [self.tp_group, self.world_group, *self.dp_groups.values(), *self.node_groups.values(),
+                 self.job_group, *self.outer_groups.values()]
         out: list[dist.ProcessGroup] = []
         for group in found:
             if group is not None and all(group is not seen for seen in out):
@@ -119,9 +124,10 @@ def build_groups(plan: Plan, rank: int, backend: str | None = None, timeout: tim
     if dist.get_world_size() != plan.world_size:
         raise RuntimeError(f"world size {dist.get_world_size()} != plan world size {plan.world_size}")
     me = plan.ranks()[rank]
-    tp_group = world_group = None
+    tp_group = world_group = job_group = None
     dp_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     node_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    outer_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
     for spec in group_members(plan):
         group = dist.new_group(list(spec.members), backend=backend, timeout=timeout)
         if rank not in spec.members:
@@ -131,7 +137,11 @@ def build_groups(plan: Plan, rank: int, backend: str | None = None, timeout: tim
         elif spec.role == "dp":
             dp_groups[spec.members] = group
         elif spec.role == "world":
+            world_group = job_group = group
+        elif spec.role == "replica":  # created after the world: this rank's replica group replaces it
             world_group = group
+        elif spec.role == "outer":
+            outer_groups[spec.members] = group
         else:
             node_groups[spec.members] = group
     slices = slice_holders(plan)
@@ -144,4 +154,5 @@ def build_groups(plan: Plan, rank: int, backend: str | None = None, timeout: tim
                       recv_act_from=recv_act, send_act_to=send_act, recv_grad_from=recv_grad,
                       send_grad_to=send_grad, slices=slices, dp_groups=dp_groups,
                       prev_stage=prev_stage, next_stage=next_stage,
-                      node_splits={k: v for k, v in splits.items() if rank in k}, node_groups=node_groups)
+                      node_splits={k: v for k, v in splits.items() if rank in k}, node_groups=node_groups,
+                      job_group=job_group, outer_groups=outer_groups)

@@ -60,6 +60,7 @@ import torch.distributed as dist
 from ...errors import InputError
 from ...plan.schema import Plan
 from ...semantics.optimizer_shards import ShardPiece, plan_pieces
+from ...semantics.outer_sync import group_of_pipeline, group_pipelines, group_sequences
 from ...semantics.parameters import ParamInfo, stage_params
 from ...semantics.runtime_paths import RuntimeOptions
 from ..checkpoint.dcp import shards_for
@@ -108,8 +109,10 @@ class StepResult:
 
 
 def plan_shard_specs(plan: Plan, rank: int) -> list[ShardSpec]:
-    """ShardSpecs of `rank`, computed from the plan alone (owner = lowest rank holding the same slice)."""
+    """ShardSpecs of `rank`, computed from the plan alone (owner = lowest rank holding the same slice; in a plan
+    of replica groups, of group 0: its inner optimizer state is the one a checkpoint keeps)."""
     spec = plan.inputs.model
+    writers = set(group_pipelines(plan)[0])
     holders: dict[tuple[str, int | None, int, int], int] = {}
     mine: list[tuple[ParamInfo, tuple[str, int | None, int, int]]] = []
     for info_r in plan.ranks():
@@ -118,10 +121,11 @@ def plan_shard_specs(plan: Plan, rank: int) -> list[ShardSpec]:
         for info in stage_params(spec, stage.layers, info_r.stage == 0, info_r.stage == len(pipe.stages) - 1):
             start, stop = info.bounds(stage.tp, info_r.tp_rank)
             key = (info.name, info.shard_dim, start, stop)
-            holders.setdefault(key, info_r.rank)
+            if info_r.pipeline in writers:
+                holders.setdefault(key, info_r.rank)
             if info_r.rank == rank:
                 mine.append((info, key))
-    return [ShardSpec(info.name, info.shape, key[1], key[2], key[3], holders[key] == rank) for info, key in mine]
+    return [ShardSpec(info.name, info.shape, key[1], key[2], key[3], holders.get(key) == rank) for info, key in mine]
 
 
 class RankEngine:
@@ -236,7 +240,8 @@ class RankEngine:
         micro = [tokens[i * mbs:(i + 1) * mbs] for i in range(self.pipe.num_micro_batches)]
         inputs = [m[:, :-1] for m in micro]
         targets: list[torch.Tensor | None] = [m[:, 1:] for m in micro]
-        global_tokens = train.global_batch * train.seq_len
+        # a plan of replica groups: the mean over this rank's group's tokens (semantics/outer_sync.py)
+        global_tokens = group_sequences(self.plan, group_of_pipeline(self.plan, self.groups.pipeline)) * train.seq_len
         times = PipelineTimes(ops=[] if record_ops else None, origin=origin, origin_mark=t0)
         self.sync.start_step()  # overlap_dp: buckets start reducing inside the last backward
         loss_sum = self.runner.run(inputs, targets, 1.0 / global_tokens, times, timer=timer,

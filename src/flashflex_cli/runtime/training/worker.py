@@ -38,6 +38,7 @@ import signal
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, NoReturn
 
@@ -206,10 +207,12 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     import torch
     import torch.distributed as dist
 
+    from ...errors import InputError
     from ...fileio import atomic_write_text
     from ...hardware.cluster import load_cluster
     from ...model.flops import model_flops_per_token
     from ...plan.schema import load_plan
+    from ...semantics.outer_sync import grouped, round_sequences
     from ...semantics.run_folder import decide_start, folder_progress, run_identity
     from ..checkpoint import dcp as ckpt
     from ..device.memory import held_memory_bytes, peak_since_reset, rank_memory_bytes
@@ -226,6 +229,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
         stage_times,
         write_timeline,
     )
+    from .rounds import RoundTrainer
 
     started = time.monotonic()
     plan, cluster = load_plan(config.plan), load_cluster(config.cluster)
@@ -286,15 +290,23 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     if rank == 0 and engine.compile_seconds is not None:
         print(f"flashflex: compiled in {engine.compile_seconds:.1f} s (warm-up before step 0, in no step's time)",
               file=sys.stderr, flush=True)
-    source = open_source(config.data, model.vocab_size, train.global_batch, train.seq_len, seed=config.seed)
-    shards = engine.checkpoint_shards()
+    # a batch of the source is a round's data (semantics/outer_sync.py; without replica groups: one step's)
+    source = open_source(config.data, model.vocab_size, round_sequences(plan), train.seq_len, seed=config.seed)
+    trainer = RoundTrainer(engine, source) if grouped(plan) else None  # low-communication training in rounds
+    stride = trainer.steps_per_round if trainer is not None else 1  # steps a round advances the run by
+    if config.steps % stride:
+        raise InputError(f"--steps {config.steps} is not a whole number of rounds of {stride} inner steps "
+                         "(the plan's replica groups)")
+    holder = trainer if trainer is not None else engine  # what checkpoints hold and resume
+    shards = ckpt.shards_for(trainer.state_for_checkpoint(), engine.shard_specs(), rank) if trainer is not None \
+        else engine.checkpoint_shards()
 
     start = 0
     found = ckpt.latest_checkpoint(config.checkpoint_dir) if decision.resume and config.checkpoint_dir else None
     if found is not None:
         # each rank reads only the saved pieces overlapping its own shards, whatever plan saved them
-        engine.load_local(lambda targets: ckpt.load_into(found, targets))
-        start = engine.step
+        holder.load_local(lambda targets: ckpt.load_into(found, targets))
+        start = trainer.round * stride if trainer is not None else engine.step
         if rank == 0:
             scale = f" (loss scale {engine.scaler.state()['loss_scale'].item():g})" if engine.scaler else ""
             print(f"flashflex: resumed from {found} at step {start}{scale}", file=sys.stderr, flush=True)
@@ -321,14 +333,18 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
     flag = torch.zeros(1, device=device)  # NCCL reduces only device tensors
     step = start
     held_before = held_memory_bytes(device.type)
-    for step in range(start, config.steps):
+    for step in range(start, config.steps, stride):
         _fault(rank, step)
         _delay(rank, step)
         phases.begin_step(step)
         t0 = time.perf_counter()
-        # first/last stages read only their pipeline's rows, middle stages no tokens (zeros of the same shape)
-        batch = stage_tokens(source, step, engine.pipeline_slice(train.global_batch), engine.first or engine.last)
-        result = engine.train_step(batch, record_ops=True)
+        tokens = train.tokens_per_step
+        if trainer is not None:  # a round: the group's inner steps, then the outer step; the round's mean loss
+            rounded = trainer.train_round(record_ops=True)
+            result, tokens = replace(rounded.steps[-1], loss=rounded.loss), rounded.tokens
+        else:  # first/last stages read their pipeline's rows, middle stages no tokens (zeros of the same shape)
+            batch = stage_tokens(source, step, engine.pipeline_slice(train.global_batch), engine.first or engine.last)
+            result = engine.train_step(batch, record_ops=True)
         step_time = time.perf_counter() - t0
         payload = (result.timings, rank_memory_bytes(device.type), result.ops,
                    max(0, peak_since_reset(device.type) - held_before))
@@ -337,20 +353,20 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
         flag.fill_(1.0 if stop.requested else 0.0)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if log is not None and gathered is not None:
-            log.record(step + 1, result.loss, train.tokens_per_step, step_time, result.lr, result.grad_norm,
+            log.record(step + stride, result.loss, tokens, step_time, result.lr, result.grad_norm,
                        max(int(g[1]) for g in gathered),
                        stage_times(ranks, [g[0] for g in gathered], [int(g[1]) for g in gathered],
                                    [int(g[3]) for g in gathered]),
                        memory_growth_bytes=max(int(g[3]) for g in gathered),
                        loss_scale=result.loss_scale, skipped=result.skipped)
-            timeline = stage_ops(ranks, [g[2] for g in gathered], step + 1)
-        done = step + 1
+            timeline = stage_ops(ranks, [g[2] for g in gathered], step + stride)
+        done = step + stride
         stopping = flag.item() > 0
         due = done == config.steps or (config.checkpoint_every > 0 and done % config.checkpoint_every == 0)
         if config.checkpoint_dir and (due or stopping):
             phases.enter("checkpoint")
             with ckpt.one_line_save_errors(config.checkpoint_dir), timeouts.long():  # all wait while some write
-                path = ckpt.save(config.checkpoint_dir, done, engine.state_for_checkpoint(), shards, manifest)
+                path = ckpt.save(config.checkpoint_dir, done, holder.state_for_checkpoint(), shards, manifest)
             found = path
             if rank == 0:
                 print(f"flashflex: checkpoint {path}", file=sys.stderr, flush=True)

@@ -1,0 +1,79 @@
+"""Single-process reference of low-communication training (DiLoCo, arXiv 2311.08105, Algorithm 1): what a plan of
+replica groups must compute, written as plainly as the math, for the parity tests.
+
+Every group is one full model on one process with its own AdamW (the reference loop's settings: decay on
+matrices only, clip_grad_norm_, lr_at(step) of the group's own inner step count). A round: each group trains its
+inner steps on its batches; pseudo-gradient_g = global - local_g; the outer gradient is sum_g weight_g *
+pseudo-gradient_g, each term rounded to the wire dtype first (as the runtime sends it); torch.optim.SGD with
+Nesterov momentum steps the global parameters; every group copies them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ...model.spec import ModelSpec
+from .optimizer import OptimConfig, lr_at, set_lr
+from .reference import build_reference
+
+
+@dataclass
+class ReferenceRounds:
+    """Per round: each group's inner losses; the global parameters after the last round."""
+
+    group_losses: list[list[list[float]]] = field(default_factory=list)  # [round][group][inner step]
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def reference_rounds(spec: ModelSpec, batches: list[list[list[torch.Tensor]]], weights: list[float],
+                     optim: OptimConfig, outer_lr: float, outer_momentum: float, seed: int = 0,
+                     wire_dtype: torch.dtype = torch.float32, resumed_after: int | None = None) -> ReferenceRounds:
+    """Train `len(batches)` rounds; `batches[r][g][k]`: group g's batch at inner step k of round r, int64
+    [sequences, seq_len + 1]; `weights[g]`: group g's share of the round's tokens. fp32 on the CPU.
+    `resumed_after`: after that many rounds every group takes group 0's AdamW moments (keeping its own step
+    count), as a resume from a checkpoint does (runtime/training/rounds.py)."""
+    groups = len(weights)
+    models = [build_reference(spec, seed) for _ in range(groups)]
+    named = [[(info.name, p) for info, p in model.global_parameters()] for model in models]
+    optimizers = [torch.optim.AdamW(
+        [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+         {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=lr_at(0, optim), betas=optim.betas, eps=optim.eps, foreach=False) for params in named]
+    global_params = {name: p.detach().clone() for name, p in named[0]}
+    outer = torch.optim.SGD(list(global_params.values()), lr=outer_lr, momentum=outer_momentum,
+                            nesterov=outer_momentum > 0)
+    steps = [0] * groups
+    run = ReferenceRounds()
+    for index, round_batches in enumerate(batches):
+        if index == resumed_after:
+            for g in range(1, groups):
+                for (_, mine), (_, first) in zip(named[g], named[0], strict=True):
+                    state, source = optimizers[g].state[mine], optimizers[0].state[first]
+                    state["exp_avg"], state["exp_avg_sq"] = source["exp_avg"].clone(), source["exp_avg_sq"].clone()
+        run.group_losses.append([])
+        for g in range(groups):
+            losses = []
+            for batch in round_batches[g]:
+                set_lr(optimizers[g], lr_at(steps[g], optim))
+                optimizers[g].zero_grad(set_to_none=True)
+                inputs, targets = batch[:, :-1], batch[:, 1:]
+                loss = models[g](inputs, targets) / targets.numel()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_([p for _, p in named[g]],
+                                               optim.grad_clip if optim.grad_clip > 0 else float("inf"))
+                optimizers[g].step()
+                losses.append(float(loss.item()))
+                steps[g] += 1
+            run.group_losses[-1].append(losses)
+        with torch.no_grad():
+            for name, anchor in global_params.items():
+                anchor.grad = sum(((anchor - dict(named[g])[name]) * weights[g]).to(wire_dtype).float()
+                                  for g in range(groups))
+            outer.step()
+            for g in range(groups):
+                for name, param in named[g]:
+                    param.copy_(global_params[name])
+    run.params = {name: p.detach().clone() for name, p in global_params.items()}
+    return run

@@ -1,0 +1,121 @@
+"""Training in rounds for a plan of replica groups (low-communication training, semantics/outer_sync.py).
+
+One round on one rank: its group's `inner_steps` ordinary steps of the engine (gradients reduced inside the
+group only), each on its pipeline's rows of the round's data (`semantics/outer_sync.round_rows`; the data
+source's batch is a whole round, `round_sequences` sequences), then the outer step across every group
+(runtime/parallel/outer_sync.py). The round's loss is the token-weighted mean of the groups' mean inner losses,
+the same on every rank.
+
+Checkpoints (taken at round ends, where every group holds the global parameters): the engine's state plus
+"<name>.outer_momentum" and "outer_round" (`RoundTrainer.state_for_checkpoint`); the inner AdamW moments saved
+are group 0's (engine.plan_shard_specs). `load_local` resumes from a checkpoint of any plan, synchronous or grouped
+(a synchronous one has no outer momentum: it starts at zero, the round from its step count); every group of the
+new plan starts from the saved moments, with its own update count for their bias correction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ...semantics.outer_sync import (
+    group_inner_steps,
+    group_of_pipeline,
+    group_ranks,
+    group_round_sequences,
+    group_weights,
+    round_rows,
+)
+from ..parallel.outer_sync import MOMENTUM_SUFFIX, ROUND_KEY, OuterSync
+from ..parallel.shards import ShardSpec
+from .data import BatchSource, stage_tokens
+from .engine import RankEngine, StepResult
+from .optimizer import restore_moments
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """One round: `loss` the token-weighted mean of every group's mean inner loss (same on every rank),
+    `group_loss` this rank's group's mean inner loss, `steps` its inner steps' results, `tokens` the round's
+    tokens over all groups, `outer_s` seconds of the outer step on this rank and `outer_comm_s` of its
+    collectives, `outer_bytes` payload bytes this rank all-reduced in it."""
+
+    loss: float
+    group_loss: float
+    steps: list[StepResult] = field(default_factory=list)
+    tokens: int = 0
+    outer_s: float = 0.0
+    outer_comm_s: float = 0.0
+    outer_bytes: int = 0
+
+
+class RoundTrainer:
+    """Rounds of `engine`'s plan (which has an `outer_sync` section) on data `source` (a batch per round:
+    int64 [round_sequences, seq_len + 1])."""
+
+    def __init__(self, engine: RankEngine, source: BatchSource) -> None:
+        self.engine, self.source, self.plan = engine, source, engine.plan
+        self.outer = OuterSync(self.plan, engine.params, engine.groups)
+        self.group = group_of_pipeline(self.plan, engine.groups.pipeline)
+        self.inner_steps = group_inner_steps(self.plan)[self.group]
+        self.steps_per_round = max(group_inner_steps(self.plan))  # the run's step count advances by this a round
+        # the lowest rank of each group adds its group's weighted loss to the round's loss
+        self.reports_loss = engine.groups.rank == group_ranks(self.plan)[self.group][0]
+        self.weight = group_weights(self.plan)[self.group]
+        self.round_tokens = sum(group_round_sequences(self.plan)) * self.plan.inputs.train.seq_len
+
+    @property
+    def round(self) -> int:
+        """Rounds taken."""
+        return self.outer.round
+
+    def train_round(self, record_ops: bool = False) -> RoundResult:
+        """One round (collective over the group for the inner steps, over the job for the outer step)."""
+        engine, index = self.engine, self.outer.round
+        steps = []
+        for k in range(self.inner_steps):
+            rows = round_rows(self.plan, engine.groups.pipeline, index, k)
+            batch = stage_tokens(self.source, index, rows.as_slice(), engine.first or engine.last)
+            steps.append(engine.train_step(batch, record_ops=record_ops))
+        group_loss = sum(s.loss for s in steps) / len(steps)
+        start, comm, sent = time.perf_counter(), self.outer.comm_seconds, self.outer.bytes_sent
+        self.outer.step()
+        outer_s = time.perf_counter() - start
+        total = torch.tensor([self.weight * group_loss if self.reports_loss else 0.0], dtype=torch.float64)
+        dist.all_reduce(total, group=engine.groups.job_group)
+        return RoundResult(loss=float(total.item()), group_loss=group_loss, steps=steps, tokens=self.round_tokens,
+                           outer_s=outer_s, outer_comm_s=self.outer.comm_seconds - comm,
+                           outer_bytes=self.outer.bytes_sent - sent)
+
+    def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
+        """The engine's entries (parameters are the global ones at a round's end) and the outer state."""
+        return {**self.engine.state_for_checkpoint(), **self.outer.state()}
+
+    def load_local(self, fill: Callable[[dict[str, tuple[ShardSpec, torch.Tensor]]], None]) -> None:
+        """Resume in place from a checkpoint of any plan (`fill` as `RankEngine.load_local` takes it)."""
+        momenta: dict[str, torch.Tensor] = {}
+        extra: dict[str, tuple[ShardSpec, torch.Tensor]] = {}
+        for spec in self.engine.shard_specs():
+            buffer = momenta[spec.name] = torch.zeros_like(self.engine.params[spec.name][1].detach())
+            key = f"{spec.name}{MOMENTUM_SUFFIX}"
+            extra[key] = (ShardSpec(key, spec.full_shape, spec.dim, spec.start, spec.stop, spec.owner,
+                                    optional=True), buffer)
+        saved_round = torch.full((), -1, dtype=torch.int64)  # -1: a checkpoint without outer state
+        extra[ROUND_KEY] = (ShardSpec(ROUND_KEY, (), None, 0, 1, self.engine.rank == 0, optional=True), saved_round)
+        self.engine.load_local(lambda targets: fill({**targets, **extra}))
+        index = int(saved_round.item())
+        if index < 0:
+            index = self.engine.step // self.steps_per_round
+        # every group continues its own schedule from the round count (its inner steps per round); the AdamW
+        # moments are group 0's (plan_shard_specs), their bias correction this group's own update count
+        steps = index * self.inner_steps
+        self.engine.step = self.engine.optimizer_steps = steps
+        for param in (p for _, p in self.engine.params.values()):
+            state = self.engine.optimizer.state.get(param, {})
+            if steps > 0 and "exp_avg" in state:
+                restore_moments(self.engine.optimizer, param, steps, state["exp_avg"], state["exp_avg_sq"])
+        self.outer.load(momenta, index)

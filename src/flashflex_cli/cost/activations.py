@@ -247,11 +247,14 @@ def head_forward_transient_bytes(p: PartShape) -> float:
     per-token losses. Chunked loss: the fp32 normed input, the targets' copy, the weight's autocast copy, and one
     chunk of n tokens at its largest: its cast input [n, h] beside two fp32 [n, V] while the sums of exponentials
     are taken, or (under autocast) the softmax's gradient [n, V] beside its products with the weight [n, h]
-    and with the input [V, h] in the compute dtype."""
+    and with the input [V, h] in the compute dtype (on CUDA none: cuBLAS writes them into the fp32 sums)."""
     n, h, c = p.tokens, p.h, p.c
     nv = n * p.vocab
     if p.chunked_loss:
         k, v = p.chunk, p.vocab
+        if p.autocast and p.on_cuda:  # the gradient products go straight into their fp32 sums (out_dtype)
+            chunk = max(k * h * c + 2 * k * v * FP32, c * k * v)
+            return n * h * FP32 + n * INT64 + v * h * c + chunk
         if p.autocast:
             chunk = max(k * h * c + 2 * k * v * FP32, c * (k * v + k * h + v * h))
             return n * h * FP32 + n * INT64 + v * h * c + chunk

@@ -11,6 +11,9 @@ Paths:
 - compile: each decoder layer compiled with torch.compile (default: on CUDA devices only).
 - chunked_loss: the output projection and cross-entropy computed in chunks of tokens (`loss_chunk_tokens`), so no
   [tokens, vocab] fp32 logits are ever held; False: the whole logits tensor, upcast to fp32 for the loss.
+- loss_kernel (with chunked_loss): "own", the project's chunked loss (runtime/model/chunked_loss.py), or "torch",
+  torch's `linear_cross_entropy` on stages of TP 1 where the installed torch has it (runtime/model/torch_loss.py
+  says why it is not the default); the cost model charges both as the project's.
 - optimizer: "fused" (torch.optim.AdamW(fused=True), one kernel) or "foreach" (multi-tensor kernels, several
   passes and a temporary as large as the parameters); "auto": fused on CUDA, foreach on CPU.
 - compute_dtype: the dtype matmuls run in: the plan's bf16/fp16 under autocast on every device, fp32 for fp32
@@ -28,6 +31,8 @@ from typing import Any, Literal
 
 OptimizerPath = Literal["auto", "fused", "foreach"]
 OPTIMIZER_PATHS: tuple[str, ...] = ("auto", "fused", "foreach")
+LossKernel = Literal["own", "torch"]
+LOSS_KERNELS: tuple[str, ...] = ("own", "torch")
 
 # Bytes of fp32 logits one chunk of the chunked loss may hold ([chunk tokens, vocab / tp] x 4 bytes).
 LOSS_CHUNK_BYTES = 256 * 2**20
@@ -56,10 +61,13 @@ class RuntimeOptions:
     compile: bool | None = None
     chunked_loss: bool = True
     optimizer: OptimizerPath = "auto"
+    loss_kernel: LossKernel = "own"
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_PATHS:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_PATHS)}, got {self.optimizer!r}")
+        if self.loss_kernel not in LOSS_KERNELS:
+            raise ValueError(f"loss_kernel must be one of {', '.join(LOSS_KERNELS)}, got {self.loss_kernel!r}")
 
     def resolved(self, on_cuda: bool) -> RuntimeOptions:
         """These options with the device-dependent defaults decided for a CUDA (`on_cuda`) or CPU device."""
@@ -73,7 +81,7 @@ class RuntimeOptions:
 
 # What a run did where its runtime.json lacks a key: the paths that existed before the key was recorded.
 LEGACY: dict[str, Any] = {"lean_p2p": True, "overlap_dp": True, "hierarchical_dp": True, "compile": False,
-                          "chunked_loss": False, "optimizer": "foreach"}
+                          "chunked_loss": False, "optimizer": "foreach", "loss_kernel": "own"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,8 @@ def from_record(record: dict[str, Any], plan_dtype: str, on_cuda: bool) -> Recor
             raise ValueError(f"{name} must be true or false, got {values[name]!r}")
     if values["optimizer"] not in ("fused", "foreach"):
         raise ValueError(f"optimizer must be fused or foreach, got {values['optimizer']!r}")
+    if values["loss_kernel"] not in LOSS_KERNELS:
+        raise ValueError(f"loss_kernel must be own or torch, got {values['loss_kernel']!r}")
     legacy_dtype = compute_dtype(plan_dtype) if on_cuda else "fp32"
     dtype = record.get("compute_dtype", legacy_dtype)
     if dtype not in ("bf16", "fp16", "fp32"):

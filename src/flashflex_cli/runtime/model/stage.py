@@ -38,6 +38,8 @@ from .tensor_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
+from .torch_loss import available as torch_loss_available
+from .torch_loss import torch_head_loss
 
 
 class RMSNorm(nn.Module):
@@ -165,6 +167,8 @@ class StageModule(nn.Module):
 
     `chunked_loss`: the projection and loss in chunks of `loss_chunk_tokens` tokens (runtime/model/chunked_loss.py,
     no [b*s, vocab] fp32 logits); False: the whole logits tensor, upcast to fp32 for the loss.
+    `loss_kernel`: "torch" runs the chunked loss through torch's `linear_cross_entropy` where it fits (TP 1, a
+    torch that has it: runtime/model/torch_loss.py), "own" (and everywhere else) the project's.
     `capture_logits`: None, or a list to which the last stage appends each forward's detached logits shard
     [b, s, vocab / tp] (vocabulary rows [vocab_start, +vocab / tp)) in the compute dtype; for equivalence tests.
 
@@ -173,10 +177,12 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, tp: TPContext,
-                 backend: str = SDPA, recompute: bool = False, chunked_loss: bool = False) -> None:
+                 backend: str = SDPA, recompute: bool = False, chunked_loss: bool = False,
+                 loss_kernel: str = "own") -> None:
         super().__init__()
         self.spec, self.layer_range, self.first, self.last, self.tp = spec, layers, first, last, tp
         self.recompute, self.chunked_loss = recompute, chunked_loss
+        self.torch_loss = loss_kernel == "torch" and tp.size == 1 and torch_loss_available()
         self.infos = stage_params(spec, layers, first, last)
         vocab_start, vocab_stop = shard_bounds(spec.vocab_size, tp.size, tp.rank)
         self.vocab_start = vocab_start
@@ -228,6 +234,8 @@ class StageModule(nn.Module):
         assert targets is not None and self.runners.norm is not None, "the last stage needs targets"
         h = copy_to_tp(self.runners.norm(x), self.tp)
         weight = self.embed if self.spec.tie_embeddings else self.head
+        if self.chunked_loss and self.torch_loss and self.capture_logits is None:
+            return torch_head_loss(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), self.loss_chunk_tokens)
         if self.chunked_loss:
             chunks: list[torch.Tensor] | None = [] if self.capture_logits is not None else None
             loss = chunked_head_loss(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), self.vocab_start,

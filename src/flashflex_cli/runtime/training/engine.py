@@ -150,7 +150,8 @@ class RankEngine:
                                                                    prefer=wanted)
         self.tp = groups.tp_context()
         self.module = StageModule(spec, self.stage_plan.layers, first, last, self.tp, self.backend,
-                                  recompute=train.recompute, chunked_loss=self.options.chunked_loss)
+                                  recompute=train.recompute, chunked_loss=self.options.chunked_loss,
+                                  loss_kernel=self.options.loss_kernel)
         self.params: dict[str, tuple[ParamInfo, torch.nn.Parameter]] = {
             info.name: (info, param) for info, param in self.module.global_parameters()}
         with torch.no_grad():

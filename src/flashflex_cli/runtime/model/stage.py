@@ -40,6 +40,7 @@ from .tensor_parallel import (
 )
 from .torch_loss import available as torch_loss_available
 from .torch_loss import torch_head_loss
+from .working_weights import shared_cast
 
 
 class RMSNorm(nn.Module):
@@ -86,7 +87,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Matmuls(nn.Module):
+    """A module of matrix products whose weights may be multiplied as 16-bit working copies made once per step
+    (`working`: parameter name -> copy, filled by runtime/model/working_weights.py; empty: the fp32 parameters,
+    which autocast casts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.working: dict[str, torch.Tensor] = {}
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The matrix `name` as the product takes it: its working copy (gradient into the parameter), or the
+        parameter."""
+        param = getattr(self, name)
+        copy = self.working.get(name)
+        return param if copy is None else shared_cast(param, copy)
+
+
+class Attention(Matmuls):
     """Grouped-query causal self-attention over this rank's heads: q heads and kv heads split by TP; q/k/v
     biases (Qwen2) split with their rows; a sliding window (Mistral) when the spec has one."""
 
@@ -106,14 +124,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         x = copy_to_tp(x, self.tp)
-        q = apply_rotary(functional.linear(x, self.wq, self.bq).view(b, s, self.hq, self.hd), cos, sin)
-        k = apply_rotary(functional.linear(x, self.wk, self.bk).view(b, s, self.hkv, self.hd), cos, sin)
-        v = functional.linear(x, self.wv, self.bv).view(b, s, self.hkv, self.hd)
+        q = apply_rotary(functional.linear(x, self.weight("wq"), self.bq).view(b, s, self.hq, self.hd), cos, sin)
+        k = apply_rotary(functional.linear(x, self.weight("wk"), self.bk).view(b, s, self.hkv, self.hd), cos, sin)
+        v = functional.linear(x, self.weight("wv"), self.bv).view(b, s, self.hkv, self.hd)
         out = self.attend(q, k, v).reshape(b, s, self.hq * self.hd)
-        return row_linear(out, self.wo, self.tp)
+        return row_linear(out, self.weight("wo"), self.tp)
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(Matmuls):
     """down(silu(gate(x)) * up(x)) with gate/up column-parallel (matching halves) and down row-parallel."""
 
     def __init__(self, spec: ModelSpec, tp: TPContext) -> None:
@@ -126,8 +144,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.tp)
-        return row_linear(functional.silu(functional.linear(x, self.w_gate)) * functional.linear(x, self.w_up),
-                          self.w_down, self.tp)
+        gated = functional.silu(functional.linear(x, self.weight("w_gate")))
+        return row_linear(gated * functional.linear(x, self.weight("w_up")), self.weight("w_down"), self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -154,6 +172,7 @@ class StageRunners:
     layers: tuple[Callable[..., torch.Tensor], ...]
     norm: Callable[[torch.Tensor], torch.Tensor] | None
     loss: LossKernels
+    whole: Callable[..., torch.Tensor] | None = None  # the whole forward compiled as one (compile_scope "stage")
 
 
 class StageModule(nn.Module):
@@ -221,9 +240,18 @@ class StageModule(nn.Module):
         return self._rope[key]
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        cos, sin = self._tables(x.shape[1], x.device)  # the cache filled outside any compiled graph
+        if self.runners.whole is not None:  # contiguous: the graph was made for the warm-up's layout
+            return self.runners.whole(x.contiguous(), targets.contiguous() if targets is not None else None, cos,
+                                      sin)
+        return self.run_parts(x, targets, cos, sin)
+
+    def run_parts(self, x: torch.Tensor, targets: torch.Tensor | None, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+        """The forward, part by part through `runners` (what `forward` runs, or compiles whole); cos, sin: the
+        rotary tables [s, 1, head_dim]."""
         if self.first:
             x = vocab_parallel_embedding(x, self.embed, self.vocab_start, self.tp)
-        cos, sin = self._tables(x.shape[1], x.device)
         for layer in self.runners.layers:
             if self.recompute and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)

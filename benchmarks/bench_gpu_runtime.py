@@ -172,7 +172,11 @@ class Bench:
         return statistics.median(times)
 
     def measure(self, label: str, build: Callable[[], tuple[Callable[[], object], float | None]]) -> Row:
-        """Build a variant (returns its step function and compile warm-up seconds), time it, free it."""
+        """Build a variant (returns its step function and compile warm-up seconds), time it, free it. Dynamo's
+        caches are emptied first, so each variant's compile seconds are its own, not a reuse of an earlier one's."""
+        import torch
+
+        torch._dynamo.reset()
         self.reset_memory()
         wall, cpu = time.perf_counter(), _cpu_s()
         step, compile_s = build()
@@ -311,7 +315,7 @@ def kernel_rows(averages: Any, on_gpu: bool) -> list[tuple[str, int, float]]:
 
 
 def write_trace(path: Path, label: str, rows: list[tuple[str, int, float]]) -> None:
-    """Append one variant's section to the trace file: its kernels' total ms, calls, share of the traced step."""
+    """Append one variant's section to the trace file: its kernels' total ms, calls, and share of the listed ones."""
     total = sum(seconds for _, _, seconds in rows) or 1.0
     lines = [f"## {label.strip()}: top {len(rows)} kernels by total time (one step)",
              f"{'ms':>9s} {'calls':>6s} {'share':>6s}  kernel"]

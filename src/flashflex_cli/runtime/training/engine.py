@@ -145,8 +145,9 @@ class RankEngine:
         first, last = me.stage == 0, me.stage == len(self.pipe.stages) - 1
         self.first, self.last = first, last
         layer_count = self.stage_plan.layers[1] - self.stage_plan.layers[0]
-        self.options = replace(self.options, compile_scope=stage_compile_scope(  # this stage's resolved scope
-            self.options.compile_scope, self.stage_plan.tp, layer_count))
+        scope = stage_compile_scope(self.options.compile_scope, self.stage_plan.tp, layer_count) \
+            if self.options.compile else "block"  # this stage's resolved scope ("block": nothing compiled whole)
+        self.options = replace(self.options, compile_scope=scope)
         self.amp_dtype = autocast_dtype(train.dtype)
         use_tf32_matmuls(device, train.dtype)
         wanted = attention or PLAN_BACKENDS[train.attention]
@@ -205,7 +206,7 @@ class RankEngine:
         if compiled:
             self.compile_seconds = time.perf_counter() - start
         else:
-            self.options = replace(self.options, compile=False)
+            self.options = replace(self.options, compile=False, compile_scope="block")
 
     def _working_weights(self, forwards: int) -> AbstractContextManager[object]:
         """The step's 16-bit working weights in place for `forwards` forwards, or the whole schedule under

@@ -146,9 +146,10 @@ def test_asymmetric_plan_cast_once_is_bitwise_autocast(tmp_path: Path, pool: Wor
         _same(got, want)
 
 
+@pytest.mark.parametrize("scope", ["stage", "block"])
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
-def test_compiled_cast_once_compiles_in_the_warm_up_and_trains_like_eager(world_of_one: None,
-                                                                          recompute: bool) -> None:
+def test_compiled_cast_once_compiles_in_the_warm_up_and_trains_like_eager(world_of_one: None, recompute: bool,
+                                                                          scope: str) -> None:
     """Compiled (aot_eager: inductor's input graphs, run eagerly) with working weights: every graph is made in the
     warm-up (the steps compile nothing: the copies of each step are graph inputs, not constants), and the losses
     equal the eager cast-once engine's within fp32 rounding of the compiled element-wise work (tests/test_compile.py)."""
@@ -158,8 +159,11 @@ def test_compiled_cast_once_compiles_in_the_warm_up_and_trains_like_eager(world_
     plan = make_plan("llama-tiny", [(2, 2, [(1, (0, 4))])], dtype="bf16", recompute=recompute)
     backend = CountingBackend()
     compiled = RankEngine(plan, 0, build_groups(plan, 0), torch.device("cpu"), OPTIM, seed=SEED,
-                          options=RuntimeOptions(compile=True), compile_backend=backend)
-    eager = RankEngine(plan, 0, build_groups(plan, 0), torch.device("cpu"), OPTIM, seed=SEED)
+                          options=RuntimeOptions(compile=True, cast_once=True, compile_scope=scope),
+                          compile_backend=backend)
+    eager = RankEngine(plan, 0, build_groups(plan, 0), torch.device("cpu"), OPTIM, seed=SEED,
+                       options=RuntimeOptions(cast_once=True))
+    assert compiled.options.compile_scope == scope
     assert compiled.options.compile and compiled.working is not None
     graphs = len(backend.graphs)
     for batch in make_batches(plan, steps=STEPS):

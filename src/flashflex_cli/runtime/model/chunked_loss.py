@@ -47,7 +47,8 @@ At the H200 shape of issue 31 (vocabulary 128256, hidden 2048, 523-token chunks,
 form wrote a bf16 [V, H] product and read it back into the fp32 sum once a chunk, about 2.6 GB of traffic per
 chunk, which is what the chunked loss cost (37 ms a step) over the unchunked one. The fused form only reads and
 writes the fp32 accumulator. A torch without it (the call raises) falls back to the eager form, once, for the
-process.
+process. Inside a compiled graph (compile scope "stage") the eager form is what is traced: inductor fuses the add
+into the product's epilogue or its next pass itself.
 
 Compilation (RuntimeOptions.compile): at TP 1 one chunk is one compiled function (product, cast, maximum, sums,
 softmax gradient), reused for every chunk of every micro-batch (a second graph for a shorter last chunk). At
@@ -171,7 +172,7 @@ def product_into(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, acc
         else:
             torch.mm(left, right, out=out)
         return
-    if out.is_cuda and _FusedUpcast.works is not False:
+    if out.is_cuda and _FusedUpcast.works is not False and not torch.compiler.is_compiling():
         try:
             if accumulate:
                 torch.addmm(out, left, right, out_dtype=out.dtype, out=out)

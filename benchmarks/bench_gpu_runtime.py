@@ -9,20 +9,27 @@ accumulated per optimizer step), it measures:
   accumulation, `clip_grad_norm_`, `torch.optim.AdamW(fused=True)`;
 - "hf compiled": the same loop with `torch.compile(model)` (the whole model as one graph);
 - "flashflex engine": `RankEngine` of a one-rank plan in this process, with the runtime's default paths
-  (compiled layers, chunked loss, fused AdamW); with `--ablations` also each path switched off
-  (`--no-compile`, `--no-chunked-loss`, `--optimizer foreach`) and all three off (the recorded runs' paths);
+  (compiled, compile scope "auto": the whole stage one graph at TP 1; chunked loss; fused AdamW); with
+  `--ablations` also each path switched off (`--no-compile`, `--no-chunked-loss`, `--optimizer foreach`) and all
+  three off (the recorded runs' paths), and the paths issue 31 added: the compile per block
+  (`compile_scope=block`, against the default's whole-stage graph: the figure semantics/runtime_paths.
+  stage_compile_scope's rule rests on), the weights cast once per step (`cast_once`), and torch's fused linear
+  cross-entropy as the loss (`loss_kernel=torch`); each with its compile seconds beside its step time;
 - "flashflex launch": `flashflex launch` of the same one-rank plan (a worker process; its metrics.jsonl).
 Each row: median step time over `--steps` timed steps after `--warmup` untimed ones (compilation happens in
 these, or in the engine's warm-up before step 0, and is reported beside), tokens/s (sequences x seq per step),
 MFU (model FLOPs 6N + 12 L s h per token over the GPU's dense bf16 peak from the device catalog), peak memory
 (torch.cuda.max_memory_allocated over the variant; the launch's from its metrics), and, as the project's
 benchmarks do, the variant's wall and CPU time (this process and its children) with the load average.
-Ratios are against "hf compiled". The last line, exactly:
+Ratios are against "hf compiled". `--trace FILE`: after timing each variant, one more step under torch.profiler,
+and the 40 CUDA kernels with the most total time (on the CPU smoke run, the 40 CPU operators with the most self
+time, so the path is testable) written to FILE, one section per variant, so a GPU run leaves a kernel-level
+record beside its table. The last line, exactly:
 `bench_gpu_runtime: flashflex/hf-compiled X.XXx tokens/s, memory Y.YYx` (the engine's figures; the launch's
 ratios are printed on the line before it).
 
     python benchmarks/bench_gpu_runtime.py [--model llama-1b] [--seq 2048] [--micro-batch 4] [--sequences 16]
-        [--steps 10] [--warmup 3] [--ablations] [--skip-launch] [--peak-tflops T]
+        [--steps 10] [--warmup 3] [--ablations] [--skip-launch] [--peak-tflops T] [--trace FILE]
 
 Without CUDA it prints why and exits 0, measuring nothing. `--smoke` runs every code path on the CPU with a tiny
 model and torch.compile's cheap "aot_eager" backend (a check of the script, not a measurement; memory is not
@@ -165,15 +172,32 @@ class Bench:
         return statistics.median(times)
 
     def measure(self, label: str, build: Callable[[], tuple[Callable[[], object], float | None]]) -> Row:
-        """Build a variant (returns its step function and compile warm-up seconds), time it, free it."""
+        """Build a variant (returns its step function and compile warm-up seconds), time it, free it. Dynamo's
+        caches are emptied first, so each variant's compile seconds are its own, not a reuse of an earlier one's."""
+        import torch
+
+        torch._dynamo.reset()
         self.reset_memory()
         wall, cpu = time.perf_counter(), _cpu_s()
         step, compile_s = build()
         seconds = self.time_steps(step)
         row = Row(label, seconds, self.peak_memory(), compile_s, time.perf_counter() - wall, _cpu_s() - cpu)
+        if self.args.trace:
+            self.trace(label, step)
         del step
         self.reset_memory()
         return row
+
+    def trace(self, label: str, step: Callable[[], object]) -> None:
+        """One more call of `step` under torch.profiler; its top 40 kernels appended to `--trace` (module
+        docstring)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activity = ProfilerActivity.CUDA if self.gpu else ProfilerActivity.CPU
+        with profile(activities=[activity]) as prof:
+            step()
+            self.sync()
+        write_trace(Path(self.args.trace), label, kernel_rows(prof.key_averages(), self.gpu))
 
     # ---- the variants -------------------------------------------------------------------------------------
 
@@ -275,6 +299,31 @@ class Bench:
         print(line + ("  " + "; ".join(row.notes) if row.notes else ""), flush=True)
 
 
+TRACE_ROWS = 40
+
+
+def kernel_rows(averages: Any, on_gpu: bool) -> list[tuple[str, int, float]]:
+    """(name, calls, total seconds) of the TRACE_ROWS kernels (CUDA) or CPU operators with the most self time,
+    from torch.profiler's `key_averages()`, most first."""
+    def total_us(event: Any) -> float:
+        if on_gpu:
+            return float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+        return float(event.self_cpu_time_total)
+
+    rows = [(event.key, int(event.count), total_us(event) / 1e6) for event in averages]
+    return sorted((row for row in rows if row[2] > 0), key=lambda row: -row[2])[:TRACE_ROWS]
+
+
+def write_trace(path: Path, label: str, rows: list[tuple[str, int, float]]) -> None:
+    """Append one variant's section to the trace file: its kernels' total ms, calls, and share of the listed ones."""
+    total = sum(seconds for _, _, seconds in rows) or 1.0
+    lines = [f"## {label.strip()}: top {len(rows)} kernels by total time (one step)",
+             f"{'ms':>9s} {'calls':>6s} {'share':>6s}  kernel"]
+    lines += [f"{seconds * 1e3:9.3f} {calls:6d} {seconds / total:6.1%}  {name[:160]}" for name, calls, seconds in rows]
+    with path.open("a") as out:
+        out.write("\n".join(lines) + "\n\n")
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-1b")
@@ -287,7 +336,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-launch", action="store_true", help="leave out the `flashflex launch` variant")
     parser.add_argument("--peak-tflops", type=float, default=None, help="override the catalog's bf16 peak")
     parser.add_argument("--smoke", action="store_true", help="CPU run of a tiny model to check the script")
+    parser.add_argument("--trace", default=None, metavar="FILE",
+                        help="write each variant's top 40 kernels (torch.profiler, one step) to FILE")
     args = parser.parse_args(argv)
+    if args.trace:
+        trace = Path(args.trace)
+        if not trace.parent.is_dir():
+            parser.exit(2, f"bench_gpu_runtime: --trace {trace}: folder {trace.parent} does not exist\n")
+        trace.write_text("")  # this run's sections only
     if args.smoke:
         args.model, args.seq, args.micro_batch, args.sequences, args.steps, args.warmup = "llama-tiny", 32, 2, 4, 2, 1
     return args
@@ -329,14 +385,19 @@ def main(argv: list[str] | None = None) -> int:
     bench.print_row(hf_eager, hf_compiled)
     bench.print_row(hf_compiled, hf_compiled)
     # the smoke run compiles the engine too (on the CPU the runtime's default is eager)
-    engine = bench.measure("flashflex engine", lambda: bench.engine(**({"compile": True} if args.smoke else {})))
+    smoke_compile = {"compile": True} if args.smoke else {}
+    engine = bench.measure("flashflex engine", lambda: bench.engine(**smoke_compile))
     bench.print_row(engine, hf_compiled)
     if args.ablations:
         for label, switches in (("  --no-compile", {"compile": False}),
                                 ("  --no-chunked-loss", {"chunked_loss": False}),
                                 ("  --optimizer foreach", {"optimizer": "foreach"}),
                                 ("  all three (recorded runs' paths)",
-                                 {"compile": False, "chunked_loss": False, "optimizer": "foreach"})):
+                                 {"compile": False, "chunked_loss": False, "optimizer": "foreach"}),
+                                ("  compile scope block", {"compile_scope": "block", **smoke_compile}),
+                                ("  compile scope stage", {"compile_scope": "stage", **smoke_compile}),
+                                ("  cast once", {"cast_once": True, **smoke_compile}),
+                                ("  loss kernel torch", {"loss_kernel": "torch", **smoke_compile})):
             bench.print_row(bench.measure(label, lambda s=switches: bench.engine(**s)), hf_compiled)
     dist.destroy_process_group()
     launch = None

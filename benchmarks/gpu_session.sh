@@ -3,7 +3,7 @@
 # that is lent one spends its minutes measuring, not preparing. Check it here first: FLASHFLEX_SESSION_CPU=1 runs
 # every step on this machine's CPU with a tiny model (a check of the script, not a measurement).
 #
-#   bash benchmarks/gpu_session.sh [memory] [profile] [speed] [fp16] [ranks] [sharded] [multigpu]
+#   bash benchmarks/gpu_session.sh [memory] [profile] [speed] [ablations] [fp16] [ranks] [sharded] [multigpu]
 #                                                          (default: the first four, in that order)
 #
 # memory:  plans llama-1b (seq 2048, 16 sequences) pinned at micro-batch 1, 2, 4, 8 and a 3B-class shape (Llama 3.2
@@ -11,7 +11,11 @@
 #          benchmarks/validate_gpu_memory.py (predicted vs measured peak and step time; oom-safe). A plan the planner
 #          refuses is logged as refused: it predicted the shape not to fit.
 # profile: `flashflex profile --model` on the GPU at micro-batch 1, 2, 4, then the same replay with that profile.
-# speed:   benchmarks/bench_gpu_runtime.py (the runtime against a Hugging Face loop under torch.compile).
+# speed:   benchmarks/bench_gpu_runtime.py (the runtime against a Hugging Face loop under torch.compile, and
+#          `flashflex launch`), with --trace: each variant's top 40 CUDA kernels in bench_gpu_runtime-trace.txt.
+# ablations: the same benchmark with every path switched off or changed in turn (--ablations --skip-launch: no
+#          compile, unchunked loss, foreach AdamW, compile per block against the whole stage, weights cast once,
+#          torch's fused loss), traced to bench_gpu_runtime-ablations-trace.txt.
 # fp16:    the same one-GPU plan launched in bf16 and in fp16 (loss scaling): tokens/s and losses side by side.
 # ranks:   multi-rank plans on the one GPU (`flashflex launch --share-gpu`: every rank its own NCCL host), by
 #          benchmarks/ranks_session.py: a 2-stage pipeline of a tied-embedding model with overlapped DP, 4 stages, a
@@ -108,7 +112,12 @@ for part in $PARTS; do
       say "profile: replay of the $MODEL runs with the measured profile"
       replay profile --no-records --layers "$OUT/gpu.layers.json" "$WORK"/runs/mb* ;;
     speed)
-      say "speed: bench_gpu_runtime"; run 540 "$PY" benchmarks/bench_gpu_runtime.py "${SPEED[@]}" ;;
+      say "speed: bench_gpu_runtime"
+      run 540 "$PY" benchmarks/bench_gpu_runtime.py "${SPEED[@]}" --trace "$OUT/bench_gpu_runtime-trace.txt" ;;
+    ablations)
+      say "ablations: bench_gpu_runtime --ablations"
+      run 900 "$PY" benchmarks/bench_gpu_runtime.py "${SPEED[@]}" --ablations --skip-launch \
+        --trace "$OUT/bench_gpu_runtime-ablations-trace.txt" ;;
     fp16)
       for dtype in bf16 fp16; do
         say "fp16: $MODEL in $dtype"; launch_plan "$dtype" -m "$MODEL" --micro-batch 2 --dtype "$dtype"
@@ -140,7 +149,7 @@ EOF
       else
         say "multigpu: $gpus GPUs: the CUDA-marked tests"; run 900 "$PY" -m pytest -q -m cuda tests/test_multi_gpu.py
       fi ;;
-    *) say "unknown part $part (memory, profile, speed, fp16, ranks, sharded, multigpu)" ;;
+    *) say "unknown part $part (memory, profile, speed, ablations, fp16, ranks, sharded, multigpu)" ;;
   esac
 done
 tar -czf "$OUT/runs.tar.gz" --exclude=ranks/ck -C "$WORK" $(cd "$WORK" && ls -d runs ranks sharded plan-*.json node.json 2>/dev/null) \

@@ -93,7 +93,7 @@ def test_compilation_happens_in_the_warm_up_before_step_0(one_rank: Plan) -> Non
     torch._dynamo.reset()
     backend = CountingBackend()
     engine = RankEngine(one_rank, 0, build_groups(one_rank, 0), torch.device("cpu"), OPTIM, seed=SEED,
-                        options=RuntimeOptions(compile=True), compile_backend=backend)
+                        options=RuntimeOptions(compile=True, compile_scope="block"), compile_backend=backend)
     eager = RankEngine(one_rank, 0, build_groups(one_rank, 0), torch.device("cpu"), OPTIM, seed=SEED)
     assert engine.options.compile is True and eager.options.compile is False and is_compiled(engine.module)
     assert engine.compile_seconds is not None and engine.compile_seconds > 0 and eager.compile_seconds is None

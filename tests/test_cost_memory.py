@@ -43,13 +43,21 @@ def test_states_are_fp32_parameters_gradients_and_two_moments_in_every_dtype(dty
     assert states + mem.activations + mem.transient == pytest.approx(mem.allocated)
 
 
-def test_in_flight_micro_batches_each_keep_their_saved_tensors() -> None:
-    one = stage_memory(MODEL, TRAIN, 1, 8, False, False, 1, FUSED, num_micro=8, micro_batch_size=1)
-    four = stage_memory(MODEL, TRAIN, 1, 8, False, False, 4, FUSED, num_micro=8, micro_batch_size=1)
-    p = A.PartShape(MODEL, 1, 1, 4096, "bf16", "sdpa", on_cuda=True)
+@pytest.mark.parametrize("cast_once", [False, True], ids=["per-micro-batch", "cast-once"])
+def test_in_flight_micro_batches_each_keep_their_saved_tensors(cast_once: bool) -> None:
+    """Each micro-batch in flight adds its saved tensors and, cast per micro-batch, its own 16-bit copies of
+    the layers' weights; cast once (RuntimeOptions.cast_once) the stage holds one set whatever the number."""
+    params = dataclasses.replace(FUSED, runtime=dataclasses.replace(FUSED.runtime, cast_once=cast_once))
+    one = stage_memory(MODEL, TRAIN, 1, 8, False, False, 1, params, num_micro=8, micro_batch_size=1)
+    four = stage_memory(MODEL, TRAIN, 1, 8, False, False, 4, params, num_micro=8, micro_batch_size=1)
+    p = A.PartShape(MODEL, 1, 1, 4096, "bf16", "sdpa", on_cuda=True, cast_once=cast_once)
     per_micro_batch = 8 * (A.layer_saved_bytes(p) + A.layer_weight_copies(p)) + p.tokens * p.h * A.FP32
     send_copy = p.tokens * p.h * 2  # each warm-up forward's bf16 send buffer, waited for at the step's end
     assert four.allocated - one.allocated == pytest.approx(3 * (per_micro_batch + send_copy))
+    copies = 8 * F.layer_matmul_params(MODEL) * 2  # one bf16 set of the 8 layers' matrices
+    assert A.layer_weight_copies(p) == (0.0 if cast_once else copies / 8)
+    assert A.stage_weight_copies(p, 8) == (copies if cast_once else 0.0)
+    assert four.weight_copies == pytest.approx(copies if cast_once else 4 * copies)
 
 
 def test_tensor_parallelism_splits_the_sharded_tensors_not_the_replicated_ones() -> None:
@@ -65,8 +73,9 @@ def test_recompute_keeps_each_layers_input_and_one_layer_again() -> None:
     recompute = TRAIN.model_copy(update={"recompute": True})
     plain = stage_memory(MODEL, TRAIN, 1, 16, False, False, 4, FUSED, num_micro=8, micro_batch_size=1)
     again = stage_memory(MODEL, recompute, 1, 16, False, False, 4, FUSED, num_micro=8, micro_batch_size=1)
-    p = A.PartShape(MODEL, 1, 1, 4096, "bf16", "sdpa", on_cuda=True)
+    p = A.PartShape(MODEL, 1, 1, 4096, "bf16", "sdpa", on_cuda=True, cast_once=FUSED.runtime.cast_once)
     held = 4 * (16 * A.recompute_saved_bytes(p) + p.tokens * p.h * A.FP32) + 3 * p.tokens * p.h * 2
+    held += A.stage_weight_copies(p, 16)  # cast once: the stage's one set of bf16 working weights
     assert again.activations == pytest.approx(held)
     assert again.allocated < plain.allocated - 3 * 15 * A.layer_saved_bytes(p)
 

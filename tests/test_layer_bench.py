@@ -227,3 +227,26 @@ def test_compile_needs_model_and_reaches_the_bench_config(tmp_path, capsys):
         assert config.runtime.compile is flag and config.runtime.chunked_loss
         assert config.runtime.resolved(False).compile is (flag is True)
         assert config.runtime.resolved(True).compile is (flag is not False)
+
+
+def test_the_profile_runs_and_records_the_runtimes_paths():
+    """The parts run on the run's paths and the profile says which: bf16 with the weights cast once (the layer then
+    keeps no per-micro-batch 16-bit copies of its matrices: the copies are made before the forward, as a run makes
+    them once per step) and torch's fused loss; the paths issue 31 added recorded beside compile and the loss."""
+    from flashflex_cli.profiler.layer_bench import build_profile
+    from flashflex_cli.semantics.runtime_paths import RuntimeOptions
+
+    spec = resolve_model("llama-tiny")
+    layer_bytes = {}
+    for cast_once in (False, True):
+        config = BenchConfig(spec=spec, seq_len=16, micro_batches=(2,), dtype="bf16", repeats=1, warmup=0,
+                             runtime=RuntimeOptions(compile=False, cast_once=cast_once, loss_kernel="torch"))
+        entries, skipped = measure(config, (1,), "cpu")
+        assert not skipped
+        profile = build_profile(config, entries, "cpu", "test")
+        paths = profile.paths()
+        assert (paths.cast_once, paths.loss_kernel, paths.compile, paths.compile_scope) == \
+            (cast_once, "torch", False, None)
+        layer_bytes[cast_once] = entries[0].parts["layer"].activation_bytes
+    copies = 2 * layer_matmul_params(spec)
+    assert layer_bytes[False] - layer_bytes[True] == pytest.approx(copies, rel=0.01)

@@ -102,11 +102,16 @@ PLANS: dict[str, Plan] = {
     "fp32-window-eager": _plan(MISTRAL, [(2, 3, [(1, (0, 2)), (2, (2, 4))])], seq=128, dtype="fp32",
                                attention="eager"),
 }
+# the layers' weights cast once per step (RuntimeOptions.cast_once): one 16-bit copy per stage, with and without
+# recompute, beside DP across unlike pipelines and TP 2
+PLANS["bf16-eager-tied-cast-once"] = PLANS["bf16-eager-tied"]
+PLANS["fp16-recompute-cast-once"] = PLANS["fp16-recompute"]
 
 
 def _options(name: str) -> RuntimeOptions:
-    """The runtime's CPU defaults (chunked loss, multi-tensor AdamW, eager), unchunked where the plan says."""
-    return RuntimeOptions(chunked_loss="unchunked" not in name)
+    """The runtime's CPU defaults (chunked loss, multi-tensor AdamW, eager), unchunked and cast once where the
+    plan kind's name says."""
+    return RuntimeOptions(chunked_loss="unchunked" not in name, cast_once="cast-once" in name)
 
 
 def _job(rank: int, world: int, plan_json: str, init_file: str, out_dir: str, name: str) -> None:

@@ -89,7 +89,8 @@ def test_the_saved_file_holds_every_setting_by_its_name() -> None:
                          "optimizer", "loss_scaling", "metrics"}
     assert data["metrics"] == ["jsonl", "console"]
     assert data["runtime"] == {"lean_p2p": False, "overlap_dp": True, "hierarchical_dp": True, "compile": True,
-                               "chunked_loss": True, "optimizer": "fused"}
+                               "chunked_loss": True, "optimizer": "fused", "loss_kernel": "own", "cast_once": False,
+                               "compile_scope": "auto"}
     assert data["optimizer"] == {"lr": 2e-3, "min_lr": 0.0, "warmup_steps": 0, "total_steps": 9,
                                  "weight_decay": 0.0, "betas": [0.0, 0.5], "eps": 1e-6, "grad_clip": 0.0}
     assert data["loss_scaling"] == {"init_scale": 1.0, "growth_factor": 4.0, "backoff_factor": 0.25,

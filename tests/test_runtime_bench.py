@@ -62,3 +62,28 @@ def test_smoke_run_takes_every_path() -> None:
     assert re.fullmatch(r"flashflex launch/hf-compiled \d+\.\d\dx tokens/s, memory n/a", lines[-2])
     assert any(line.startswith("host: ") and "load" in line for line in lines)
     assert LAST.fullmatch(lines[-1]), lines[-1]
+
+
+def test_trace_writes_each_variants_top_kernels(tmp_path: Path, world_of_one: None) -> None:
+    """--trace on the CPU (the smoke settings, a tiny model): after a variant is timed, one step under
+    torch.profiler leaves its top operators (at most 40, most total time first) in the trace file."""
+    bench_module = _bench()
+    trace = tmp_path / "trace.txt"
+    bench = bench_module.Bench(bench_module.parse(["--smoke", "--trace", str(trace), "--skip-launch"]))
+    row = bench.measure("flashflex engine", lambda: bench.engine())
+    assert row.step_s > 0
+    bench.measure("  --no-chunked-loss", lambda: bench.engine(chunked_loss=False))
+    sections = trace.read_text().strip().split("\n\n")
+    assert [s.splitlines()[0].split(":")[0] for s in sections] == ["## flashflex engine", "## --no-chunked-loss"]
+    for section in sections:
+        rows = section.splitlines()[2:]
+        assert 5 <= len(rows) <= bench_module.TRACE_ROWS
+        times = [float(line.split()[0]) for line in rows]
+        assert times == sorted(times, reverse=True) and times[0] > 0
+    assert "aten::" in trace.read_text()  # CPU operators stand in for the kernels
+
+
+def test_a_trace_file_in_a_missing_folder_is_refused(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--trace", str(tmp_path / "no" / "t.txt")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "does not exist" in done.stderr

@@ -141,7 +141,8 @@ def test_local_launch_starts_its_workers_with_the_config(tmp_path: Path) -> None
     # the run records which paths ran
     assert json.loads((tmp_path / "run" / "runtime.json").read_text()) == {
         "lean_p2p": False, "overlap_dp": False, "hierarchical_dp": False, "compile": False, "chunked_loss": False,
-        "optimizer": "fused", "compute_dtype": "fp32"}
+        "optimizer": "fused", "compute_dtype": "fp32", "loss_kernel": "own", "cast_once": False,
+        "compile_scope": "block"}
 
 
 def test_local_workers_get_expandable_segments_unless_the_user_set_the_allocator(

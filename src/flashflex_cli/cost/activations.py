@@ -18,7 +18,9 @@ Saved for the backward by one decoder layer (`layer_saved_bytes`):
   under autocast 4 + c (softmax runs in fp32 there, and its matmul casts the probabilities back);
 - the MLP: gate, silu(gate), up and their product ([N, f] in c bytes each);
 - under autocast, the c-byte copies of the layer's weight matrices, one set per micro-batch in flight
-  (`weight_copy_bytes`: kept by the graph of each forward).
+  (`weight_copy_bytes`: kept by the graph of each forward); with RuntimeOptions.cast_once one set per stage
+  instead, made before the step's schedule and freed after it (`stage_weight_copies`,
+  runtime/model/working_weights.py), and none per micro-batch.
 With activation recompute (torch.utils.checkpoint) a layer keeps only its input; one layer's full set lives again
 while it is recomputed inside the backward.
 
@@ -61,6 +63,7 @@ class PartShape:
     chunked_loss: bool = False
     loss_chunk: int | None = None  # tokens per chunk of the chunked loss (None: the runtime's rule)
     compiled: bool = False
+    cast_once: bool = False  # the layers' weights cast once per step, shared by the micro-batches
 
     @property
     def chunk(self) -> int:
@@ -177,8 +180,17 @@ def weight_copy_bytes(p: PartShape, matmul_params: float) -> float:
 
 
 def layer_weight_copies(p: PartShape) -> float:
-    """Autocast weight copies of one layer on one device, kept per micro-batch in flight."""
-    return weight_copy_bytes(p, model_flops.layer_matmul_params(p.model) / p.tp)
+    """Autocast weight copies of one layer on one device, kept per micro-batch in flight (none with cast_once:
+    `stage_weight_copies`)."""
+    return 0.0 if p.cast_once else weight_copy_bytes(p, model_flops.layer_matmul_params(p.model) / p.tp)
+
+
+def stage_weight_copies(p: PartShape, num_layers: int) -> float:
+    """With cast_once under autocast: the one set of 16-bit copies of the stage's `num_layers` layers' matmul
+    weights, held from the start of the step's schedule to its end, whatever the micro-batches in flight."""
+    if not p.cast_once:
+        return 0.0
+    return num_layers * weight_copy_bytes(p, model_flops.layer_matmul_params(p.model) / p.tp)
 
 
 def recompute_saved_bytes(p: PartShape) -> float:
@@ -201,14 +213,15 @@ def layer_backward_transient_bytes(p: PartShape, accumulating: bool = False) -> 
     input and weight copy released, the product's gradient beside its two input gradients [N, f] and, where no
     gradient existed yet (the step's first backward), the weight's fp32 gradient, now the parameter's. In fp32:
     the product's gradient and its two input gradients, the first time with the weight's gradient beside them,
-    or at the start the product's and the weight's gradients."""
+    or at the start the product's and the weight's gradients. With cast_once the weight copy is the stage's
+    (`stage_weight_copies`): it stays, so nothing of it is released here."""
     n, h, c = p.tokens, p.h, p.c
     incoming = n * h * FP32
     down_weight = h * p.f
     first_time = 0.0 if accumulating else down_weight * FP32
     if p.autocast:
         start = n * h * c + n * p.f * c + down_weight * c
-        later = 2 * n * p.f * c - down_weight * c + first_time
+        later = 2 * n * p.f * c - (0.0 if p.cast_once else down_weight * c) + first_time
     else:
         start = n * p.f * FP32 + down_weight * FP32
         later = 2 * n * p.f * FP32 + first_time
@@ -247,11 +260,14 @@ def head_forward_transient_bytes(p: PartShape) -> float:
     per-token losses. Chunked loss: the fp32 normed input, the targets' copy, the weight's autocast copy, and one
     chunk of n tokens at its largest: its cast input [n, h] beside two fp32 [n, V] while the sums of exponentials
     are taken, or (under autocast) the softmax's gradient [n, V] beside its products with the weight [n, h]
-    and with the input [V, h] in the compute dtype."""
+    and with the input [V, h] in the compute dtype (on CUDA none: cuBLAS writes them into the fp32 sums)."""
     n, h, c = p.tokens, p.h, p.c
     nv = n * p.vocab
     if p.chunked_loss:
         k, v = p.chunk, p.vocab
+        if p.autocast and p.on_cuda:  # the gradient products go straight into their fp32 sums (out_dtype)
+            chunk = max(k * h * c + 2 * k * v * FP32, c * k * v)
+            return n * h * FP32 + n * INT64 + v * h * c + chunk
         if p.autocast:
             chunk = max(k * h * c + 2 * k * v * FP32, c * (k * v + k * h + v * h))
             return n * h * FP32 + n * INT64 + v * h * c + chunk

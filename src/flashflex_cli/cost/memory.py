@@ -187,7 +187,7 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     dtype = params.compute_dtype or compute_dtype(train.dtype)
     p = activations.PartShape(model, tp, mbs, train.seq_len, dtype, train.attention, on_cuda,
                               chunked_loss=paths.chunked_loss, loss_chunk=params.loss_chunk_tokens,
-                              compiled=bool(paths.compile))
+                              compiled=bool(paths.compile), cast_once=paths.cast_once)
     layer_params, extra_params = stage_params_per_device(model, tp, num_layers, first, last)
     n_params = layer_params + extra_params
     held, own = float(optimizer_shard.held), float(optimizer_shard.own)
@@ -208,24 +208,29 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     # the step's token rows on the device (int64 [m * mbs, s + 1]) and the stage's rotary tables (2 x [s, head_dim])
     buffers = m * mbs * (train.seq_len + 1) * activations.INT64 + 2 * train.seq_len * model.head_dim * activations.FP32
     weights += buffers
+    # cast_once: the stage's one set of working weights, alive from the step's first forward until the last
+    # backward has passed each layer (with recompute until the schedule ends), never at the optimizer step
+    working = 0.0 if measured is not None else activations.stage_weight_copies(p, num_layers)
+    working_at_end = working if train.recompute else 0.0
     candidates: list[tuple[float, str, float, float, float, float]] = []  # (total, phase, grads, acts, transient, dp)
-    acts_first = in_flight * mb.saved + copy_held
+    acts_first = in_flight * mb.saved + copy_held + working
     candidates.append((weights + moments + acts_first + mb.bwd_start, "backward", 0.0, acts_first, mb.bwd_start, 0.0))
     if m >= 2:
         alive = min(in_flight, m - 1)
-        acts = alive * mb.saved + copy_held + view_held_after_first + back_held
+        acts = alive * mb.saved + copy_held + working + view_held_after_first + back_held
         candidates.append((weights + grads + moments + acts + mb.bwd_start_accumulating, "backward", grads, acts,
                            mb.bwd_start_accumulating, 0.0))
         if first:
-            acts_end = (alive - 1) * mb.saved + copy_held + view_held_after_first + back_held
+            acts_end = (alive - 1) * mb.saved + copy_held + working_at_end + view_held_after_first + back_held
             candidates.append((weights + grads + moments + acts_end + mb.embedding_bwd, "backward", grads, acts_end,
                                mb.embedding_bwd, 0.0))
     fwd_grads = grads if m > w + 1 else 0.0
-    acts_fwd = in_flight * mb.saved + copy_held
+    acts_fwd = in_flight * mb.saved + copy_held + working
     candidates.append((weights + fwd_grads + moments + acts_fwd + mb.fwd, "forward", fwd_grads, acts_fwd, mb.fwd, 0.0))
     if dp_shared:  # sharded slices: their full gradients go as they are packed, one buffer per bucket
         flat = params.dp_buffer_factor * 4.0 * (n_params - held) + 4.0 * own
-        candidates.append((weights + grads + moments + flat, "data-parallel reduction", grads, 0.0, 0.0, flat))
+        candidates.append((weights + grads + moments + flat + working_at_end, "data-parallel reduction", grads,
+                           working_at_end, 0.0, flat))
     optimizer_temp = 4.0 * kept if paths.optimizer == "foreach" else 0.0
     grads_after = 4.0 * kept  # the full gradients of the sharded slices are gone; this rank's chunks stay
     if held > 0:  # the gather of one bucket after the update: its buffer
@@ -241,7 +246,7 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     if on_cuda:
         reserve += nccl_bytes
     slack = params.memory_fragmentation * allocated
-    copies_at = min(acts_at, in_flight * mb.copies)
+    copies_at = min(acts_at, in_flight * mb.copies + (working if acts_at else 0.0))
     return MemoryBreakdown(weights=weights, grads=grads_at, optimizer=moments, activations=acts_at,
                            weight_copies=copies_at, transient=transient_at, dp_buffers=dp_at, fixed=fixed,
                            allocated=allocated, fragmentation=slack, reserve=reserve,

@@ -88,12 +88,18 @@ class ProfileEntry(_Strict):
 
 
 class ProfilePaths(_Strict):
-    """The runtime paths a profile was measured on (semantics/runtime_paths.py): compiled parts, the chunked loss.
+    """The runtime paths a profile was measured on (semantics/runtime_paths.py): compiled parts and how (the compile
+    scope the layer part ran under), the chunked loss and its kernel, the weights cast once per step.
     A profile without this object was measured eager with the whole-vocabulary loss (what flashflex ran before
     the paths existed)."""
 
     compile: bool = False
     chunked_loss: bool = False
+    # written by profilers since issue 31 (absent, None: what ran before: per block, cast per micro-batch, the
+    # project's loss); the cost model matches profiles by compile and chunked_loss only
+    compile_scope: Literal["block", "stage"] | None = None
+    cast_once: bool | None = None
+    loss_kernel: Literal["own", "torch"] | None = None
 
 
 class LayerProfile(_Strict):

@@ -9,9 +9,12 @@ backward) of three parts, each a `StageModule` of runtime/model/stage.py:
 - head: final RMSNorm + output projection + summed cross-entropy, [b, s, hidden] and targets [b, s] -> scalar.
 
 The parts run on the runtime's paths (`BenchConfig.runtime`, resolved for the device as a run resolves them): the
-chunked loss in the head, and with compile (default on CUDA) each part's layer, norm and loss compiled as in a
-run (runtime/model/compiled.py), warmed up once on the first micro-batch size before anything is timed (a compile
-failure anywhere in the group: every part eager, one warning line); each later micro-batch size compiles in its
+chunked loss in the head (its kernel, `loss_kernel`), the layer's weights cast once (`cast_once`: the copies made
+before anything is timed, as a run makes them once per step), and with compile (default on CUDA) each part
+compiled as in a run, under the compile scope a stage of that TP degree takes (runtime/model/compiled.py; a
+part is its own stage, so "stage" compiles each part whole; the scope recorded is TP 1's, entries at TP > 1
+run per block); the profile's `runtime` records every one of these. Compiled parts are warmed up once on the
+first micro-batch size before anything is timed (a compile failure anywhere in the group: every part eager, one warning line); each later micro-batch size compiles in its
 first untimed warm-up run (at least one when compiled).
 
 Every TP degree runs in `tp` freshly spawned processes (gloo on CPU, each pinned to one core with
@@ -42,6 +45,7 @@ import queue as queue_module
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -56,10 +60,11 @@ from ..model.spec import ModelSpec
 from ..runtime.device.slowdown import runqueue_seconds
 from ..runtime.model.attention import PLAN_BACKENDS, flash_attn_available
 from ..runtime.model.compiled import all_reduce_max, compile_or_fall_back
-from ..runtime.model.precision import autocast, use_tf32_matmuls
+from ..runtime.model.precision import autocast, autocast_dtype, use_tf32_matmuls
 from ..runtime.model.stage import StageModule
 from ..runtime.model.tensor_parallel import TPContext
-from ..semantics.runtime_paths import RuntimeOptions
+from ..runtime.model.working_weights import WorkingWeights
+from ..semantics.runtime_paths import RuntimeOptions, stage_compile_scope
 
 PARTS = ("layer", "embedding", "head")
 DTYPES = ("bf16", "fp16", "fp32", "tf32")
@@ -194,7 +199,7 @@ def _build_parts(config: BenchConfig, tp: TPContext, device: torch.device) -> di
     parts: dict[str, StageModule] = {}
     for name, (layers, first, last) in layouts.items():
         module = StageModule(config.spec, layers, first, last, tp, backend, recompute=config.recompute,
-                             chunked_loss=paths.chunked_loss)
+                             chunked_loss=paths.chunked_loss, loss_kernel=paths.loss_kernel)
         _init_weights(module, seed=1000 * tp.rank + len(parts))
         parts[name] = module.to(device)
     return parts
@@ -204,9 +209,11 @@ def _compile_parts(parts: dict[str, StageModule], config: BenchConfig, tp: TPCon
                    device: torch.device) -> bool:
     """Compile the parts and warm them up at the first micro-batch size (collectives muted); when compiling failed
     on any rank of the group every part runs eager, with one warning line. True when the parts stay compiled."""
+    scope = stage_compile_scope(config.runtime.compile_scope, tp.size, 1)  # what a run's stage of this TP takes
     return compile_or_fall_back(list(parts.values()), config.micro_batches[0], config.seq_len, device,
                                 lambda: autocast(device, config.dtype), tp.rank,
-                                all_reduce_max(tp.group if tp.size > 1 else None), fallback_text="measuring eager")
+                                all_reduce_max(tp.group if tp.size > 1 else None), fallback_text="measuring eager",
+                                scope=scope)
 
 
 def _inputs(part: str, spec: ModelSpec, b: int, s: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -398,12 +405,16 @@ def _measure_rank(rank: int, tp_size: int, config: BenchConfig, device: torch.de
     """Build the parts and measure every micro-batch size; rank 0 puts the group's results."""
     tp = TPContext(dist.group.WORLD if tp_size > 1 else None, tp_size, rank)
     parts = _build_parts(config, tp, device)
-    if config.runtime.resolved(device.type == "cuda").compile and _compile_parts(parts, config, tp, device):
-        config = replace(config, warmup=max(1, config.warmup))  # each new shape compiles in its first run
-    for b in config.micro_batches:
-        result = _measure_entry(parts, config, b, tp, device)
-        if rank == 0:
-            results.put(result)
+    dtype = autocast_dtype(config.dtype)
+    # cast_once: the layer multiplies by working copies made once (per step in a run: outside the timed parts)
+    working = WorkingWeights(parts["layer"], dtype) if config.runtime.cast_once and dtype is not None else None
+    with working.cast() if working is not None else nullcontext():
+        if config.runtime.resolved(device.type == "cuda").compile and _compile_parts(parts, config, tp, device):
+            config = replace(config, warmup=max(1, config.warmup))  # each new shape compiles in its first run
+        for b in config.micro_batches:
+            result = _measure_entry(parts, config, b, tp, device)
+            if rank == 0:
+                results.put(result)
 
 
 def _worker(rank: int, tp_size: int, port: int, config: BenchConfig, kind: str,
@@ -513,4 +524,7 @@ def build_profile(config: BenchConfig, entries: list[EntryResult], device_type: 
     return LayerProfile(device_type=device_type, model=ModelShape.of(config.spec), seq_len=config.seq_len,
                         dtype=config.dtype, attention=config.attention,  # type: ignore[arg-type]
                         recompute=config.recompute, source=source, entries=rows,
-                        runtime=ProfilePaths(compile=bool(paths.compile), chunked_loss=paths.chunked_loss))
+                        runtime=ProfilePaths(compile=bool(paths.compile), chunked_loss=paths.chunked_loss,
+                                             compile_scope=stage_compile_scope(paths.compile_scope, 1, 1)
+                                             if paths.compile else None,
+                                             cast_once=paths.cast_once, loss_kernel=paths.loss_kernel))

@@ -9,8 +9,20 @@ existed then (`LEGACY`).
 Paths:
 - lean_p2p, overlap_dp, hierarchical_dp: the communication paths (runtime/parallel/pipeline.py, runtime/parallel/grad_sync.py).
 - compile: each decoder layer compiled with torch.compile (default: on CUDA devices only).
+- compile_scope (with compile): "block", each decoder layer its own graph (shared by all layers), the final norm and
+  the loss's chunks apart; "stage", at TP 1 the whole stage's forward (embedding, layers, final norm, loss) one
+  graph (at TP > 1 per block, the TP collectives being kept out of graphs); "auto", `stage_compile_scope`'s rule.
+  The record holds rank 0's resolved choice.
 - chunked_loss: the output projection and cross-entropy computed in chunks of tokens (`loss_chunk_tokens`), so no
   [tokens, vocab] fp32 logits are ever held; False: the whole logits tensor, upcast to fp32 for the loss.
+- loss_kernel (with chunked_loss): "own", the project's chunked loss (runtime/model/chunked_loss.py), or "torch",
+  torch's `linear_cross_entropy` on stages of TP 1 where the installed torch has it (runtime/model/torch_loss.py
+  says why it is not the default); the cost model charges both as the project's.
+- cast_once: under autocast, the decoder layers' matmul weights cast to the compute dtype once per step and
+  shared by every micro-batch (runtime/model/working_weights.py); False: autocast casts them in each
+  micro-batch's forward, and every micro-batch in flight keeps its own copy. No effect in fp32 plans. Off by
+  default until the cost model's count of it is exact per micro-batch in flight (tests/test_memory_tracked.py
+  holds its peaks within 2%, not yet its per-micro-batch change within 0.5%).
 - optimizer: "fused" (torch.optim.AdamW(fused=True), one kernel) or "foreach" (multi-tensor kernels, several
   passes and a temporary as large as the parameters); "auto": fused on CUDA, foreach on CPU.
 - compute_dtype: the dtype matmuls run in: the plan's bf16/fp16 under autocast on every device, fp32 for fp32
@@ -33,6 +45,33 @@ from ..fileio import refused_in_one_line
 
 OptimizerPath = Literal["auto", "fused", "foreach"]
 OPTIMIZER_PATHS: tuple[str, ...] = ("auto", "fused", "foreach")
+LossKernel = Literal["own", "torch"]
+CompileScope = Literal["block", "stage", "auto"]
+COMPILE_SCOPES: tuple[str, ...] = ("block", "stage", "auto")
+# "auto" compiles a stage whole up to this many layers: its compile time grows with depth (one graph), where per
+# block it does not.
+STAGE_GRAPH_MAX_LAYERS = 32
+
+
+def stage_compile_scope(setting: str, tp: int, num_layers: int) -> str:
+    """The compile scope a stage of `num_layers` layers at TP degree `tp` runs under RuntimeOptions.compile_scope
+    `setting`: "block" at TP > 1 whatever the setting (its collectives stay outside graphs: a whole-stage graph
+    would break at each of them anyway); "auto": "stage" at TP 1 up to STAGE_GRAPH_MAX_LAYERS layers, else
+    "block".
+
+    Why "stage" for "auto": one graph lets inductor fuse across the layers' boundaries (each residual add with
+    the next layer's RMSNorm) and the final norm with the loss's first pass, and runs one compiled call per
+    micro-batch instead of one per layer; issue 31 records the project's Llama 1B compiled whole at 544 ms a step
+    on an H100 against 605 ms per block on the faster-memory H200 (seq 2048, 16 sequences a step).
+    benchmarks/bench_gpu_runtime.py --ablations measures both scopes on one GPU (rows "compile scope block" and
+    "compile scope stage"), with each one's compile seconds."""
+    if tp > 1 or setting == "block":
+        return "block"
+    if setting == "stage":
+        return "stage"
+    return "stage" if num_layers <= STAGE_GRAPH_MAX_LAYERS else "block"
+
+LOSS_KERNELS: tuple[str, ...] = ("own", "torch")
 
 # Bytes of fp32 logits one chunk of the chunked loss may hold ([chunk tokens, vocab / tp] x 4 bytes).
 LOSS_CHUNK_BYTES = 256 * 2**20
@@ -68,6 +107,9 @@ class RuntimeOptions:
     compile: StrictBool | None = None
     chunked_loss: StrictBool = True
     optimizer: OptimizerPath = "auto"
+    loss_kernel: LossKernel = "own"
+    cast_once: StrictBool = False
+    compile_scope: CompileScope = "auto"
 
     def resolved(self, on_cuda: bool) -> RuntimeOptions:
         """These options with the device-dependent defaults decided for a CUDA (`on_cuda`) or CPU device."""
@@ -104,7 +146,8 @@ def non_default_flags(options: RuntimeOptions) -> list[str]:
 
 # What a run did where its runtime.json lacks a key: the paths that existed before the key was recorded.
 LEGACY: dict[str, Any] = {"lean_p2p": True, "overlap_dp": True, "hierarchical_dp": True, "compile": False,
-                          "chunked_loss": False, "optimizer": "foreach"}
+                          "chunked_loss": False, "optimizer": "foreach", "loss_kernel": "own",
+                          "cast_once": False, "compile_scope": "block"}
 
 
 @dataclass(frozen=True)
@@ -119,11 +162,15 @@ def from_record(record: dict[str, Any], plan_dtype: str, on_cuda: bool) -> Recor
     """The paths of a recorded run from its runtime.json object `record`; a key it lacks takes the behaviour of
     the runtime before that key was recorded (`LEGACY`; the compute dtype: the plan's on CUDA, fp32 on CPU)."""
     values = {f.name: record.get(f.name, LEGACY[f.name]) for f in fields(RuntimeOptions)}
-    for name in ("lean_p2p", "overlap_dp", "hierarchical_dp", "compile", "chunked_loss"):
+    for name in ("lean_p2p", "overlap_dp", "hierarchical_dp", "compile", "chunked_loss", "cast_once"):
         if not isinstance(values[name], bool):
             raise ValueError(f"{name} must be true or false, got {values[name]!r}")
     if values["optimizer"] not in ("fused", "foreach"):
         raise ValueError(f"optimizer must be fused or foreach, got {values['optimizer']!r}")
+    if values["compile_scope"] not in COMPILE_SCOPES:
+        raise ValueError(f"compile_scope must be block, stage or auto, got {values['compile_scope']!r}")
+    if values["loss_kernel"] not in LOSS_KERNELS:
+        raise ValueError(f"loss_kernel must be own or torch, got {values['loss_kernel']!r}")
     legacy_dtype = compute_dtype(plan_dtype) if on_cuda else "fp32"
     dtype = record.get("compute_dtype", legacy_dtype)
     if dtype not in ("bf16", "fp16", "fp32"):

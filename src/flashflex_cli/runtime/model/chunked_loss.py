@@ -32,13 +32,23 @@ n = chunk_tokens (the last chunk may be shorter), c bytes per element of the com
   logits32 [n, V] fp32 (n V 4 <= LOSS_CHUNK_BYTES); one more [n, V] fp32 temporary while the sums of
   exponentials are taken; then the softmax is formed in place in logits32 and cast to the gradient
   g [n, V] compute dtype (in fp32 it is logits32 itself); the per-chunk products g w_c [n, H] and g^T h_c [V, H]
-  in the compute dtype before they are added into grad_h and grad_w (in fp32 they are written into them
-  directly). So a chunk's own peak is at most 8 n V bytes (the sums: two fp32 [n, V]) or (4 + c) n V (the
+  in the compute dtype before they are added into grad_h and grad_w (in fp32, and on CUDA, they are written
+  into them directly: `product_into`). So a chunk's own peak is at most 8 n V bytes (the sums: two fp32 [n, V]) or (4 + c) n V (the
   product and its fp32 cast; the softmax and g), plus c n H for h_c, and then c (n V + n H + V H) for the
   products: in bf16 at most max(8 n V, 6 n V, 2 (n V + n H + V H)) + 2 n H bytes.
 - Compiled (`compile_kernels`, TP 1): the softmax and its gradient fuse into the reductions, so a chunk holds
   at most what the eager chunk holds (the product's [n, V] output and g; the fp32 chunk need not exist).
 The head's peak beyond its inputs is therefore: grad_h + grad_w + w_c + one chunk's peak, during the forward.
+
+On CUDA, where the compute dtype is 16-bit, the two gradient products are written straight into their fp32
+accumulators by cuBLAS (`torch.mm` / `torch.addmm` with `out_dtype=torch.float32`, which CUDA builds of torch
+2.8 and later provide; CPU builds do not): no compute-dtype [V, H] product per chunk, no separate fp32 add of it.
+At the H200 shape of issue 31 (vocabulary 128256, hidden 2048, 523-token chunks, 64 chunks a step) the eager
+form wrote a bf16 [V, H] product and read it back into the fp32 sum once a chunk, about 2.6 GB of traffic per
+chunk, which is what the chunked loss cost (37 ms a step) over the unchunked one. The fused form only reads and
+writes the fp32 accumulator. A torch without it (the call raises) falls back to the eager form, once, for the
+process. Inside a compiled graph (compile scope "stage") the eager form is what is traced: inductor fuses the add
+into the product's epilogue or its next pass itself.
 
 Compilation (RuntimeOptions.compile): at TP 1 one chunk is one compiled function (product, cast, maximum, sums,
 softmax gradient), reused for every chunk of every micro-batch (a second graph for a shorter last chunk). At
@@ -46,7 +56,10 @@ TP > 1 the two all-reduces of a chunk sit between the maximum and the sums and b
 gradient, so the chunk runs as three compiled functions with the collectives between them, in eager code: a
 collective inside a compiled graph would need functional collectives, which these gloo and NCCL groups are not
 set up for, and the three pieces keep what matters, the fused element-wise passes over the [n, V] chunk.
-Written by hand because torch has no fused linear cross-entropy for vocabulary-sharded weights.
+Written by hand because torch has no fused linear cross-entropy for vocabulary-sharded weights. Torch 2.13's
+`torch.nn.functional.linear_cross_entropy` (chunked through `LinearCrossEntropyOptions`) covers TP 1 and is
+available as RuntimeOptions.loss_kernel "torch" (runtime/model/torch_loss.py, which says why it is not the
+default).
 """
 
 from __future__ import annotations
@@ -142,6 +155,41 @@ def _chunk(h_c: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, vocab_star
     return losses, kernels.grad_logits(logits32, row_max, sums[0], local, hit, w.dtype)
 
 
+class _FusedUpcast:
+    """Whether cuBLAS's mixed-dtype product (`out_dtype=`) works in this process: None until first tried."""
+
+    works: bool | None = None
+
+
+def product_into(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor, accumulate: bool) -> None:
+    """out (+)= left @ right: out [m, k] (fp32, or the operands' dtype), left [m, j], right [j, k] in the compute
+    dtype. Same dtype: one `mm`/`addmm_` into `out`. 16-bit operands into fp32 on CUDA: the product upcast inside
+    cuBLAS (`out_dtype`), no temporary (module docstring). Elsewhere: the product in the compute dtype [m, k],
+    then copied or added into `out`."""
+    if out.dtype == left.dtype:
+        if accumulate:
+            out.addmm_(left, right)
+        else:
+            torch.mm(left, right, out=out)
+        return
+    if out.is_cuda and _FusedUpcast.works is not False and not torch.compiler.is_compiling():
+        try:
+            if accumulate:
+                torch.addmm(out, left, right, out_dtype=out.dtype, out=out)
+            else:
+                torch.mm(left, right, out_dtype=out.dtype, out=out)
+            _FusedUpcast.works = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            if _FusedUpcast.works:
+                raise
+            _FusedUpcast.works = False
+    if accumulate:
+        out += left @ right
+    else:
+        out.copy_(left @ right)
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """Summed cross-entropy of h @ weight^T, gradients computed chunk by chunk in the forward (module docstring)."""
 
@@ -166,16 +214,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 if grad is None:
                     continue
                 if grad_h is not None:
-                    rows = grad_h[start:stop]
-                    if rows.dtype == grad.dtype:
-                        torch.mm(grad, w, out=rows)
-                    else:
-                        rows.copy_(grad @ w)
+                    product_into(grad_h[start:stop], grad, w, accumulate=False)
                 if grad_w is not None:
-                    if grad.dtype == grad_w.dtype:
-                        grad_w.addmm_(grad.t(), h_c)
-                    else:
-                        grad_w += grad.t() @ h_c
+                    product_into(grad_w, grad.t(), h_c, accumulate=True)
                 del grad, h_c
         ctx.save_for_backward(grad_h, grad_w)  # so saved-tensor hooks (memory accounting) see them
         return loss

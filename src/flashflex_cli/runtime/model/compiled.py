@@ -1,4 +1,5 @@
-"""torch.compile for a pipeline stage, per block (RuntimeOptions.compile; on by default on CUDA devices).
+"""torch.compile for a pipeline stage, per block or whole (RuntimeOptions.compile, on by default on CUDA devices;
+RuntimeOptions.compile_scope, semantics/runtime_paths.stage_compile_scope says which and why).
 
 What is compiled (`compile_stage`), each as its own torch.compile'd callable in `StageModule.runners`, the
 modules themselves untouched (parameter names, checkpoints and hooks unchanged):
@@ -15,6 +16,10 @@ modules themselves untouched (parameter names, checkpoints and hooks unchanged):
   says how they split around the vocabulary-parallel all-reduces). The unchunked loss (`chunked_loss` off)
   stays eager: it is kept as the recorded runs' path, for comparison.
 - not the embedding: a lookup (plus, at TP > 1, a masked lookup and an all-reduce) has nothing to fuse.
+- or, compile scope "stage" (TP 1 only): the stage's whole forward, `StageModule.run_parts` (embedding, layers,
+  final norm, loss), one torch.compile'd function in `StageRunners.whole`; the chunked loss's autograd Function
+  and its loop break the graph where dynamo cannot trace them, and run their compiled chunk functions there.
+  Its compile time grows with the stage's depth (STAGE_GRAPH_MAX_LAYERS bounds what "auto" compiles whole).
 
 `warm_up` runs the compiled stage once on dummy inputs of the real shapes (forward and backward, under the run's
 autocast, recompute as configured), with the TP collectives muted, so the compilation happens before step 0 and
@@ -41,19 +46,24 @@ from .stage import StageModule, StageRunners
 CompileBackend = str | Callable[..., Any]
 
 
-def compile_stage(module: StageModule, backend: CompileBackend = "inductor") -> None:
-    """Run `module`'s layers, final norm and chunked loss compiled (module docstring). The compilation itself
-    happens at the first call (`warm_up`)."""
+def compile_stage(module: StageModule, backend: CompileBackend = "inductor", scope: str = "block") -> None:
+    """Run `module`'s layers, final norm and chunked loss compiled (module docstring), per block, or with
+    `scope` "stage" at TP 1 its whole forward as one compiled function (the loss's chunk functions compiled
+    inside it where it breaks its graph). The compilation itself happens at the first call (`warm_up`)."""
     if module.tp.size > 1:
         module.tp.keep_collectives_eager()
 
     def compiled(part: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         return torch.compile(part, backend=backend, dynamic=False)
 
+    loss = compile_kernels(backend) if module.last else EAGER_KERNELS
+    if scope == "stage" and module.tp.size == 1:
+        module.runners = StageRunners(layers=tuple(module.layers), norm=module.norm if module.last else None,
+                                      loss=loss, whole=compiled(module.run_parts))
+        return
     norm = module.runners.norm
     module.runners = StageRunners(layers=tuple(compiled(layer) for layer in module.layers),
-                                  norm=compiled(norm) if norm is not None else None,
-                                  loss=compile_kernels(backend) if module.last else EAGER_KERNELS)
+                                  norm=compiled(norm) if norm is not None else None, loss=loss)
 
 
 def eager_stage(module: StageModule) -> None:
@@ -63,8 +73,9 @@ def eager_stage(module: StageModule) -> None:
 
 def is_compiled(module: StageModule) -> bool:
     """True when the stage runs compiled parts."""
-    return any(layer is not base for layer, base in zip(module.runners.layers, module.layers, strict=True)) or \
-        module.runners.loss.compiled or (module.last and module.runners.norm is not module.norm)
+    return module.runners.whole is not None or module.runners.loss.compiled or \
+        any(layer is not base for layer, base in zip(module.runners.layers, module.layers, strict=True)) or \
+        (module.last and module.runners.norm is not module.norm)
 
 
 @contextmanager
@@ -127,13 +138,13 @@ def warm_up(module: StageModule, micro_batch: int, seq_len: int, device: torch.d
 def compile_or_fall_back(modules: Sequence[StageModule], micro_batch: int, seq_len: int, device: torch.device,
                          autocast: Callable[[], AbstractContextManager[object]], rank: int,
                          agree_max: Callable[[torch.Tensor], None], backend: CompileBackend = "inductor",
-                         fallback_text: str = "every rank runs eager") -> bool:
+                         fallback_text: str = "every rank runs eager", scope: str = "block") -> bool:
     """Compile `modules` and warm each up at [micro_batch, seq_len]; `agree_max` all-reduces a one-element
     tensor with MAX over the ranks that must agree. True when every rank stays compiled; otherwise every module
     runs eager again and the highest failing rank logs one warning line ending in `fallback_text`."""
     errors: list[str] = []
     for module in modules:
-        compile_stage(module, backend)
+        compile_stage(module, backend, scope)
         _, error = warm_up(module, micro_batch, seq_len, device, autocast)
         if error:
             errors.append(error)

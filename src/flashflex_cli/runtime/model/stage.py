@@ -38,6 +38,9 @@ from .tensor_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
+from .torch_loss import available as torch_loss_available
+from .torch_loss import torch_head_loss
+from .working_weights import shared_cast
 
 
 class RMSNorm(nn.Module):
@@ -84,7 +87,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos + rotated * sin).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Matmuls(nn.Module):
+    """A module of matrix products whose weights may be multiplied as 16-bit working copies made once per step
+    (`working`: parameter name -> copy, filled by runtime/model/working_weights.py; empty: the fp32 parameters,
+    which autocast casts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.working: dict[str, torch.Tensor] = {}
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The matrix `name` as the product takes it: its working copy (gradient into the parameter), or the
+        parameter."""
+        param = getattr(self, name)
+        copy = self.working.get(name)
+        return param if copy is None else shared_cast(param, copy)
+
+
+class Attention(Matmuls):
     """Grouped-query causal self-attention over this rank's heads: q heads and kv heads split by TP; q/k/v
     biases (Qwen2) split with their rows; a sliding window (Mistral) when the spec has one."""
 
@@ -104,14 +124,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         x = copy_to_tp(x, self.tp)
-        q = apply_rotary(functional.linear(x, self.wq, self.bq).view(b, s, self.hq, self.hd), cos, sin)
-        k = apply_rotary(functional.linear(x, self.wk, self.bk).view(b, s, self.hkv, self.hd), cos, sin)
-        v = functional.linear(x, self.wv, self.bv).view(b, s, self.hkv, self.hd)
+        q = apply_rotary(functional.linear(x, self.weight("wq"), self.bq).view(b, s, self.hq, self.hd), cos, sin)
+        k = apply_rotary(functional.linear(x, self.weight("wk"), self.bk).view(b, s, self.hkv, self.hd), cos, sin)
+        v = functional.linear(x, self.weight("wv"), self.bv).view(b, s, self.hkv, self.hd)
         out = self.attend(q, k, v).reshape(b, s, self.hq * self.hd)
-        return row_linear(out, self.wo, self.tp)
+        return row_linear(out, self.weight("wo"), self.tp)
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(Matmuls):
     """down(silu(gate(x)) * up(x)) with gate/up column-parallel (matching halves) and down row-parallel."""
 
     def __init__(self, spec: ModelSpec, tp: TPContext) -> None:
@@ -124,8 +144,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.tp)
-        return row_linear(functional.silu(functional.linear(x, self.w_gate)) * functional.linear(x, self.w_up),
-                          self.w_down, self.tp)
+        gated = functional.silu(functional.linear(x, self.weight("w_gate")))
+        return row_linear(gated * functional.linear(x, self.weight("w_up")), self.weight("w_down"), self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -152,6 +172,7 @@ class StageRunners:
     layers: tuple[Callable[..., torch.Tensor], ...]
     norm: Callable[[torch.Tensor], torch.Tensor] | None
     loss: LossKernels
+    whole: Callable[..., torch.Tensor] | None = None  # the whole forward compiled as one (compile_scope "stage")
 
 
 class StageModule(nn.Module):
@@ -165,6 +186,8 @@ class StageModule(nn.Module):
 
     `chunked_loss`: the projection and loss in chunks of `loss_chunk_tokens` tokens (runtime/model/chunked_loss.py,
     no [b*s, vocab] fp32 logits); False: the whole logits tensor, upcast to fp32 for the loss.
+    `loss_kernel`: "torch" runs the chunked loss through torch's `linear_cross_entropy` where it fits (TP 1, a
+    torch that has it: runtime/model/torch_loss.py), "own" (and everywhere else) the project's.
     `capture_logits`: None, or a list to which the last stage appends each forward's detached logits shard
     [b, s, vocab / tp] (vocabulary rows [vocab_start, +vocab / tp)) in the compute dtype; for equivalence tests.
 
@@ -173,10 +196,12 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, layers: tuple[int, int], first: bool, last: bool, tp: TPContext,
-                 backend: str = SDPA, recompute: bool = False, chunked_loss: bool = False) -> None:
+                 backend: str = SDPA, recompute: bool = False, chunked_loss: bool = False,
+                 loss_kernel: str = "own") -> None:
         super().__init__()
         self.spec, self.layer_range, self.first, self.last, self.tp = spec, layers, first, last, tp
         self.recompute, self.chunked_loss = recompute, chunked_loss
+        self.torch_loss = loss_kernel == "torch" and tp.size == 1 and torch_loss_available()
         self.infos = stage_params(spec, layers, first, last)
         vocab_start, vocab_stop = shard_bounds(spec.vocab_size, tp.size, tp.rank)
         self.vocab_start = vocab_start
@@ -215,9 +240,18 @@ class StageModule(nn.Module):
         return self._rope[key]
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        cos, sin = self._tables(x.shape[1], x.device)  # the cache filled outside any compiled graph
+        if self.runners.whole is not None:  # contiguous: the graph was made for the warm-up's layout
+            return self.runners.whole(x.contiguous(), targets.contiguous() if targets is not None else None, cos,
+                                      sin)
+        return self.run_parts(x, targets, cos, sin)
+
+    def run_parts(self, x: torch.Tensor, targets: torch.Tensor | None, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+        """The forward, part by part through `runners` (what `forward` runs, or compiles whole); cos, sin: the
+        rotary tables [s, 1, head_dim]."""
         if self.first:
             x = vocab_parallel_embedding(x, self.embed, self.vocab_start, self.tp)
-        cos, sin = self._tables(x.shape[1], x.device)
         for layer in self.runners.layers:
             if self.recompute and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False)
@@ -228,6 +262,8 @@ class StageModule(nn.Module):
         assert targets is not None and self.runners.norm is not None, "the last stage needs targets"
         h = copy_to_tp(self.runners.norm(x), self.tp)
         weight = self.embed if self.spec.tie_embeddings else self.head
+        if self.chunked_loss and self.torch_loss and self.capture_logits is None:
+            return torch_head_loss(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), self.loss_chunk_tokens)
         if self.chunked_loss:
             chunks: list[torch.Tensor] | None = [] if self.capture_logits is not None else None
             loss = chunked_head_loss(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), self.vocab_start,

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -62,7 +62,7 @@ from ...plan.schema import Plan
 from ...semantics.optimizer_shards import ShardPiece, plan_pieces
 from ...semantics.outer_sync import group_of_pipeline, group_pipelines, group_sequences
 from ...semantics.parameters import ParamInfo, stage_params
-from ...semantics.runtime_paths import RuntimeOptions
+from ...semantics.runtime_paths import RuntimeOptions, stage_compile_scope
 from ..checkpoint.dcp import shards_for
 from ..device.oom import PhaseTracker
 from ..device.op_timer import OpTimer
@@ -72,6 +72,7 @@ from ..model.compiled import CompileBackend, all_reduce_max, compile_or_fall_bac
 from ..model.init import shard_init
 from ..model.precision import autocast, autocast_dtype, use_tf32_matmuls
 from ..model.stage import StageModule
+from ..model.working_weights import WorkingWeights
 from ..parallel.grad_sync import GradSync
 from ..parallel.groups import PlanGroups
 from ..parallel.pipeline import PipelineRunner, PipelineTimes
@@ -152,6 +153,10 @@ class RankEngine:
         self.stage_plan = self.pipe.stages[me.stage]
         first, last = me.stage == 0, me.stage == len(self.pipe.stages) - 1
         self.first, self.last = first, last
+        layer_count = self.stage_plan.layers[1] - self.stage_plan.layers[0]
+        scope = stage_compile_scope(self.options.compile_scope, self.stage_plan.tp, layer_count) \
+            if self.options.compile else "block"  # this stage's resolved scope ("block": nothing compiled whole)
+        self.options = replace(self.options, compile_scope=scope)
         self.amp_dtype = autocast_dtype(train.dtype)
         use_tf32_matmuls(device, train.dtype)
         wanted = attention or PLAN_BACKENDS[train.attention]
@@ -159,7 +164,8 @@ class RankEngine:
                                                                    prefer=wanted)
         self.tp = groups.tp_context()
         self.module = StageModule(spec, self.stage_plan.layers, first, last, self.tp, self.backend,
-                                  recompute=train.recompute, chunked_loss=self.options.chunked_loss)
+                                  recompute=train.recompute, chunked_loss=self.options.chunked_loss,
+                                  loss_kernel=self.options.loss_kernel)
         self.params: dict[str, tuple[ParamInfo, torch.nn.Parameter]] = {
             info.name: (info, param) for info, param in self.module.global_parameters()}
         with torch.no_grad():
@@ -176,6 +182,9 @@ class RankEngine:
                                     num_micro=self.pipe.num_micro_batches) if pieces else \
             GradSync(self.params, groups, overlap=self.options.overlap_dp,
                      hierarchical=self.options.hierarchical_dp, num_micro=self.pipe.num_micro_batches)
+        # options.cast_once under autocast: 16-bit working copies of the layers' weights, one per step
+        self.working = WorkingWeights(self.module, self.amp_dtype) \
+            if self.options.cast_once and self.amp_dtype is not None else None
         named = self.sync.optimizer_parameters() if isinstance(self.sync, ShardedGradSync) else \
             ((n, p) for n, (_, p) in self.params.items())
         self.optimizer = make_optimizer(named, optim, path=str(self.options.optimizer))
@@ -201,12 +210,24 @@ class RankEngine:
         """Compile the stage and warm it up on dummy inputs (collective over the world group: every rank runs
         compiled, or, when one failed, every rank eager, with one warning line from the highest failing rank)."""
         start = time.perf_counter()
-        if compile_or_fall_back([self.module], self.pipe.micro_batch_size, self.plan.inputs.train.seq_len,
-                                self.device, self._autocast, self.rank, all_reduce_max(self.groups.world_group),
-                                backend):
+        with self._working_weights(1):  # compiled for the weights the steps multiply by
+            compiled = compile_or_fall_back([self.module], self.pipe.micro_batch_size,
+                                            self.plan.inputs.train.seq_len, self.device, self._autocast, self.rank,
+                                            all_reduce_max(self.groups.world_group), backend,
+                                            scope=self.options.compile_scope)
+        for _, param in self.params.values():
+            param.grad = None  # the warm-up's
+        if compiled:
             self.compile_seconds = time.perf_counter() - start
         else:
-            self.options = replace(self.options, compile=False)
+            self.options = replace(self.options, compile=False, compile_scope="block")
+
+    def _working_weights(self, forwards: int) -> AbstractContextManager[object]:
+        """The step's 16-bit working weights in place for `forwards` forwards, or the whole schedule under
+        recompute (options.cast_once under autocast), else nothing."""
+        if self.working is None:
+            return nullcontext()
+        return self.working.cast(None if self.plan.inputs.train.recompute else forwards)
 
     def _autocast(self) -> AbstractContextManager[object]:
         return autocast(self.device, self.plan.inputs.train.dtype)
@@ -244,8 +265,9 @@ class RankEngine:
         global_tokens = group_sequences(self.plan, group_of_pipeline(self.plan, self.groups.pipeline)) * train.seq_len
         times = PipelineTimes(ops=[] if record_ops else None, origin=origin, origin_mark=t0)
         self.sync.start_step()  # overlap_dp: buckets start reducing inside the last backward
-        loss_sum = self.runner.run(inputs, targets, 1.0 / global_tokens, times, timer=timer,
-                                   scale_loss=self.scaler.scale if self.scaler is not None else None)
+        with self._working_weights(self.pipe.num_micro_batches):  # one cast for every micro-batch
+            loss_sum = self.runner.run(inputs, targets, 1.0 / global_tokens, times, timer=timer,
+                                       scale_loss=self.scaler.scale if self.scaler is not None else None)
         t1 = timer.mark()
         self.sync.finish()  # overlap_dp: wait for this rank's buckets; else the blocking reduction
         t2 = timer.mark()

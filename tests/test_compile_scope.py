@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -32,7 +31,7 @@ from flashflex_cli.semantics.runtime_paths import (
     stage_compile_scope,
 )
 from tests.infra.worker_pool import WorkerPool, gloo_rank
-from tests.test_compile import CountingBackend
+from tests.test_compile import CountingBackend, _run
 from tests.test_parity import (
     OPTIM,
     RTOL,
@@ -95,14 +94,6 @@ def _rank_job(rank: int, world: int, plan_json: str, init_file: str, out_dir: st
 def pool() -> Iterator[WorkerPool]:
     with WorkerPool(4, _rank_job) as workers:
         yield workers
-
-
-def _run(plan: Plan, compiled: bool, tmp_path: Path, pool: WorkerPool) -> list[dict[str, Any]]:
-    out = tmp_path / f"run-{compiled}"
-    out.mkdir()
-    pool.run([(rank, plan.world_size, plan.to_json(), str(out / "store"), str(out), compiled)
-              for rank in range(plan.world_size)])
-    return [torch.load(out / f"rank{r}.pt") for r in range(plan.world_size)]
 
 
 @pytest.mark.slow

@@ -41,14 +41,7 @@ from .collective_chain import Chain, ChainQueue
 from .grad_buckets import Bucket, holder_set_buckets, overlap_buckets, rank_buckets
 from .groups import PlanGroups, SliceHolders
 from .hier_reduce import hier_chain
-
-
-def _local_view(grad: torch.Tensor, info: ParamInfo, sl: SliceHolders, tp: int, tp_rank: int) -> torch.Tensor:
-    """The part of this rank's shard gradient that is slice `sl` of the full tensor (a view)."""
-    if sl.dim is None:
-        return grad
-    start, _ = info.bounds(tp, tp_rank)
-    return grad.narrow(sl.dim, sl.start - start, sl.stop - sl.start)
+from .shards import slice_view
 
 
 class GradSync:
@@ -84,7 +77,7 @@ class GradSync:
     def _view(self, sl: SliceHolders) -> torch.Tensor:
         info, param = self.params[sl.name]
         assert param.grad is not None
-        return _local_view(param.grad, info, sl, self.groups.tp_size, self.groups.tp_rank)
+        return slice_view(param.grad, info, sl, self.groups.tp_size, self.groups.tp_rank)
 
     def _pack(self, bucket: Bucket) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(views of this rank's slice gradients, flat fp32 copy: the gradients where this rank contributes,

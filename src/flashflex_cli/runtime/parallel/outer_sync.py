@@ -26,20 +26,13 @@ import torch.distributed as dist
 from ...errors import InputError
 from ...semantics.outer_sync import group_of_pipeline, group_weights
 from ...semantics.parameters import ParamInfo
-from ...semantics.process_groups import SliceHolders, outer_slice_holders
+from ...semantics.process_groups import outer_slice_holders
 from .groups import PlanGroups
+from .shards import slice_view
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MOMENTUM_SUFFIX = ".outer_momentum"
 ROUND_KEY = "outer_round"
-
-
-def slice_view(tensor: torch.Tensor, info: ParamInfo, holders: SliceHolders, tp: int, tp_rank: int) -> torch.Tensor:
-    """The part of this rank's shard `tensor` (local shape) that is slice `holders` of the full tensor (a view)."""
-    if holders.dim is None:
-        return tensor
-    start, _ = info.bounds(tp, tp_rank)
-    return tensor.narrow(holders.dim, holders.start - start, holders.stop - holders.start)
 
 
 class OuterSync:

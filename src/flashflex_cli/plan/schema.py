@@ -187,8 +187,11 @@ class PlannedPaths(_Strict):
 
     @classmethod
     def of(cls, options: RuntimeOptions) -> PlannedPaths | None:
-        """The record of `options`; None for the launch defaults (nothing is written)."""
-        return None if options == RuntimeOptions() else cls(**dataclasses.asdict(options))
+        """The record of the switches `plan` and `show` take in `options`; None when they are the launch defaults
+        (nothing is written). The runtime's other settings (loss kernel, cast once, compile scope) are set in the
+        run configuration, not predicted for by a plan."""
+        recorded = {name: value for name, value in dataclasses.asdict(options).items() if name in cls.model_fields}
+        return None if recorded == cls().model_dump() else cls(**recorded)
 
 
 class PlanInputs(_Strict):

@@ -36,7 +36,7 @@ Paths:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import ConfigDict, StrictBool
 from pydantic.dataclasses import dataclass as settings_dataclass
@@ -44,10 +44,10 @@ from pydantic.dataclasses import dataclass as settings_dataclass
 from ..fileio import refused_in_one_line
 
 OptimizerPath = Literal["auto", "fused", "foreach"]
-OPTIMIZER_PATHS: tuple[str, ...] = ("auto", "fused", "foreach")
+OPTIMIZER_PATHS: tuple[str, ...] = get_args(OptimizerPath)
 LossKernel = Literal["own", "torch"]
 CompileScope = Literal["block", "stage", "auto"]
-COMPILE_SCOPES: tuple[str, ...] = ("block", "stage", "auto")
+COMPILE_SCOPES: tuple[str, ...] = get_args(CompileScope)
 # "auto" compiles a stage whole up to this many layers: its compile time grows with depth (one graph), where per
 # block it does not.
 STAGE_GRAPH_MAX_LAYERS = 32
@@ -71,7 +71,7 @@ def stage_compile_scope(setting: str, tp: int, num_layers: int) -> str:
         return "stage"
     return "stage" if num_layers <= STAGE_GRAPH_MAX_LAYERS else "block"
 
-LOSS_KERNELS: tuple[str, ...] = ("own", "torch")
+LOSS_KERNELS: tuple[str, ...] = get_args(LossKernel)
 
 # Bytes of fp32 logits one chunk of the chunked loss may hold ([chunk tokens, vocab / tp] x 4 bytes).
 LOSS_CHUNK_BYTES = 256 * 2**20

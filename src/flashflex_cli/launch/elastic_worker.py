@@ -25,6 +25,8 @@ import sys
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from ..semantics.worker_protocol import say
+
 if TYPE_CHECKING:
     from ..run_config import RunConfig
 
@@ -98,8 +100,8 @@ def decide_round(config: RunConfig, config_path: str, present: list[str], round_
                               "config": written,
                               "predicted_tokens_per_s_before": predicted_tokens_per_s(plan, cluster, params),
                               "predicted_tokens_per_s_after": new.predicted.tokens_per_s if new.predicted else None})
-    print(f"flashflex elastic: round {round_}: plan nodes {', '.join(present)} present; re-planned "
-          f"{plan.world_size} -> {new.world_size} devices ({plan_path})", file=sys.stderr, flush=True)
+    say(f"flashflex elastic: round {round_}: plan nodes {', '.join(present)} present; re-planned "
+        f"{plan.world_size} -> {new.world_size} devices ({plan_path})")
     return written
 
 
@@ -114,14 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         config_path = settle_config(load_run_config(args.config), args.config, args.node)
         config = load_run_config(config_path)
     except Exception as exc:  # one line, like the worker's own failures
-        print(f"flashflex elastic worker on {args.node}: cannot settle the plan: {type(exc).__name__}: {exc}",
-              file=sys.stderr, flush=True)
+        say(f"flashflex elastic worker on {args.node}: cannot settle the plan: {type(exc).__name__}: {exc}")
         return 1
     plan = load_plan(config.plan)
     mine = [info for info in plan.ranks() if info.device.rpartition("/")[0] == args.node]
     if int(os.environ.get("LOCAL_RANK", "0")) >= len(mine):
-        print(f"flashflex elastic worker: {args.node} local rank {os.environ.get('LOCAL_RANK')} is unused by "
-              f"{config.plan}; exiting", file=sys.stderr, flush=True)
+        say(f"flashflex elastic worker: {args.node} local rank {os.environ.get('LOCAL_RANK')} is unused by "
+            f"{config.plan}; exiting")
         return 0
     os.environ["WORLD_SIZE"] = str(plan.world_size)
     return worker.main(["--config", config_path, "--plan-node", args.node])

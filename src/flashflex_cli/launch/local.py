@@ -172,8 +172,7 @@ class LocalJob:
         for worker in self.running():
             code = worker.proc.poll()
             if code is not None and worker.lingered:
-                print(f"flashflex: rank {worker.local_rank} finished training but did not exit in time; killed",
-                      file=sys.stderr, flush=True)
+                worker_protocol.say(f"flashflex: rank {worker.local_rank} finished training but did not exit in time; killed")
                 code = 0
             if code is not None:
                 self.exits[worker.local_rank] = RankExit(

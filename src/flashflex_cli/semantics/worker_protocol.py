@@ -9,6 +9,9 @@ torch or DCP.
 - Exit codes and failure lines: a rank that stopped because a peer failed exits with PEER_LOST, so the launcher
   blames the peer; a rank out of memory reports one line starting with OOM_LINE_PREFIX
   (runtime/device/oom.py writes it), which the launcher's report quotes as the root cause.
+- Lines on the shared stderr: the launcher and every worker write to one inherited stderr, so each line goes out in
+  one write call (`say`); `print` writes a line and its newline in two when stderr is unbuffered
+  (PYTHONUNBUFFERED, `python -u`), and another rank's line can land between them.
 - Fault injection: the "key=value,key=value" requests tests put in environment variables
   (FLASHFLEX_FAULT_INJECT, FLASHFLEX_DELAY_INJECT: runtime/training/worker.py; FLASHFLEX_OOM_INJECT:
   runtime/device/oom_injection.py; FLASHFLEX_OVERFLOW_INJECT: runtime/training/loss_scale.py), parsed strictly by
@@ -18,6 +21,7 @@ torch or DCP.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,6 +35,14 @@ MIN_SILENCE_S = 5.0  # a worker's first `import torch` may hold the interpreter 
 
 PEER_LOST = 3  # the exit code of a rank that stopped because a peer failed
 OOM_LINE_PREFIX = "out of memory"  # every out-of-memory line of a rank starts with it
+
+
+def say(line: str) -> None:
+    """Write `line` and its newline to stderr in one write call, so that lines of processes sharing that stderr
+    never interleave (a pipe's writes up to PIPE_BUF, 4096 bytes on Linux, are atomic)."""
+    sys.stderr.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def heartbeat_interval(timeout_s: float) -> float:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from ...semantics.worker_protocol import (
     alive_file,
     done_file,
     error_file,
+    say,
 )
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -42,7 +42,7 @@ ORPHANED = 1
 def _exit_if_orphaned(parent_pid: int) -> None:
     """End this process at once when `parent_pid` is no longer its parent (the launcher died)."""
     if os.getppid() != parent_pid:
-        print(f"flashflex worker: its launcher (pid {parent_pid}) is gone; exiting", file=sys.stderr, flush=True)
+        say(f"flashflex worker: its launcher (pid {parent_pid}) is gone; exiting")
         os._exit(ORPHANED)
 
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from ...hardware.cpu_share import pin_emulated_device, usable_cores
 from ...semantics import flight_recorder
-from ...semantics.worker_protocol import PEER_LOST, parse_injection
+from ...semantics.worker_protocol import PEER_LOST, parse_injection, say
 from ..device import oom
 from ..device.oom_injection import injection_from_env
 from . import heartbeat
@@ -93,7 +93,7 @@ def _delay(rank: int, step: int | None) -> None:
     seconds = injected_delay(os.environ, rank, step)
     if seconds > 0:
         where = "in set-up" if step is None else f"at step {step}"
-        print(f"flashflex: delay injection: rank {rank} waits {seconds:g} s {where}", file=sys.stderr, flush=True)
+        say(f"flashflex: delay injection: rank {rank} waits {seconds:g} s {where}")
         time.sleep(seconds)
 
 
@@ -104,7 +104,7 @@ def _fault(rank: int, step: int) -> None:
         return
     fields = parse_injection(FAULT_ENV, spec, ("rank", "step"), ("rank", "step"))
     if fields["rank"] == rank and fields["step"] == step:
-        print(f"flashflex: fault injection: killing rank {rank} at step {step}", file=sys.stderr, flush=True)
+        say(f"flashflex: fault injection: killing rank {rank} at step {step}")
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -288,8 +288,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
                         slowdown=device_info.slowdown, initial=initial, options=config.runtime, phases=phases,
                         loss_scaling=config.loss_scaling, overflow_steps=injected_steps(os.environ, rank))
     if rank == 0 and engine.compile_seconds is not None:
-        print(f"flashflex: compiled in {engine.compile_seconds:.1f} s (warm-up before step 0, in no step's time)",
-              file=sys.stderr, flush=True)
+        say(f"flashflex: compiled in {engine.compile_seconds:.1f} s (warm-up before step 0, in no step's time)")
     # a batch of the source is a round's data (semantics/outer_sync.py; without replica groups: one step's)
     source = open_source(config.data, model.vocab_size, round_sequences(plan), train.seq_len, seed=config.seed)
     trainer = RoundTrainer(engine, source) if grouped(plan) else None  # low-communication training in rounds
@@ -309,9 +308,9 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
         start = trainer.round * stride if trainer is not None else engine.step
         if rank == 0:
             scale = f" (loss scale {engine.scaler.state()['loss_scale'].item():g})" if engine.scaler else ""
-            print(f"flashflex: resumed from {found} at step {start}{scale}", file=sys.stderr, flush=True)
+            say(f"flashflex: resumed from {found} at step {start}{scale}")
     elif rank == 0 and decision.line:
-        print(f"flashflex: {decision.line}", file=sys.stderr, flush=True)
+        say(f"flashflex: {decision.line}")
 
     log = None
     if rank == 0:
@@ -369,10 +368,10 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
                 path = ckpt.save(config.checkpoint_dir, done, holder.state_for_checkpoint(), shards, manifest)
             found = path
             if rank == 0:
-                print(f"flashflex: checkpoint {path}", file=sys.stderr, flush=True)
+                say(f"flashflex: checkpoint {path}")
         if stopping:
             if rank == 0:
-                print(f"flashflex: {stop.signal_name}: stopped after step {done}", file=sys.stderr, flush=True)
+                say(f"flashflex: {stop.signal_name}: stopped after step {done}")
             break
         if step == start:
             timeouts.settle()  # the first step is done: survivors of a lost peer now wait --timeout at most
@@ -384,7 +383,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
             for line in run_summary(log.rows, config.steps, time.monotonic() - started,
                                     predicted_step_seconds(plan.predicted), engine.compile_seconds,
                                     None if found is None else str(found), log.path):
-                print(f"flashflex: {line}", file=sys.stderr, flush=True)
+                say(f"flashflex: {line}")
     dist.barrier()
     heartbeat.mark_done()
     dist.destroy_process_group()
@@ -406,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
         line = oom.report(exc, phases)
         if line is not None:
-            print(f"flashflex worker: {line}", file=sys.stderr, flush=True)
+            say(f"flashflex worker: {line}")
             heartbeat.report_error(line)
             if os.environ.get("FLASHFLEX_DEBUG"):
                 raise
@@ -417,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             word in str(exc) for word in ("Connection", "closed", "reset", "Timed out", "timeout", "peer",
                                           "NCCL", "Gloo", "gloo", "recv", "send"))
         kind = "lost a peer" if peer else "failed"
-        print(f"flashflex worker {label} {kind}: {type(exc).__name__}: {text}", file=sys.stderr, flush=True)
+        say(f"flashflex worker {label} {kind}: {type(exc).__name__}: {text}")
         heartbeat.report_error(text if isinstance(exc, FlashflexError) else f"{type(exc).__name__}: {text}")
         if os.environ.get("FLASHFLEX_DEBUG"):
             raise

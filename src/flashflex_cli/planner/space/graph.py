@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -123,6 +124,12 @@ class DeviceGraph:
     def node_bw_rows(self) -> list[list[float]]:
         """`node_bw` as Python lists of floats (equal values, fast scalar reads)."""
         return [[float(x) for x in row] for row in self.node_bw]
+
+    def node_bw_key(self, nodes: Sequence[int]) -> bytes:
+        """The bandwidths between `nodes` (`node_bw[nodes][:, nodes]`, row by row) as bytes: equal for equal
+        matrices, a dictionary key without a Python float per pair (a 128-node group has 16,384 pairs)."""
+        index = np.asarray(nodes, dtype=np.intp)
+        return self.node_bw.take(index, 0).take(index, 1).tobytes()
 
     def device_key(self, i: int) -> tuple[int, int]:
         """(node class, local index): devices with equal keys are interchangeable inside their node class."""

@@ -110,9 +110,9 @@ def best_pipeline(cache: CostCache, group: Sequence[int], micro_estimate: int,
     micro_estimate = bucket(micro_estimate)
     blocks = node_blocks(cache, group)
     nodes = [node for node, _ in blocks]
-    local, bw = g.local_list, g.node_bw_rows
+    local = g.local_list
     signature = (tuple((g.node_class[node], tuple([local[i] for i in devs])) for node, devs in blocks),
-                 tuple([bw[a][b] for a in nodes for b in nodes]), micro_estimate, max_stages)
+                 g.node_bw_key(nodes), micro_estimate, max_stages)
     memo = cache.memo(StructureMemo)
     if signature in memo:  # an equal group elsewhere in the cluster: reuse its structure
         found = memo[signature]

@@ -36,6 +36,7 @@ from flashflex_cli.runtime.training.optimizer import lr_at
 from flashflex_cli.runtime.training.reference_rounds import reference_rounds
 from flashflex_cli.runtime.training.rounds import RoundTrainer
 from flashflex_cli.semantics.outer_sync import (
+    exchange_bytes,
     fragment_layers,
     fragment_sync_step,
     group_inner_steps,
@@ -152,6 +153,13 @@ def test_int8_quantization_error_is_at_most_half_a_step() -> None:
     step = scales.repeat_interleave(INT8_BLOCK)[:flat.numel()]
     assert bool(((back - flat).abs() <= step / 2 * (1 + 1e-5)).all())
     assert int(payload.abs().max()) == 127
+
+
+def test_int8_exchange_is_charged_as_an_all_gather_of_payload_and_scales() -> None:
+    n = 3 * INT8_BLOCK + 1
+    assert exchange_bytes(n, "fp32", 4) == 4 * n and exchange_bytes(n, "bf16", 2) == 2 * n
+    assert exchange_bytes(n, "int8", 2) == n + 4 * 4  # two holders: (n-1) B per link, as an all-reduce of B
+    assert exchange_bytes(n, "int8", 4) == 2 * (n + 4 * 4)  # (n-1) B = 2 (n-1)/n (n B / 2)
 
 
 def test_fragments_cover_the_layers_and_stagger_their_steps() -> None:

@@ -36,6 +36,8 @@ OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 # bytes per element of a pseudo-gradient on the wire, by compression dtype
 COMPRESSION_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+# int8 pseudo-gradients: elements sharing one fp32 scale (runtime/parallel/outer_sync.py quantizes per block)
+INT8_BLOCK = 1024
 
 
 def grouped(plan: Any) -> bool:
@@ -169,3 +171,13 @@ def fragment_sync_step(inner_steps: int, fragment: int, fragments: int) -> int:
 def plan_fragments(plan: Any) -> int:
     """Streamed fragments of the plan (1 without `outer_sync`)."""
     return int(plan.outer_sync.fragments) if grouped(plan) else 1
+
+
+def exchange_bytes(elements: int, compression: str, holders: int) -> float:
+    """Bytes of an all-reduce with the same ring time as the outer exchange of `elements` pseudo-gradient elements
+    among `holders` ranks: the all-reduce itself in fp32 or bf16; int8 all-gathers every holder's payload and fp32
+    scales (B = elements + 4 ceil(elements / INT8_BLOCK) bytes each), (n-1) B per ring link, as an all-reduce of
+    n B / 2 bytes moves."""
+    if compression != "int8":
+        return float(elements * COMPRESSION_BYTES[compression])
+    return (elements + 4 * -(-elements // INT8_BLOCK)) * max(1.0, holders / 2)

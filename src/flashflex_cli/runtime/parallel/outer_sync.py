@@ -33,14 +33,19 @@ import torch
 import torch.distributed as dist
 
 from ...errors import InputError
-from ...semantics.outer_sync import group_of_pipeline, group_weights, param_fragment, plan_fragments
+from ...semantics.outer_sync import (
+    INT8_BLOCK,
+    group_of_pipeline,
+    group_weights,
+    param_fragment,
+    plan_fragments,
+)
 from ...semantics.parameters import ParamInfo
 from ...semantics.process_groups import outer_slice_holders
 from .groups import PlanGroups
 from .shards import slice_view
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
-INT8_BLOCK = 1024  # elements sharing one fp32 scale in the int8 exchange
 MOMENTUM_SUFFIX = ".outer_momentum"
 ANCHOR_SUFFIX = ".outer_anchor"
 ROUND_KEY = "outer_round"

@@ -90,6 +90,21 @@ def test_round_cost_adds_inner_steps_and_the_outer_ring(slow_plans: tuple[Plan, 
     assert local.predicted["tokens_per_s"] == pytest.approx(rounded.tokens_per_s, rel=1e-5)
 
 
+def test_streamed_fragments_hide_the_outer_ring_behind_the_inner_steps(slow_plans: tuple[Plan, Plan]) -> None:
+    """F fragments: F exchanges of about 1/F of the bytes each, each overlapped with the inner steps until the
+    next one, so the round exposes only what the whole ring exceeds the inner steps by."""
+    cluster, params = build_cluster(SLOW), CostParams()
+    _, local = slow_plans
+    assert local.outer_sync is not None
+    whole = round_estimate(local, cluster, params)
+    streamed = local.model_copy(update={"outer_sync": local.outer_sync.model_copy(update={"fragments": 4})})
+    rounded = round_estimate(streamed, cluster, params)
+    assert rounded.outer_bytes == whole.outer_bytes and rounded.outer_s == pytest.approx(whole.outer_s)
+    assert rounded.outer_exposed_s == pytest.approx(max(0.0, whole.outer_s - whole.inner_s))
+    assert rounded.round_s == pytest.approx(whole.inner_s + rounded.outer_exposed_s)
+    assert rounded.round_s <= whole.round_s
+
+
 def test_local_sync_saves_traffic_and_says_so(slow_plans: tuple[Plan, Plan]) -> None:
     synchronous, local = slow_plans
     assert local.outer_sync is not None and local.outer_sync.reason is not None

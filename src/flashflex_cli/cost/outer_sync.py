@@ -4,7 +4,8 @@ A round: every replica group runs its inner steps (each group costed by `estimat
 own pipelines and batch: `group_plan`), then the outer all-reduce of the pseudo-gradients in the compression
 dtype, among the holders of every parameter slice across all groups (the runtime's outer buckets, one per holder
 set, issued one after another: they share the slow links, so their times add), flat rings over their slowest link
-at `dp_comm_efficiency`. Streamed fragments (`fragments` > 1) overlap the all-reduce with the next inner steps: only
+at `dp_comm_efficiency` (int8: an all-gather of payloads and scales, charged as the all-reduce of the same ring time,
+semantics/outer_sync.exchange_bytes). Streamed fragments (`fragments` > 1) overlap the all-reduce with the next inner steps: only
 what exceeds the round's compute is exposed. The outer optimizer's update (a few passes over the parameters) is
 not charged: at memory bandwidth it is well under a millisecond per 100 M parameters.
 
@@ -24,6 +25,7 @@ from ..hardware.cluster import Cluster
 from ..plan.schema import Plan
 from ..semantics.outer_sync import (
     COMPRESSION_BYTES,
+    exchange_bytes,
     group_inner_steps,
     group_pipelines,
     group_round_sequences,
@@ -92,7 +94,7 @@ def _r(value: float) -> float:
 def outer_allreduce_s(plan: Plan, cluster: Cluster, params: CostParams) -> tuple[float, float]:
     """(seconds of the outer all-reduce, bytes all ranks send in it) of a plan with `outer_sync`."""
     assert plan.outer_sync is not None
-    wire = COMPRESSION_BYTES[plan.outer_sync.compression]
+    compression = plan.outer_sync.compression
     devices = rank_devices(plan)
     per_set: dict[tuple[int, ...], int] = {}
     for sl in outer_slice_holders(plan):
@@ -103,9 +105,10 @@ def outer_allreduce_s(plan: Plan, cluster: Cluster, params: CostParams) -> tuple
     seconds = sent = 0.0
     for members, elements in sorted(per_set.items()):
         ring = [devices[r] for r in members]
-        time = ring_bucket_time(cluster, ring, [cv.info(d).node for d in ring], 1, elements * wire, flat)
+        nbytes = exchange_bytes(elements, compression, len(members))
+        time = ring_bucket_time(cluster, ring, [cv.info(d).node for d in ring], 1, nbytes, flat)
         seconds += time.inside_s + time.across_s
-        sent += 2 * (len(members) - 1) * elements * wire
+        sent += 2 * (len(members) - 1) * nbytes
     return seconds, sent
 
 

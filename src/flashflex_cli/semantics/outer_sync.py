@@ -13,6 +13,15 @@ g's inner step k, pipeline p takes the consecutive rows starting at
 `group_row_offset(g) + k * group_sequences(g) + (rows of the group's earlier pipelines)`, so no two groups, steps or
 pipelines read the same row and a round consumes exactly the tokens it is charged for.
 
+Streamed fragments (Streaming DiLoCo, arXiv 2501.18512; `outer_sync.fragments` F > 1): the model's layers split
+into F consecutive blocks (`fragment_layers`: floor splits; the embedding goes with fragment 0, the final norm and
+head with fragment F-1: `param_fragment`). Each fragment keeps its own global parameters and takes its own outer
+step once a round, after inner step `fragment_sync_step(H, f, F)` of a group of H inner steps (ceil((f+1) H / F):
+fragment f's sync lags fragment 0's by about f H / F inner steps, fragment F-1 syncs at the round's end, so each
+fragment is still synced every H steps but every exchange moves about 1/F of the pseudo-gradient). Fragments sync
+in the order 0..F-1 on every group (several may sync after the same inner step), so the exchanges match up across
+groups of different inner step counts. F = 1 is the whole model at the round's end.
+
 Duck-typed over the plan (this part may not import the plan format): `plan.pipelines[p].sequences`,
 `plan.pipelines[p].stages[s].tp`, `plan.outer_sync` (None, or `.groups[g].pipelines` and `.groups[g].inner_steps`).
 """
@@ -27,6 +36,8 @@ OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 # bytes per element of a pseudo-gradient on the wire, by compression dtype
 COMPRESSION_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+# int8 pseudo-gradients: elements sharing one fp32 scale (runtime/parallel/outer_sync.py quantizes per block)
+INT8_BLOCK = 1024
 
 
 def grouped(plan: Any) -> bool:
@@ -130,3 +141,43 @@ def round_rows(plan: Any, pipeline: int, round_index: int, inner_step: int) -> R
 def pseudo_gradient_bytes(parameters: int, compression: str) -> int:
     """Bytes of one full pseudo-gradient of `parameters` elements on the wire in `compression`."""
     return parameters * COMPRESSION_BYTES[compression]
+
+
+def fragment_layers(num_layers: int, fragments: int) -> list[tuple[int, int]]:
+    """The layers [start, stop) of each of `fragments` streamed fragments (consecutive floor splits)."""
+    if not 1 <= fragments <= num_layers:
+        raise ValueError(f"{fragments} fragments of {num_layers} layers")
+    return [(num_layers * f // fragments, num_layers * (f + 1) // fragments) for f in range(fragments)]
+
+
+def param_fragment(name: str, num_layers: int, fragments: int) -> int:
+    """The fragment of global parameter `name`: its layer's ("layers.<i>.…"); "embed" fragment 0; the rest (final
+    norm, head) the last fragment."""
+    if name == "embed":
+        return 0
+    if not name.startswith("layers."):
+        return fragments - 1
+    layer = int(name.split(".")[1])
+    return next(f for f, (start, stop) in enumerate(fragment_layers(num_layers, fragments)) if start <= layer < stop)
+
+
+def fragment_sync_step(inner_steps: int, fragment: int, fragments: int) -> int:
+    """The inner step (1-based, within the round) of a group of `inner_steps` per round after which fragment
+    `fragment` of `fragments` takes its outer step: ceil((fragment + 1) * inner_steps / fragments), in [1,
+    inner_steps]; `inner_steps` for the last fragment."""
+    return -(-(fragment + 1) * inner_steps // fragments)
+
+
+def plan_fragments(plan: Any) -> int:
+    """Streamed fragments of the plan (1 without `outer_sync`)."""
+    return int(plan.outer_sync.fragments) if grouped(plan) else 1
+
+
+def exchange_bytes(elements: int, compression: str, holders: int) -> float:
+    """Bytes of an all-reduce with the same ring time as the outer exchange of `elements` pseudo-gradient elements
+    among `holders` ranks: the all-reduce itself in fp32 or bf16; int8 all-gathers every holder's payload and fp32
+    scales (B = elements + 4 ceil(elements / INT8_BLOCK) bytes each), (n-1) B per ring link, as an all-reduce of
+    n B / 2 bytes moves."""
+    if compression != "int8":
+        return float(elements * COMPRESSION_BYTES[compression])
+    return (elements + 4 * -(-elements // INT8_BLOCK)) * max(1.0, holders / 2)

@@ -68,13 +68,14 @@ KEEP = 2
 def shards_for(state: Mapping[str, torch.Tensor], specs: Iterable[Any], rank: int) -> dict[str, ShardSpec]:
     """The Shard of every key of an engine's `state_for_checkpoint()`: a parameter's own ShardSpec (name,
     full_shape, dim, start, stop, owner), the same for its "<name>.exp_avg" / "<name>.exp_avg_sq" moments and
-    its "<name>.outer_momentum" (low-communication training's outer momentum);
+    its "<name>.outer_momentum" and "<name>.outer_anchor" (low-communication training's outer state);
     any other key (the "step" scalar) is one whole tensor written by rank 0."""
     by_name = {spec.name: spec for spec in specs}
     out: dict[str, ShardSpec] = {}
     for key in state:
         base = by_name.get(key) or by_name.get(key.rsplit(".exp_avg", 1)[0]) \
-            or by_name.get(key.removesuffix(".outer_momentum"))  # runtime/parallel/outer_sync.py
+            or by_name.get(key.removesuffix(".outer_momentum")) \
+            or by_name.get(key.removesuffix(".outer_anchor"))  # runtime/parallel/outer_sync.py
         if base is None:
             out[key] = ShardSpec(key, tuple(state[key].shape), None, 0, 1, rank == 0)
         else:

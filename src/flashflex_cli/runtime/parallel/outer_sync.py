@@ -4,15 +4,24 @@ Every rank keeps the global parameters of its shards (`anchors`, fp32, the local
 1. pseudo-gradient = anchor - local parameter (what the round's inner steps moved, sign as a gradient);
 2. its finest common slices across every pipeline of the plan (semantics/process_groups.outer_slice_holders:
    the same slicing the gradient sync uses, over all groups at once, since groups may split the model
-   differently) are all-reduced among their holders in the plan's compression dtype (fp32 or bf16), each holding
+   differently) are summed among their holders in the plan's compression dtype, each holding
    stage contributing once with the weight of its group's share of the round's tokens
    (semantics/outer_sync.group_weights), divided among that group's holding stages, so the sum is the
-   token-weighted mean of the groups' pseudo-gradients;
+   token-weighted mean of the groups' pseudo-gradients. fp32 and bf16: an all-reduce in that dtype. int8: each
+   holder quantizes its term per block of `INT8_BLOCK` elements (symmetric absmax, an fp32 scale per block:
+   `quantize_int8`), the holders all-gather the int8 payloads and scales (an int8 all-reduce would overflow), and
+   every holder dequantizes them and sums them in fp32 in the holders' rank order, so all compute bitwise the same
+   sum;
 3. torch.optim.SGD(nesterov=True) takes one step on the anchors with that mean as their gradient (lr 0.7, momentum
    0.9 by default);
 4. every rank copies its anchors into its parameters: each group starts the next round from the global ones.
 
 The inner optimizer's state (AdamW moments) stays with each group, as in DiLoCo.
+
+Streamed fragments (semantics/outer_sync.py, `fragments` > 1): `step(fragment)` does the above for the parameters
+of one fragment only (the other anchors, their momentum and parameters are untouched); the round count advances
+with the last fragment's step. Between a fragment's steps the parameters drift from the anchors, so a checkpoint
+then holds the anchors too ("<name>.outer_anchor").
 """
 
 from __future__ import annotations
@@ -24,22 +33,50 @@ import torch
 import torch.distributed as dist
 
 from ...errors import InputError
-from ...semantics.outer_sync import group_of_pipeline, group_weights
+from ...semantics.outer_sync import (
+    INT8_BLOCK,
+    group_of_pipeline,
+    group_weights,
+    param_fragment,
+    plan_fragments,
+)
 from ...semantics.parameters import ParamInfo
 from ...semantics.process_groups import outer_slice_holders
 from .groups import PlanGroups
 from .shards import slice_view
 
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 MOMENTUM_SUFFIX = ".outer_momentum"
+ANCHOR_SUFFIX = ".outer_anchor"
 ROUND_KEY = "outer_round"
+
+
+def quantize_int8(flat: torch.Tensor, block: int = INT8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax int8 quantization of `flat` (fp32 [n]) per block of `block` consecutive elements (the last
+    one may be shorter): (payload int8 [n], scales fp32 [ceil(n / block)]), scale = the block's absmax / 127 (0 for
+    an all-zero block), payload = round(x / scale). Each element's error after `dequantize_int8` is at most half
+    its block's scale (absmax / 254), up to fp32 rounding."""
+    n = flat.numel()
+    blocks = torch.nn.functional.pad(flat.float(), (0, -n % block)).view(-1, block)
+    scales = blocks.abs().amax(dim=1) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    payload = torch.round(blocks / safe[:, None]).clamp_(-127, 127).to(torch.int8)
+    return payload.reshape(-1)[:n], scales
+
+
+def dequantize_int8(payload: torch.Tensor, scales: torch.Tensor, block: int = INT8_BLOCK) -> torch.Tensor:
+    """The fp32 [n] values of `quantize_int8`'s (payload int8 [n], scales fp32 [ceil(n / block)])."""
+    n = payload.numel()
+    blocks = torch.nn.functional.pad(payload.float(), (0, -n % block)).view(-1, block)
+    return (blocks * scales[:, None]).reshape(-1)[:n]
 
 
 class OuterSync:
     """The outer step of `plan` (which has an `outer_sync` section) for the shards `params` (global name ->
-    (info, parameter)) of rank `groups.rank`. `bytes_sent`: payload bytes this rank has all-reduced so far (the
-    compressed buffers; a ring all-reduce moves about twice that over each link); `comm_seconds`: seconds spent in
-    those collectives; `round`: outer steps taken."""
+    (info, parameter)) of rank `groups.rank`. `bytes_sent`: payload bytes this rank has contributed so far (the
+    compressed buffers, int8: payload and fp32 scales; a ring all-reduce moves about twice that over each link, a
+    ring all-gather n-1 times it among n holders); `comm_seconds`: seconds spent in those collectives; `round`:
+    rounds of outer steps taken (every fragment's)."""
 
     def __init__(self, plan: Any, params: dict[str, tuple[ParamInfo, torch.nn.Parameter]],
                  groups: PlanGroups) -> None:
@@ -49,10 +86,10 @@ class OuterSync:
         if outer.compression not in WIRE_DTYPES:
             raise InputError(f"outer_sync.compression {outer.compression} is not implemented by this runtime "
                              f"(use {' or '.join(WIRE_DTYPES)})")
-        if outer.fragments != 1:
-            raise InputError(f"outer_sync.fragments {outer.fragments}: streamed fragments are not implemented by "
-                             "this runtime (use 1)")
         self.params, self.groups = params, groups
+        self.fragments = plan_fragments(plan)
+        layers = plan.inputs.model.num_layers
+        self.fragment_of = {name: param_fragment(name, layers, self.fragments) for name in params}
         self.wire_dtype = WIRE_DTYPES[outer.compression]
         self.anchors: dict[str, torch.Tensor] = {name: param.detach().clone() for name, (_, param) in params.items()}
         self.optimizer = torch.optim.SGD(list(self.anchors.values()), lr=outer.optimizer.lr,
@@ -63,7 +100,7 @@ class OuterSync:
         weights = group_weights(plan)
         mine = [sl for sl in outer_slice_holders(plan) if groups.rank in sl.ranks]
         self.scales: dict[int, float] = {}  # index into `mine` -> this rank's factor (0: contributes zeros)
-        self.buckets: dict[tuple[int, ...], list[int]] = {}
+        self.buckets: dict[tuple[int, tuple[int, ...]], list[int]] = {}  # (fragment, holders) -> slices
         for i, sl in enumerate(mine):
             if groups.rank in sl.contributors:
                 group = rank_group[groups.rank]
@@ -71,7 +108,7 @@ class OuterSync:
                 self.scales[i] = weights[group] / same
             else:
                 self.scales[i] = 0.0
-            self.buckets.setdefault(sl.ranks, []).append(i)
+            self.buckets.setdefault((param_fragment(sl.name, layers, self.fragments), sl.ranks), []).append(i)
         self.slices = mine
         self.round = 0
         self.bytes_sent = 0
@@ -81,36 +118,62 @@ class OuterSync:
         sl = self.slices[index]
         return slice_view(tensor, self.params[sl.name][0], sl, self.groups.tp_size, self.groups.tp_rank)
 
-    def step(self) -> None:
-        """Take the outer step (collective over every rank of the job, at the same round on all)."""
+    def step(self, fragment: int | None = None) -> None:
+        """Take the outer step of fragment `fragment` (None: of every fragment), collective over every rank of the
+        job, at the same round and fragment on all; the round count advances with the last fragment."""
+        names = [n for n in self.params if fragment is None or self.fragment_of[n] == fragment]
         with torch.no_grad():
-            deltas = {name: self.anchors[name] - param.detach() for name, (_, param) in self.params.items()}
-            for anchor in self.anchors.values():
-                anchor.grad = torch.zeros_like(anchor)
-            for members in sorted(self.buckets):  # one global order: no two ranks wait on each other
-                indices = self.buckets[members]
+            deltas = {name: self.anchors[name] - self.params[name][1].detach() for name in names}
+            for name in names:
+                self.anchors[name].grad = torch.zeros_like(self.anchors[name])
+            # one global order: no two ranks wait on each other
+            for key in sorted(k for k in self.buckets if fragment is None or k[0] == fragment):
+                members, indices = key[1], self.buckets[key]
                 parts = []
                 for i in indices:
                     name = self.slices[i].name
                     view = self._view(deltas[name], i)
                     parts.append((view * self.scales[i]).reshape(-1) if self.scales[i] else
                                  torch.zeros(view.numel(), dtype=view.dtype, device=view.device))
-                flat = torch.cat(parts).to(self.wire_dtype)
-                if len(members) > 1:
-                    start = time.perf_counter()
-                    dist.all_reduce(flat, group=self.groups.outer_groups[members])
-                    self.comm_seconds += time.perf_counter() - start
-                    self.bytes_sent += flat.numel() * flat.element_size()
+                flat = self._sum(torch.cat(parts), members)
                 offset = 0
                 for i in indices:
                     grad = self._view(self.anchors[self.slices[i].name].grad, i)
                     grad.copy_(flat[offset:offset + grad.numel()].view(grad.shape))
                     offset += grad.numel()
-            self.optimizer.step()
-            for name, (_, param) in self.params.items():
-                param.copy_(self.anchors[name])
+            self.optimizer.step()  # anchors without a gradient (other fragments) are skipped
+            for name in names:
+                self.params[name][1].copy_(self.anchors[name])
                 self.anchors[name].grad = None
-        self.round += 1
+        if fragment is None or fragment == self.fragments - 1:
+            self.round += 1
+
+    def _sum(self, flat: torch.Tensor, members: tuple[int, ...]) -> torch.Tensor:
+        """The sum over `members` of their fp32 terms `flat` [n] through the wire dtype: fp32 [n] (or the wire
+        dtype, converted by the caller's copy), the same on every member."""
+        if self.wire_dtype != torch.int8:
+            flat = flat.to(self.wire_dtype)
+            if len(members) > 1:
+                start = time.perf_counter()
+                dist.all_reduce(flat, group=self.groups.outer_groups[members])
+                self.comm_seconds += time.perf_counter() - start
+                self.bytes_sent += flat.numel() * flat.element_size()
+            return flat
+        payload, scales = quantize_int8(flat)
+        if len(members) == 1:
+            return dequantize_int8(payload, scales)
+        group = self.groups.outer_groups[members]
+        payloads = [torch.empty_like(payload) for _ in members]
+        all_scales = [torch.empty_like(scales) for _ in members]
+        start = time.perf_counter()
+        dist.all_gather(payloads, payload, group=group)
+        dist.all_gather(all_scales, scales, group=group)
+        self.comm_seconds += time.perf_counter() - start
+        self.bytes_sent += payload.numel() * payload.element_size() + scales.numel() * scales.element_size()
+        total = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
+        for q, s in zip(payloads, all_scales, strict=True):  # the group's rank order: the same sum everywhere
+            total += dequantize_int8(q, s)
+        return total
 
     def momentum(self, name: str) -> torch.Tensor:
         """The outer momentum buffer of parameter `name` (zeros before the first outer step)."""
@@ -120,16 +183,22 @@ class OuterSync:
 
     def state(self) -> dict[str, torch.Tensor]:
         """Checkpoint entries: "<name>.outer_momentum" per parameter (local shard) and "outer_round" (int64). The
-        global parameters are the parameters themselves at a round's end (the outer step just set them)."""
+        global parameters are the parameters themselves at a round's end (the outer step just set them); with
+        streamed fragments only the last fragment's are, so "<name>.outer_anchor" holds each one's."""
         out = {f"{name}{MOMENTUM_SUFFIX}": self.momentum(name).detach() for name in self.anchors}
+        if self.fragments > 1:
+            out.update({f"{name}{ANCHOR_SUFFIX}": anchor.detach() for name, anchor in self.anchors.items()})
         out[ROUND_KEY] = torch.tensor(self.round, dtype=torch.int64)
         return out
 
-    def load(self, momenta: dict[str, torch.Tensor], round_index: int) -> None:
-        """Resume: the anchors from the parameters as they are now (loaded), the momentum buffers from `momenta`
-        (local shards; a zero buffer is what torch's first step would start from), the round count."""
+    def load(self, momenta: dict[str, torch.Tensor], round_index: int,
+             anchors: dict[str, torch.Tensor] | None = None) -> None:
+        """Resume: the anchors from `anchors` (local shards) where given, else from the parameters as they are now
+        (loaded), the momentum buffers from `momenta` (local shards; a zero buffer is what torch's first step
+        would start from), the round count."""
+        anchors = anchors or {}
         with torch.no_grad():
             for name, (_, param) in self.params.items():
-                self.anchors[name].copy_(param.detach())
+                self.anchors[name].copy_(anchors.get(name, param.detach()))
                 self.optimizer.state[self.anchors[name]] = {"momentum_buffer": momenta[name].clone()}
         self.round = round_index

@@ -6,6 +6,10 @@ matrices only, clip_grad_norm_, lr_at(step) of the group's own inner step count)
 inner steps on its batches; pseudo-gradient_g = global - local_g; the outer gradient is sum_g weight_g *
 pseudo-gradient_g, each term rounded to the wire dtype first (as the runtime sends it); torch.optim.SGD with
 Nesterov momentum steps the global parameters; every group copies them.
+
+Streamed fragments (semantics/outer_sync.py, `fragments` F > 1): the round's groups advance together fragment by
+fragment: for f = 0..F-1, each group g trains up to its inner step `fragment_sync_step(H_g, f, F)`, then the
+above outer step is taken for fragment f's parameters only (their pseudo-gradients, global parameters, momentum).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...model.spec import ModelSpec
+from ...semantics.outer_sync import fragment_sync_step, param_fragment
 from .optimizer import OptimConfig, lr_at, set_lr
 from .reference import build_reference
 
@@ -29,11 +34,13 @@ class ReferenceRounds:
 
 def reference_rounds(spec: ModelSpec, batches: list[list[list[torch.Tensor]]], weights: list[float],
                      optim: OptimConfig, outer_lr: float, outer_momentum: float, seed: int = 0,
-                     wire_dtype: torch.dtype = torch.float32, resumed_after: int | None = None) -> ReferenceRounds:
+                     wire_dtype: torch.dtype = torch.float32, resumed_after: int | None = None,
+                     fragments: int = 1) -> ReferenceRounds:
     """Train `len(batches)` rounds; `batches[r][g][k]`: group g's batch at inner step k of round r, int64
     [sequences, seq_len + 1]; `weights[g]`: group g's share of the round's tokens. fp32 on the CPU.
     `resumed_after`: after that many rounds every group takes group 0's AdamW moments (keeping its own step
-    count), as a resume from a checkpoint does (runtime/training/rounds.py)."""
+    count) and its parameters (the global ones, but for fragments mid-way between outer steps), as a resume from a
+    checkpoint does (runtime/training/rounds.py). `fragments`: streamed fragments (module docstring)."""
     groups = len(weights)
     models = [build_reference(spec, seed) for _ in range(groups)]
     named = [[(info.name, p) for info, p in model.global_parameters()] for model in models]
@@ -45,6 +52,7 @@ def reference_rounds(spec: ModelSpec, batches: list[list[list[torch.Tensor]]], w
     outer = torch.optim.SGD(list(global_params.values()), lr=outer_lr, momentum=outer_momentum,
                             nesterov=outer_momentum > 0)
     steps = [0] * groups
+    fragment_of = {name: param_fragment(name, spec.num_layers, fragments) for name in global_params}
     run = ReferenceRounds()
     for index, round_batches in enumerate(batches):
         if index == resumed_after:
@@ -52,28 +60,38 @@ def reference_rounds(spec: ModelSpec, batches: list[list[list[torch.Tensor]]], w
                 for (_, mine), (_, first) in zip(named[g], named[0], strict=True):
                     state, source = optimizers[g].state[mine], optimizers[0].state[first]
                     state["exp_avg"], state["exp_avg_sq"] = source["exp_avg"].clone(), source["exp_avg_sq"].clone()
-        run.group_losses.append([])
-        for g in range(groups):
-            losses = []
-            for batch in round_batches[g]:
-                set_lr(optimizers[g], lr_at(steps[g], optim))
-                optimizers[g].zero_grad(set_to_none=True)
-                inputs, targets = batch[:, :-1], batch[:, 1:]
-                loss = models[g](inputs, targets) / targets.numel()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_([p for _, p in named[g]],
-                                               optim.grad_clip if optim.grad_clip > 0 else float("inf"))
-                optimizers[g].step()
-                losses.append(float(loss.item()))
-                steps[g] += 1
-            run.group_losses[-1].append(losses)
-        with torch.no_grad():
-            for name, anchor in global_params.items():
-                anchor.grad = sum(((anchor - dict(named[g])[name]) * weights[g]).to(wire_dtype).float()
-                                  for g in range(groups))
-            outer.step()
+                    with torch.no_grad():
+                        mine.copy_(first)
+        run.group_losses.append([[] for _ in range(groups)])
+        for fragment in range(fragments):
             for g in range(groups):
-                for name, param in named[g]:
-                    param.copy_(global_params[name])
+                _inner_steps(models[g], named[g], optimizers[g], optim, round_batches[g], steps, g,
+                             fragment_sync_step(len(round_batches[g]), fragment, fragments), run.group_losses[-1][g])
+            with torch.no_grad():
+                for name, anchor in global_params.items():
+                    anchor.grad = None if fragment_of[name] != fragment else sum(
+                        ((anchor - dict(named[g])[name]) * weights[g]).to(wire_dtype).float() for g in range(groups))
+                outer.step()  # anchors of the other fragments have no gradient: untouched
+                for g in range(groups):
+                    for name, param in named[g]:
+                        if fragment_of[name] == fragment:
+                            param.copy_(global_params[name])
     run.params = {name: p.detach().clone() for name, p in global_params.items()}
     return run
+
+
+def _inner_steps(model: torch.nn.Module, named: list[tuple[str, torch.nn.Parameter]],
+                 optimizer: torch.optim.Optimizer, optim: OptimConfig, batches: list[torch.Tensor], steps: list[int],
+                 g: int, until: int, losses: list[float]) -> None:
+    """Group `g`'s inner steps of the round from `len(losses)` up to `until` (exclusive, 0-based), appending their
+    losses; `steps[g]` counts the group's inner steps over the run (its learning rate schedule)."""
+    for batch in batches[len(losses):until]:
+        set_lr(optimizer, lr_at(steps[g], optim))
+        optimizer.zero_grad(set_to_none=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        loss = model(inputs, targets) / targets.numel()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], optim.grad_clip if optim.grad_clip > 0 else float("inf"))
+        optimizer.step()
+        losses.append(float(loss.item()))
+        steps[g] += 1

@@ -3,12 +3,15 @@
 One round on one rank: its group's `inner_steps` ordinary steps of the engine (gradients reduced inside the
 group only), each on its pipeline's rows of the round's data (`semantics/outer_sync.round_rows`; the data
 source's batch is a whole round, `round_sequences` sequences), then the outer step across every group
-(runtime/parallel/outer_sync.py). The round's loss is the token-weighted mean of the groups' mean inner losses,
+(runtime/parallel/outer_sync.py); with streamed fragments, fragment f's outer step instead follows inner step
+`fragment_sync_step(inner_steps, f, fragments)` (semantics/outer_sync.py), synchronously. The round's loss is the token-weighted mean of the groups' mean inner losses,
 the same on every rank.
 
 Checkpoints (taken at round ends, where every group holds the global parameters): the engine's state plus
 "<name>.outer_momentum" and "outer_round" (`RoundTrainer.state_for_checkpoint`); the inner AdamW moments saved
-are group 0's (engine.plan_shard_specs). `load_local` resumes from a checkpoint of any plan, synchronous or grouped
+are group 0's (engine.plan_shard_specs). With streamed fragments the fragments but the last are mid-way between
+their outer steps at a round's end: the checkpoint adds their global parameters ("<name>.outer_anchor") and its
+parameters are group 0's local ones, which every group resumes from (as from group 0's moments). `load_local` resumes from a checkpoint of any plan, synchronous or grouped
 (a synchronous one has no outer momentum: it starts at zero, the round from its step count); every group of the
 new plan starts from the saved moments, with its own update count for their bias correction.
 """
@@ -23,14 +26,16 @@ import torch
 import torch.distributed as dist
 
 from ...semantics.outer_sync import (
+    fragment_sync_step,
     group_inner_steps,
     group_of_pipeline,
     group_ranks,
     group_round_sequences,
     group_weights,
+    plan_fragments,
     round_rows,
 )
-from ..parallel.outer_sync import MOMENTUM_SUFFIX, ROUND_KEY, OuterSync
+from ..parallel.outer_sync import ANCHOR_SUFFIX, MOMENTUM_SUFFIX, ROUND_KEY, OuterSync
 from ..parallel.shards import ShardSpec
 from .data import BatchSource, stage_tokens
 from .engine import RankEngine, StepResult
@@ -67,6 +72,11 @@ class RoundTrainer:
         self.reports_loss = engine.groups.rank == group_ranks(self.plan)[self.group][0]
         self.weight = group_weights(self.plan)[self.group]
         self.round_tokens = sum(group_round_sequences(self.plan)) * self.plan.inputs.train.seq_len
+        fragments = plan_fragments(self.plan)
+        # the fragments whose outer step follows each inner step (0-based), in fragment order
+        self.syncs: dict[int, list[int]] = {}
+        for f in range(fragments):
+            self.syncs.setdefault(fragment_sync_step(self.inner_steps, f, fragments) - 1, []).append(f)
 
     @property
     def round(self) -> int:
@@ -77,14 +87,16 @@ class RoundTrainer:
         """One round (collective over the group for the inner steps, over the job for the outer step)."""
         engine, index = self.engine, self.outer.round
         steps = []
+        outer_s, comm, sent = 0.0, self.outer.comm_seconds, self.outer.bytes_sent
         for k in range(self.inner_steps):
             rows = round_rows(self.plan, engine.groups.pipeline, index, k)
             batch = stage_tokens(self.source, index, rows.as_slice(), engine.first or engine.last)
             steps.append(engine.train_step(batch, record_ops=record_ops))
+            for fragment in self.syncs.get(k, []):
+                start = time.perf_counter()
+                self.outer.step(fragment)
+                outer_s += time.perf_counter() - start
         group_loss = sum(s.loss for s in steps) / len(steps)
-        start, comm, sent = time.perf_counter(), self.outer.comm_seconds, self.outer.bytes_sent
-        self.outer.step()
-        outer_s = time.perf_counter() - start
         total = torch.tensor([self.weight * group_loss if self.reports_loss else 0.0], dtype=torch.float64)
         dist.all_reduce(total, group=engine.groups.job_group)
         return RoundResult(loss=float(total.item()), group_loss=group_loss, steps=steps, tokens=self.round_tokens,
@@ -104,6 +116,13 @@ class RoundTrainer:
             key = f"{spec.name}{MOMENTUM_SUFFIX}"
             extra[key] = (ShardSpec(key, spec.full_shape, spec.dim, spec.start, spec.stop, spec.owner,
                                     optional=True), buffer)
+        anchors: dict[str, torch.Tensor] = {}
+        if self.outer.fragments > 1:  # NaN: a checkpoint without anchors (its parameters are the global ones)
+            for spec in self.engine.shard_specs():
+                buffer = anchors[spec.name] = torch.full_like(self.engine.params[spec.name][1].detach(), float("nan"))
+                key = f"{spec.name}{ANCHOR_SUFFIX}"
+                extra[key] = (ShardSpec(key, spec.full_shape, spec.dim, spec.start, spec.stop, spec.owner,
+                                        optional=True), buffer)
         saved_round = torch.full((), -1, dtype=torch.int64)  # -1: a checkpoint without outer state
         extra[ROUND_KEY] = (ShardSpec(ROUND_KEY, (), None, 0, 1, self.engine.rank == 0, optional=True), saved_round)
         self.engine.load_local(lambda targets: fill({**targets, **extra}))
@@ -118,4 +137,4 @@ class RoundTrainer:
             state = self.engine.optimizer.state.get(param, {})
             if steps > 0 and "exp_avg" in state:
                 restore_moments(self.engine.optimizer, param, steps, state["exp_avg"], state["exp_avg_sq"])
-        self.outer.load(momenta, index)
+        self.outer.load(momenta, index, {name: a for name, a in anchors.items() if not a.isnan().all()})

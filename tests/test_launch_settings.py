@@ -29,12 +29,6 @@ SET_OTHERWISE: dict[str, str] = {
     "loss_scaling.growth_factor": "torch.amp.GradScaler's default in LossScaling",
     "loss_scaling.backoff_factor": "torch.amp.GradScaler's default in LossScaling",
     "loss_scaling.growth_interval": "torch.amp.GradScaler's default in LossScaling",
-    "runtime.loss_kernel": "RuntimeOptions' default (the project's chunked loss); set in RUN/config.json or by "
-                           "benchmarks/bench_gpu_runtime.py until a GPU measurement picks the default",
-    "runtime.cast_once": "RuntimeOptions' default (off); set in RUN/config.json or by benchmarks/bench_gpu_runtime.py "
-                         "until a GPU measurement picks the default",
-    "runtime.compile_scope": "RuntimeOptions' default (auto: semantics/runtime_paths.stage_compile_scope); set in "
-                             "RUN/config.json or by benchmarks/bench_gpu_runtime.py",
 }
 # Options whose default is no value but a rule the launch applies, and the rule.
 DEFAULT_BY_RULE: dict[str, str] = {
@@ -46,7 +40,8 @@ DEFAULT_BY_RULE: dict[str, str] = {
     "optimizer.total_steps": "None: --steps",
     **{f"runtime.{name}": "None: the switch the plan was predicted for (its inputs.runtime), else the runtime's "
        "default (commands/runtime_switches.py)"
-       for name in ("lean_p2p", "overlap_dp", "hierarchical_dp", "compile", "chunked_loss", "optimizer")},
+       for name in ("lean_p2p", "overlap_dp", "hierarchical_dp", "compile", "chunked_loss", "optimizer",
+                    "loss_kernel", "cast_once", "compile_scope")},
 }
 
 

@@ -147,3 +147,90 @@ def test_an_eager_layer_profile_is_used_for_an_eager_launch_only(tmp_path: Path,
     assert len(notes) == 1, captured.err
     assert ("layer profile of A100-80G-SXM (eager, chunked loss) matched no stage: it was measured with --no-compile, "
             "the launch predicted takes --compile") in notes[0]
+
+
+def test_cast_once_is_declared_once_and_launch_alone_takes_the_loss_kernel_and_compile_scope() -> None:
+    import inspect
+
+    from flashflex_cli.commands import runtime_switches as switches
+
+    def parameters(command) -> dict[str, object]:  # noqa: ANN001 - a typer command function
+        return {name: p.default for name, p in inspect.signature(command).parameters.items()}
+
+    plan, show, launch = (parameters(c) for c in (plan_command, show_command, launch_command))
+    assert plan["cast_once"] is show["cast_once"] is launch["cast_once"] is switches.CAST_ONCE
+    assert launch["loss_kernel"] is switches.LOSS_KERNEL and launch["compile_scope"] is switches.COMPILE_SCOPE
+    # the cost model charges both loss kernels and both compile scopes alike: a plan does not record them
+    assert "loss_kernel" not in plan and "compile_scope" not in show
+
+
+def test_a_plan_predicted_cast_once_records_it_and_show_and_launch_take_it(gpu: dict[str, Path],
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    once, again = gpu["dir"] / "cast-once.json", gpu["dir"] / "cast-once-again.json"
+    capsys.readouterr()
+    default = _json_of(["show", str(gpu["plan"]), "--cluster", str(gpu["cluster"]), "--json"], capsys)
+    planned = _json_of(["plan", str(gpu["cluster"]), *PLAN_1B, "--cast-once", "--out", str(once), "--json"], capsys)
+    assert main(["plan", str(gpu["cluster"]), *PLAN_1B, "--cast-once", "--out", str(again)]) == 0
+    assert once.read_bytes() == again.read_bytes()  # deterministic
+    capsys.readouterr()
+    assert planned["inputs"]["runtime"] == {"lean_p2p": True, "overlap_dp": True, "hierarchical_dp": True,
+                                            "chunked_loss": True, "optimizer": "auto", "cast_once": True}
+    assert load_plan(once).inputs.runtime_options() == RuntimeOptions(cast_once=True)
+    # the plan made without it records nothing and loads with it off
+    assert "runtime" not in json.loads(gpu["plan"].read_text())["inputs"]
+    assert load_plan(gpu["plan"]).inputs.runtime_options().cast_once is False
+    # one cast per step instead of one per micro-batch, and no copy per micro-batch in flight
+    shown = _json_of(["show", str(gpu["plan"]), "--cast-once", "--json"], capsys)
+    assert shown["inputs"]["runtime"]["cast_once"] is True
+    assert shown["predicted"]["iteration_time_s"] < default["predicted"]["iteration_time_s"]
+    assert all(a <= b for a, b in zip(_memory(shown), _memory(default), strict=True))
+    # show takes the plan's switch, and --no-cast-once gives the default prediction back
+    assert _json_of(["show", str(once), "--cluster", str(gpu["cluster"]), "--json"], capsys) == planned
+    off = _json_of(["show", str(once), "--cluster", str(gpu["cluster"]), "--no-cast-once", "--json"], capsys)
+    assert "runtime" not in off["inputs"] and off["predicted"] == default["predicted"]
+    assert main(["show", str(once)]) == 0
+    assert "predicted for a launch with --cast-once" in capsys.readouterr().out
+    run, script = gpu["dir"] / "run", gpu["dir"] / "run.sh"
+    assert main(["launch", str(once), "--launcher", "torchrun", "--out", str(run), "--script", str(script)]) == 0
+    assert "runtime switches the plan was predicted for: --cast-once" in capsys.readouterr().err
+    assert load_run_config(run / "config.json").runtime == RuntimeOptions(cast_once=True)
+
+
+def test_cast_once_charges_one_weight_cast_a_step_instead_of_one_a_micro_batch(tmp_path: Path) -> None:
+    """On one stage the schedule is the micro-batches one after the other: cast once, a step of m micro-batches
+    takes m - 1 casts of the stage's weights less (none less with one micro-batch)."""
+    import dataclasses
+
+    from flashflex_cli.cost.compute import weight_cast_s
+    from flashflex_cli.cost.estimate import estimate
+    from flashflex_cli.cost.params import CostParams
+    from flashflex_cli.hardware.cluster import load_cluster
+    from flashflex_cli.plan.schema import Plan
+
+    cluster_file = tmp_path / "a100.json"
+    assert main(["profile", "--synthetic", "1x1xA100-80G-SXM", "--out", str(cluster_file)]) == 0
+    cluster, spec = load_cluster(cluster_file), PRESETS["llama-1b"]
+
+    def plan(m: int) -> Plan:
+        return Plan.model_validate({
+            "schema": "flashflex.plan/1",
+            "inputs": {"cluster_sha256": "test", "model": spec.model_dump(),
+                       "train": {"global_batch": 2 * m, "seq_len": 1024, "dtype": "bf16"}},
+            "pipelines": [{"micro_batch_size": 2, "num_micro_batches": m, "stages": [
+                {"devices": cluster.device_ids, "tp": 1, "layers": [0, spec.num_layers]}]}]})
+
+    eager = CostParams().for_launch(RuntimeOptions(compile=False))
+    once = dataclasses.replace(eager, runtime=RuntimeOptions(compile=False, cast_once=True))
+    train = plan(1).inputs.train
+    cast = weight_cast_s(cluster, cluster.device_ids, spec, train, once, spec.num_layers)
+    assert cast > 0 and weight_cast_s(cluster, cluster.device_ids, spec, train, eager, spec.num_layers) == 0
+    for m in (1, 4):
+        each, shared = estimate(plan(m), cluster, eager), estimate(plan(m), cluster, once)
+        assert shared.stages[0].weight_cast_s == cast
+        saved = each.iteration_time_s - shared.iteration_time_s
+        assert saved == pytest.approx((m - 1) * cast, rel=1e-9, abs=1e-12)
+        assert saved > 0 if m > 1 else True
+    # in fp32 nothing is cast: the same prediction either way
+    fp32 = plan(4).model_copy(update={"inputs": plan(4).inputs.model_copy(update={
+        "train": train.model_copy(update={"dtype": "fp32"})})})
+    assert estimate(fp32, cluster, once).iteration_time_s == estimate(fp32, cluster, eager).iteration_time_s

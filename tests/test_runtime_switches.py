@@ -99,6 +99,34 @@ def test_cli_launch_flags_reach_the_saved_config(tmp_path: Path) -> None:
         lean_p2p=True, overlap_dp=False, hierarchical_dp=True, compile=True, chunked_loss=False, optimizer="foreach")
 
 
+def test_cli_launch_takes_the_loss_kernel_cast_once_and_compile_scope(tmp_path: Path) -> None:
+    from flashflex_cli.cli import main
+
+    for flags, expected in ((["--loss-kernel", "torch", "--cast-once", "--compile-scope", "stage"],
+                             RuntimeOptions(loss_kernel="torch", cast_once=True, compile_scope="stage")),
+                            (["--no-cast-once", "--compile-scope", "block"], RuntimeOptions(compile_scope="block")),
+                            ([], RuntimeOptions())):
+        script, run = tmp_path / f"run{len(flags)}.sh", tmp_path / f"run{len(flags)}"
+        code = main(["launch", str(GOLDEN / "plan-4rank.json"), "--cluster", str(GOLDEN / "cluster-2node.json"),
+                     "--launcher", "torchrun", "--script", str(script), "--out", str(run), *flags])
+        assert code == 0
+        assert load_run_config(run / "config.json").runtime == expected
+
+
+@pytest.mark.parametrize(("flag", "value", "choices"), [("--loss-kernel", "liger", "own, torch"),
+                                                        ("--compile-scope", "model", "block, stage, auto")])
+def test_cli_refuses_an_unknown_loss_kernel_or_compile_scope_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, choices: str) -> None:
+    from flashflex_cli.cli import main
+
+    script, run = tmp_path / "run.sh", tmp_path / "run"
+    code = main(["launch", str(GOLDEN / "plan-4rank.json"), "--cluster", str(GOLDEN / "cluster-2node.json"),
+                 "--launcher", "torchrun", "--script", str(script), "--out", str(run), flag, value])
+    err = capsys.readouterr().err
+    assert code == 2 and not script.exists() and not run.exists()
+    assert err.strip().splitlines() == [f"error: {flag} must be one of {choices}, got {value!r}"]
+
+
 def test_cli_refuses_an_unknown_optimizer_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from flashflex_cli.cli import main
 

@@ -119,8 +119,9 @@ def _say_planned_paths(console: Console, plan: Plan, given: dict[str, object]) -
     recorded = plan.inputs.runtime
     if recorded is None:
         return
-    taken = [switch_flag(name, value) for name, value in recorded.model_dump().items()
-             if name not in given and value != getattr(RuntimeOptions(), name)]
+    options = recorded.options()
+    taken = [switch_flag(name, getattr(options, name)) for name in type(recorded).model_fields
+             if name not in given and getattr(options, name) != getattr(RuntimeOptions(), name)]
     if taken:
         console.print(f"runtime switches the plan was predicted for: {' '.join(taken)}", markup=False)
 
@@ -223,6 +224,9 @@ def launch_command(
     compile_: bool | None = switches.COMPILE,
     chunked_loss: bool | None = switches.CHUNKED_LOSS,
     optimizer: str | None = switches.OPTIMIZER,
+    cast_once: bool | None = switches.CAST_ONCE,
+    loss_kernel: str | None = switches.LOSS_KERNEL,
+    compile_scope: str | None = switches.COMPILE_SCOPE,
     gpus: str | None = typer.Option(None, "--gpus", metavar="LIST", help="This host's GPUs the plan's node runs "
                                     "on, e.g. 2,3 (CUDA_VISIBLE_DEVICES of the workers; local launcher)."),
     share_gpu: bool = typer.Option(False, "--share-gpu", help="Validation only, never for a real cluster: run "
@@ -252,7 +256,8 @@ def launch_command(
     checkpoints = checkpoint_folder(out, checkpoint_dir, checkpoint_every, no_checkpoint, resume, overwrite)
     elastic_settings = elastic_options(elastic, launcher, max_restarts, min_devices, cluster_watch, replan_gain,
                                        layers, checkpoints)
-    given = switches.given_switches(lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer)
+    given = switches.given_switches(lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer,
+                                    cast_once, loss_kernel, compile_scope)
     if cluster_path is None:
         cluster_path = recorded_cluster_path(plan_path)
     every = DEFAULT_CHECKPOINT_EVERY if checkpoint_every is None else checkpoint_every

@@ -107,6 +107,7 @@ def plan_command(
     compile_: bool | None = switches.COMPILE,
     chunked_loss: bool | None = switches.CHUNKED_LOSS,
     optimizer: str | None = switches.OPTIMIZER,
+    cast_once: bool | None = switches.CAST_ONCE,
     shard_optimizer: str = typer.Option("auto", "--shard-optimizer", help="Shard the fp32 master weights and "
                                         "AdamW moments across each slice's data-parallel holders: auto (where it "
                                         "predicts faster), on or off."),
@@ -138,7 +139,7 @@ def plan_command(
         raise InputError(f"--sync must be one of {', '.join(SYNC_CHOICES)}, got {sync!r}")
     steps_range = parse_inner_steps(inner_steps)
     runtime = switches.switched(RuntimeOptions(), switches.given_switches(
-        lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer))
+        lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer, cast_once))
     cluster = load_cluster_warned(cluster_file)
     spec = resolve_model(model)
     dtypes = AUTO_DTYPES if dtype == AUTO else (dtype,)
@@ -234,13 +235,15 @@ def show_command(
     compile_: bool | None = switches.COMPILE,
     chunked_loss: bool | None = switches.CHUNKED_LOSS,
     optimizer: str | None = switches.OPTIMIZER,
+    cast_once: bool | None = switches.CAST_ONCE,
 ) -> None:
     """Render a plan; with --cluster, validate it there and predict it afresh (exit 1 if it cannot run); with
     --run, side by side with what a run of it measured."""
     plan_file, run_dir = _plan_and_run(plan_file, run_dir)
     if prices_file is not None and cluster_file is None and run_dir is None:
         raise InputError("--prices needs --cluster (prices are per device type; the cluster names the types)")
-    given = switches.given_switches(lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer)
+    given = switches.given_switches(lean_p2p, overlap_dp, hierarchical_dp, compile_, chunked_loss, optimizer,
+                                    cast_once)
     if given and run_dir is not None:
         raise InputError(f"{switches.flags_text(given)} and --run contradict each other: a run is predicted by the "
                          "paths it recorded (RUN/runtime.json)")

@@ -19,8 +19,9 @@ import typer
 from ..errors import InputError
 from ..semantics.runtime_paths import (
     OPTIMIZER_FLAG,
-    OPTIMIZER_PATHS,
+    STAGE_GRAPH_MAX_LAYERS,
     SWITCH_FLAGS,
+    VALUE_FLAGS,
     RuntimeOptions,
     switch_flag,
 )
@@ -46,16 +47,31 @@ CHUNKED_LOSS: Any = typer.Option(None, _flag("chunked_loss"), help="Off for comp
                                  "tensor, upcast to fp32 for the loss." + _DEFAULTS)
 OPTIMIZER: Any = typer.Option(None, OPTIMIZER_FLAG, help="AdamW kernels: fused or foreach (auto, the launch "
                               "default: fused on GPUs, foreach on CPU devices)." + _DEFAULTS)
+CAST_ONCE: Any = typer.Option(None, _flag("cast_once"), help="Under bf16/fp16 autocast, cast the layers' weights "
+                              "once per step, shared by the micro-batches, instead of once per micro-batch (launch "
+                              "default: off)." + _DEFAULTS)
+# `launch` only: the cost model charges both loss kernels and both compile scopes alike, so a plan does not record
+# them (their default: the runtime's, or what the run folder's config.json holds on --resume)
+LOSS_KERNEL: Any = typer.Option(None, VALUE_FLAGS["loss_kernel"][0], help="The chunked loss's kernel: own (the "
+                                "project's, the default) or torch (torch's linear_cross_entropy at TP 1 where the "
+                                "installed torch has it).")
+COMPILE_SCOPE: Any = typer.Option(None, VALUE_FLAGS["compile_scope"][0], help="With --compile: block (each layer "
+                                  "its own graph), stage (a TP-1 stage's whole forward one graph) or auto (the "
+                                  f"default: stage up to {STAGE_GRAPH_MAX_LAYERS} layers at TP 1, else block).")
 
 
 def given_switches(lean_p2p: bool | None, overlap_dp: bool | None, hierarchical_dp: bool | None,
-                   compile_: bool | None, chunked_loss: bool | None, optimizer: str | None) -> dict[str, Any]:
+                   compile_: bool | None, chunked_loss: bool | None, optimizer: str | None,
+                   cast_once: bool | None = None, loss_kernel: str | None = None,
+                   compile_scope: str | None = None) -> dict[str, Any]:
     """The switches given on the command line, by RuntimeOptions field (those not given are absent); InputError
-    (one line) for an unknown --optimizer."""
-    if optimizer is not None and optimizer not in OPTIMIZER_PATHS:
-        raise InputError(f"{OPTIMIZER_FLAG} must be one of {', '.join(OPTIMIZER_PATHS)}, got {optimizer!r}")
+    (one line) for an unknown value of --optimizer, --loss-kernel or --compile-scope."""
     values = {"lean_p2p": lean_p2p, "overlap_dp": overlap_dp, "hierarchical_dp": hierarchical_dp,
-              "compile": compile_, "chunked_loss": chunked_loss, "optimizer": optimizer}
+              "compile": compile_, "chunked_loss": chunked_loss, "optimizer": optimizer, "cast_once": cast_once,
+              "loss_kernel": loss_kernel, "compile_scope": compile_scope}
+    for name, (flag, choices) in VALUE_FLAGS.items():
+        if values[name] is not None and values[name] not in choices:
+            raise InputError(f"{flag} must be one of {', '.join(choices)}, got {values[name]!r}")
     return {name: value for name, value in values.items() if value is not None}
 
 

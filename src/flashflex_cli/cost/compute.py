@@ -37,7 +37,7 @@ from .comm import allreduce_time
 from .measured import MeasuredCosts, find_profile, read_profile
 from .memory import is_cuda_group
 from .params import CostParams
-from .traffic import PassCost, embedding_traffic, head_traffic, layer_traffic
+from .traffic import PassCost, embedding_traffic, head_traffic, layer_traffic, layer_weight_cast
 from .view import view
 
 
@@ -162,7 +162,7 @@ def _layer_times(cluster: Cluster, devices: tuple[str, ...], model: ModelSpec, t
     paths = params.runtime.resolved(on_cuda)
     part = PartShape(model, tp, mbs, seq, params.compute_dtype or compute_dtype(train.dtype), train.attention,
                      on_cuda, chunked_loss=paths.chunked_loss, loss_chunk=params.loss_chunk_tokens,
-                     compiled=bool(paths.compile))
+                     compiled=bool(paths.compile), cast_once=paths.cast_once)
     layer, embed, head = (layer_traffic(part, train.recompute), embedding_traffic(part), head_traffic(part))
     # the slowest device of the group sets the pace of every part
     slow = [device_seconds(cluster, d, train.dtype, params) for d in devices]
@@ -171,6 +171,20 @@ def _layer_times(cluster: Cluster, devices: tuple[str, ...], model: ModelSpec, t
                        worst(embed.bwd), worst(head.fwd) + 2 * stats, worst(head.bwd) + ar, tp_fwd, tp_bwd)
     _remember(key, cv, found)
     return found
+
+
+def weight_cast_s(cluster: Cluster, devices: Sequence[str], model: ModelSpec, train: TrainConfig,
+                  params: CostParams, num_layers: int) -> float:
+    """Seconds a stage of `num_layers` layers on the TP group `devices` casts its layers' weights once per step
+    with RuntimeOptions.cast_once (cost/traffic.layer_weight_cast, the slowest device's pace); 0 without it (the
+    forwards cast, counted in `layer_times`) and in fp32."""
+    on_cuda = is_cuda_group(cluster, devices)
+    if not params.runtime.resolved(on_cuda).cast_once:
+        return 0.0
+    part = PartShape(model, len(devices), 1, train.seq_len, params.compute_dtype or compute_dtype(train.dtype),
+                     train.attention, on_cuda, cast_once=True)
+    cast = layer_weight_cast(part)
+    return num_layers * max(device_seconds(cluster, d, train.dtype, params)(cast) for d in devices)
 
 
 def device_seconds(cluster: Cluster, device: str, dtype: str, params: CostParams) -> Callable[[PassCost], float]:

@@ -19,7 +19,7 @@ from ..semantics.optimizer_shards import ShardCounts, shard_counts
 from ..semantics.process_groups import rank_communicators
 from ..units import byte_size
 from .comm import p2p_time
-from .compute import layer_times
+from .compute import layer_times, weight_cast_s
 from .dp import StageBackward, dp_buckets, dp_partners, dp_timeline
 from .measured import MeasuredCosts
 from .memory import (
@@ -70,6 +70,7 @@ class StageEstimate:
     dp_exposed_s: float = 0.0
     on_cuda: bool = True
     not_native_on: tuple[str, ...] = ()
+    weight_cast_s: float = 0.0  # cast_once: the step's one cast of the layers' weights (s), before its schedule
 
 
 @dataclass(frozen=True)
@@ -291,9 +292,11 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
         membw = min(cv.info(d).memory_bandwidth for d in st.devices) * params.memory_bandwidth_efficiency
         optimizer = params.runtime.resolved(st.on_cuda).optimizer
         opt = n_params * OPTIMIZER_BYTES_PER_PARAM[str(optimizer)] / membw
-        end = comm_end + opt
+        # the next step's cast follows the update; its schedule waits for it
+        cast = weight_cast_s(cluster, st.devices, model, train, params, st.layers[1] - st.layers[0])
+        end = comm_end + opt + cast
         iteration = max(iteration, end)
-        final.append(replace(st, dp_s=comm, optimizer_s=opt, end_s=end,
+        final.append(replace(st, dp_s=comm, optimizer_s=opt, end_s=end, weight_cast_s=cast,
                              dp_exposed_s=max(0.0, comm_end - last_backward[key])))
 
     if sharded:  # each holder's updated chunk gathered by the others after the update
@@ -302,7 +305,7 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
         iteration = max(st.end_s for st in final)
     slowest_pipeline = max(p.time_s for p in pipelines)
     optimizer_s = max(st.optimizer_s for st in final)
-    dp_exposed = max(0.0, max(st.end_s - st.optimizer_s for st in final) - slowest_pipeline)
+    dp_exposed = max(0.0, max(st.end_s - st.optimizer_s - st.weight_cast_s for st in final) - slowest_pipeline)
     tokens = train.global_batch * train.seq_len
     tokens_per_s = tokens / iteration if iteration > 0 else 0.0
     mfpt = model_flops.model_flops_per_token(model, train.seq_len)

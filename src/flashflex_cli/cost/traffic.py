@@ -20,7 +20,8 @@ device, c the compute dtype's bytes:
                                   backward 116 Nh + 20 Vh
   embedding                       forward 8 Nh; backward 4 Nh + 16 Vh (its dense [V, h] gradient)
 The W and Vh terms are per micro-batch (autocast's weight copies, the weight gradients' cast and accumulation),
-the rest per token. Operations per micro-batch: layer 92 / 162 (16-bit; 84 / 156 without grouped-query heads),
+the rest per token. With RuntimeOptions.cast_once the layer's weight cast, (4 + c) W of the forward's 16-bit W
+term and one kernel per matrix (`layer_weight_cast`), runs once per step instead (cost/estimate.py charges it). Operations per micro-batch: layer 92 / 162 (16-bit; 84 / 156 without grouped-query heads),
 78 / 142 (fp32; 70 / 136); kernels 50 / 97 (48 / 95), 36 / 77 (34 / 75); head 22 / 36 (fp32 19 / 33), chunked
 15 + 43 per chunk (14 + 38) / 23; embedding 2 / 2.
 
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 
 from ..model import flops as model_flops
 from ..semantics.runtime_paths import loss_chunk_tokens
-from .activations import FP32, PartShape, compiled_layer, layer_saved_bytes, layer_weight_copies
+from .activations import FP32, PartShape, compiled_layer, layer_saved_bytes, weight_copy_bytes
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,20 @@ def _grouped(p: PartShape) -> bool:
     return p.model.num_kv_heads < p.model.num_heads
 
 
+def layer_weight_cast(p: PartShape) -> PassCost:
+    """Casting one decoder layer's seven matrices to the compute dtype on one device under autocast (nothing in
+    fp32): reading the fp32 weights and writing the c-byte copies, (4 + c) W bytes, one operation and one kernel
+    each. In every micro-batch's forward, or once per step with cast_once (`layer_traffic` leaves it out)."""
+    if not p.autocast:
+        return PassCost(0.0, 0.0, 0.0, 0.0, 0.0)
+    weights = model_flops.layer_matmul_params(p.model) / p.tp
+    return PassCost(0.0, 0.0, (FP32 + p.c) * weights, 7.0, 7.0)
+
+
 def layer_traffic(p: PartShape, recompute: bool = False) -> PartTraffic:
-    """One decoder layer (module docstring); with `recompute` its backward runs the forward again."""
+    """One decoder layer (module docstring); with `recompute` its backward runs the forward again. With
+    cast_once the forward multiplies by the step's working copies: no cast (`layer_weight_cast`), a view of the
+    copy in its place (an operation, no kernel); the copies are read as autocast's are."""
     n, h, q, k, f = p.tokens, p.h, p.q, p.k, p.f
     weights = model_flops.layer_matmul_params(p.model) / p.tp
     matmul = 2.0 * n * weights
@@ -95,7 +108,7 @@ def layer_traffic(p: PartShape, recompute: bool = False) -> PartTraffic:
     operands = matmul_operand_bytes(n, 5 * h + q + f, q + 2 * k + 2 * f + 2 * h, weights, p.c)
     grouped = 1.0 if _grouped(p) else 0.0
     if compiled_layer(p):
-        saved = layer_saved_bytes(p) + layer_weight_copies(p)
+        saved = layer_saved_bytes(p) + weight_copy_bytes(p, weights)
         boundary = 2 * n * h * FP32
         fwd = PassCost(matmul, attention, saved + boundary + 6 * weights, 2.0, 12.0, operands)
         bwd = PassCost(2 * matmul, 2 * attention, 2 * saved + boundary + 18 * weights, 2.0, 25.0, 2 * operands)
@@ -109,6 +122,10 @@ def layer_traffic(p: PartShape, recompute: bool = False) -> PartTraffic:
                        70 + 8 * grouped, 34 + 2 * grouped, operands)
         bwd = PassCost(2 * matmul, 2 * attention, n * (262 * h + 61 * q + 54 * k + 7 * grouped * (q + k) + 36 * f)
                        + 12 * weights, 136 + 6 * grouped, 75 + 2 * grouped, 2 * operands)
+    if p.cast_once and p.autocast:
+        cast = layer_weight_cast(p)
+        fwd = PassCost(fwd.matmul_flops, fwd.attention_flops, fwd.bytes - cast.bytes, fwd.ops,
+                       fwd.kernels - (0.0 if compiled_layer(p) else cast.kernels), fwd.matmul_bytes)
     return PartTraffic(fwd, fwd.plus(bwd) if recompute else bwd)
 
 

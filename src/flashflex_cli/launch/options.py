@@ -65,6 +65,7 @@ LAUNCH_OPTIONS: dict[str, str] = {
     "timeout_s": "--timeout", "setup_timeout_s": "--setup-timeout", "checkpoint_dir": "--checkpoint-dir", "checkpoint_every": "--checkpoint-every",
     "init_from": "--init-from", "share_gpu": "--share-gpu", "gpus": "--gpus", "optimizer.lr": "--lr", "optimizer.total_steps": "--schedule-steps",
     "runtime.optimizer": "--optimizer", "runtime.compile": "--compile", "metrics": "--metrics",
+    "runtime.loss_kernel": "--loss-kernel", "runtime.compile_scope": "--compile-scope",
 }
 
 

@@ -180,17 +180,19 @@ class PlannedPaths(_Strict):
     compile: bool | None = None
     chunked_loss: bool = True
     optimizer: OptimizerPath = "auto"
+    cast_once: bool | None = None  # None: off (the launch default), not written, so older plans keep their bytes
 
     def options(self) -> RuntimeOptions:
         """These switches as the runtime's options."""
-        return RuntimeOptions(**self.model_dump())
+        return RuntimeOptions(**{**self.model_dump(), "cast_once": bool(self.cast_once)})
 
     @classmethod
     def of(cls, options: RuntimeOptions) -> PlannedPaths | None:
         """The record of the switches `plan` and `show` take in `options`; None when they are the launch defaults
-        (nothing is written). The runtime's other settings (loss kernel, cast once, compile scope) are set in the
-        run configuration, not predicted for by a plan."""
+        (nothing is written). The runtime's other settings (loss kernel, compile scope) are charged alike by the
+        cost model: set by `flashflex launch` or the run configuration, not predicted for by a plan."""
         recorded = {name: value for name, value in dataclasses.asdict(options).items() if name in cls.model_fields}
+        recorded["cast_once"] = recorded["cast_once"] or None
         return None if recorded == cls().model_dump() else cls(**recorded)
 
 

@@ -125,15 +125,20 @@ class RuntimeOptions:
 SWITCH_FLAGS: dict[str, tuple[str, str]] = {
     "lean_p2p": ("--lean-p2p", "--no-lean-p2p"), "overlap_dp": ("--overlap-dp", "--no-overlap-dp"),
     "hierarchical_dp": ("--hierarchical-dp", "--no-hierarchical-dp"), "compile": ("--compile", "--no-compile"),
-    "chunked_loss": ("--chunked-loss", "--no-chunked-loss"),
+    "chunked_loss": ("--chunked-loss", "--no-chunked-loss"), "cast_once": ("--cast-once", "--no-cast-once"),
 }
 OPTIMIZER_FLAG = "--optimizer"
+# The switches that take a value, by RuntimeOptions field: their flag and the values it accepts.
+VALUE_FLAGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "optimizer": (OPTIMIZER_FLAG, OPTIMIZER_PATHS), "loss_kernel": ("--loss-kernel", LOSS_KERNELS),
+    "compile_scope": ("--compile-scope", COMPILE_SCOPES),
+}
 
 
 def switch_flag(name: str, value: Any) -> str:
     """The flag that sets switch `name` to `value`: "--no-compile", "--optimizer foreach"."""
-    if name == "optimizer":
-        return f"{OPTIMIZER_FLAG} {value}"
+    if name in VALUE_FLAGS:
+        return f"{VALUE_FLAGS[name][0]} {value}"
     return SWITCH_FLAGS[name][0 if value else 1]
 
 

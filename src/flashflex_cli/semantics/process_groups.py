@@ -18,7 +18,7 @@ the nodes' leaders (lowest rank per node) get a group.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -67,16 +67,26 @@ class SliceHolders:
         return self.stages > 1
 
 
-def _stages_of(plan: Any, pipeline: int, info: ParamInfo) -> list[int]:
-    """The stages of `pipeline` holding `info`: one, or the first and the last for a tied embedding."""
-    stages: Sequence[StageLike] = plan.pipelines[pipeline].stages
-    last = len(stages) - 1
+def layer_stages(plan: Any) -> list[list[int]]:
+    """table[p][layer] = the stage of pipeline p that holds transformer layer `layer`."""
+    table = []
+    for pipe in plan.pipelines:
+        row: list[int] = []
+        for s, stage in enumerate(pipe.stages):
+            row.extend([s] * (stage.layers[1] - stage.layers[0]))
+        table.append(row)
+    return table
+
+
+def _stages_of(plan: Any, pipeline: int, info: ParamInfo, table: list[list[int]]) -> list[int]:
+    """The stages of `pipeline` holding `info`: one, or the first and the last for a tied embedding (`table`:
+    `layer_stages(plan)`)."""
+    last = len(plan.pipelines[pipeline].stages) - 1
     if info.name == "embed":
         return [0, last] if plan.inputs.model.tie_embeddings and last > 0 else [0]
     if info.name in ("norm", "head"):
         return [last]
-    layer = int(info.name.split(".")[1])
-    return [next(s for s, st in enumerate(stages) if st.layers[0] <= layer < st.layers[1])]
+    return [table[pipeline][int(info.name.split(".")[1])]]
 
 
 def stage_ranks(plan: Any) -> list[list[list[int]]]:
@@ -130,21 +140,21 @@ def outer_slice_holders(plan: Any) -> list[SliceHolders]:
 
 def _holders(plan: Any, pipeline_sets: list[list[int]]) -> list[SliceHolders]:
     """The finest common slices of every parameter among the pipelines of each set (parameters first, then sets)."""
-    ranks = stage_ranks(plan)
+    ranks, table = stage_ranks(plan), layer_stages(plan)
     out: list[SliceHolders] = []
     for info in model_params(plan.inputs.model):
         for pipelines in pipeline_sets:
-            out += _param_holders(plan, info, pipelines, ranks)
+            out += _param_holders(plan, info, pipelines, ranks, table)
     return out
 
 
-def _param_holders(plan: Any, info: ParamInfo, pipelines: list[int],
-                   ranks: list[list[list[int]]]) -> list[SliceHolders]:
+def _param_holders(plan: Any, info: ParamInfo, pipelines: list[int], ranks: list[list[list[int]]],
+                   table: list[list[int]]) -> list[SliceHolders]:
     """The finest common slices of one parameter among `pipelines`."""
     holding: list[tuple[StageLike, list[int]]] = []
     tied = False
     for p in pipelines:
-        stages = _stages_of(plan, p, info)
+        stages = _stages_of(plan, p, info, table)
         tied = tied or len(stages) > 1
         for s in stages:
             holding.append((plan.pipelines[p].stages[s], ranks[p][s]))

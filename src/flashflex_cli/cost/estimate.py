@@ -16,7 +16,7 @@ from ..model import flops as model_flops
 from ..plan.predicted import Predicted
 from ..plan.schema import Plan
 from ..semantics.optimizer_shards import ShardCounts, shard_counts
-from ..semantics.process_groups import rank_communicators
+from ..semantics.process_groups import communicator_groups
 from ..units import byte_size
 from .comm import p2p_time
 from .compute import layer_times, weight_cast_s
@@ -168,16 +168,17 @@ def _r(value: float) -> float:
 
 def stage_nccl_bytes(plan: Plan, cluster: Cluster, params: CostParams) -> dict[tuple[int, int], float]:
     """The most bytes of NCCL communicators any rank of each stage holds, by (pipeline, stage): every group the
-    runtime creates for the plan that the rank belongs to (semantics/process_groups.rank_communicators), each
+    runtime creates for the plan that the rank belongs to (semantics/process_groups.communicator_groups), each
     charged by its fabric (cost/memory.group_bytes)."""
     devices = [info.device for info in plan.ranks()]
     cost: dict[tuple[int, ...], float] = {}
-    per_rank = []
-    for groups in rank_communicators(plan):
-        for members in groups:
-            if members not in cost:
-                cost[members] = group_bytes(cluster, [devices[r] for r in members], params)
-        per_rank.append(sum(cost[members] for members in groups))
+    per_rank = [0.0] * len(devices)
+    for members in communicator_groups(plan):
+        found = cost.get(members)
+        if found is None:
+            found = cost[members] = group_bytes(cluster, [devices[r] for r in members], params)
+        for r in members:
+            per_rank[r] += found
     out: dict[tuple[int, int], float] = {}
     for info in plan.ranks():
         key = (info.pipeline, info.stage)

@@ -213,9 +213,10 @@ class NodeSplit:
         return [part for part in self.parts if len(part) > 1] + [self.leaders]
 
 
-def node_split(plan: Any, members: tuple[int, ...]) -> NodeSplit:
-    """Group the ranks `members` of `plan` by the node of their device."""
-    devices = rank_devices(plan)
+def node_split(plan: Any, members: tuple[int, ...], devices: list[str] | None = None) -> NodeSplit:
+    """Group the ranks `members` of `plan` by the node of their device (`devices`: `rank_devices(plan)`, when
+    the caller has it)."""
+    devices = devices if devices is not None else rank_devices(plan)
     by_node: dict[str, list[int]] = {}
     for r in sorted(members):
         by_node.setdefault(node_of(devices[r]), []).append(r)
@@ -226,8 +227,9 @@ def node_split(plan: Any, members: tuple[int, ...]) -> NodeSplit:
 def node_splits(plan: Any, holder_sets: Iterable[tuple[int, ...]]) -> dict[tuple[int, ...], NodeSplit]:
     """The NodeSplit of every holder set that spans nodes hierarchically (others are left out: flat)."""
     out: dict[tuple[int, ...], NodeSplit] = {}
+    devices = rank_devices(plan)
     for members in holder_sets:
-        split = node_split(plan, members)
+        split = node_split(plan, members, devices)
         if split.hierarchical:
             out[split.members] = split
     return out
@@ -264,6 +266,14 @@ def group_members(plan: Any) -> list[GroupSpec]:
         out += [GroupSpec(members, "replica") for members in group_ranks(plan)]
         out += [GroupSpec(members, "outer") for members in holder_sets(outer_slice_holders(plan))]
     return out
+
+
+def communicator_groups(plan: Any) -> list[tuple[int, ...]]:
+    """The members of every NCCL communicator of the job, one entry per communicator (two equal groups are two
+    communicators): the default group (every rank) and every group of `group_members` with two or more ranks."""
+    world = sum(stage.tp for pipe in plan.pipelines for stage in pipe.stages)
+    out = [tuple(range(world))] if world > 1 else []
+    return out + [spec.members for spec in group_members(plan) if len(spec.members) > 1]
 
 
 def rank_communicators(plan: Any) -> list[list[tuple[int, ...]]]:

@@ -193,6 +193,11 @@ def _worker(rank: int, world: int, plan_json: str, init_file: str, out_dir: str,
             result = trainer.train_round()
             losses.append(([s.loss for s in result.steps], result.loss))
         in_flight = len(outer.pending)
+        try:  # no checkpoint state with an exchange in flight
+            outer.state()
+            refused = False
+        except RuntimeError:
+            refused = True
         if save_dir:
             state = trainer.state_for_checkpoint()
             ckpt.save(save_dir, trainer.round * trainer.steps_per_round, state,
@@ -200,7 +205,7 @@ def _worker(rank: int, world: int, plan_json: str, init_file: str, out_dir: str,
         trainer.flush()
         torch.save({"losses": losses, "events": events, "finished": finished, "anchors": anchors(None),
                     "params": engine.gather_full_params(), "pipeline": groups.pipeline, "round": trainer.round,
-                    "in_flight": in_flight}, Path(out_dir) / f"rank{rank}.pt")
+                    "in_flight": in_flight, "refused": refused}, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +278,8 @@ def test_overlapped_whole_model_matches_the_reference(tmp_path: Path, pool: Work
     plan = overlapped(LAYOUT_A, GROUPS_A, overlap=1)
     outputs = run_rounds(plan, tmp_path, pool, (0, 2))
     for out in outputs:
-        assert out["in_flight"] == 1  # round 1's exchange was still in flight after the last round
+        # round 1's exchange was still in flight after the last round: the outer state refused, flush finished it
+        assert out["in_flight"] == 1 and out["refused"]
         assert_waits_after_tau_steps(out["events"], overlap=1)
         # round 0's exchange: begun after its last inner step, waited for and applied after round 1's first
         b, f = out["events"].index(("begin", 0)), out["events"].index(("finish", 0))
@@ -325,3 +331,24 @@ def test_overlapped_checkpoint_resumes_under_another_layout(tmp_path: Path, pool
     assert found is not None
     outputs = run_rounds(plan_b, tmp_path, pool, (1, 2), resume=found)
     check_reference(plan_b, outputs, rounds=2, first=1)
+
+
+@pytest.mark.slow
+def test_overlapped_rounds_launch_checkpoint_and_resume(tmp_path: Path) -> None:
+    """`flashflex launch` of test_outer_sync_launch's plan with tau = 1 and alpha 0.5: the checkpoints at round ends
+    (each finishing the exchange in flight) resume, and the run ends with no exchange in flight."""
+    from tests.test_outer_sync_launch import grouped_plan as launch_plan
+    from tests.test_outer_sync_launch import launch
+
+    path = launch_plan(tmp_path)
+    data = json.loads(path.read_text())
+    data["outer_sync"].update({"overlap_steps": 1, "merge_alpha": 0.5})
+    path.write_text(json.dumps(data))
+    out = tmp_path / "run"
+    done = launch(path, out, "--steps", "4", "--checkpoint-every", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [2, 4]
+    again = launch(path, out, "--steps", "6", "--resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stderr
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 6

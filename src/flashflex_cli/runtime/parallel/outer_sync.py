@@ -257,8 +257,7 @@ class OuterSync:
         """Checkpoint entries: "<name>.outer_momentum" per parameter (local shard) and "outer_round" (int64). The
         global parameters are the parameters themselves at a round's end (the outer step just set them); with
         streamed fragments only the last fragment's are, and with merge_alpha > 0 none are, so "<name>.outer_anchor"
-        then holds each one's. Refused while
-        an exchange is in flight (`flush` first)."""
+        then holds each one's. Refused while an exchange is in flight (`flush` first)."""
         if self.pending:
             raise RuntimeError(f"{len(self.pending)} outer exchange(s) in flight: finish them before a checkpoint")
         out = {f"{name}{MOMENTUM_SUFFIX}": self.momentum(name).detach() for name in self.anchors}

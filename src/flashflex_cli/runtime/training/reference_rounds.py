@@ -83,6 +83,12 @@ def reference_rounds(spec: ModelSpec, batches: list[list[list[torch.Tensor]]], w
                         else:
                             param.mul_(alpha).add_(global_params[name], alpha=1.0 - alpha)
 
+    def train_until(round_batches: list[list[torch.Tensor]], until: list[int]) -> None:
+        """Every group g's inner steps of the current round up to its step `until[g]` (exclusive, 0-based)."""
+        for g in range(groups):
+            _inner_steps(models[g], named[g], optimizers[g], optim, round_batches[g], steps, g, until[g],
+                         run.group_losses[-1][g])
+
     carried: tuple[int, dict[str, torch.Tensor]] | None = None  # the last fragment's exchange in flight
     for index, round_batches in enumerate(batches):
         if index == resumed_after:
@@ -97,24 +103,17 @@ def reference_rounds(spec: ModelSpec, batches: list[list[list[torch.Tensor]]], w
                         mine.copy_(first)
         run.group_losses.append([[] for _ in range(groups)])
         sync = [[fragment_sync_step(len(mine), f, fragments) for f in range(fragments)] for mine in round_batches]
-
-        def train_until(until: list[int], batches_now: list[list[torch.Tensor]] = round_batches) -> None:
-            """Every group g's inner steps of the round up to its step `until[g]` (exclusive, 0-based)."""
-            for g in range(groups):
-                _inner_steps(models[g], named[g], optimizers[g], optim, batches_now[g], steps, g, until[g],
-                             run.group_losses[-1][g])
-
         if carried is not None:
-            train_until([overlap] * groups)
+            train_until(round_batches, [overlap] * groups)
             apply(*carried)
             carried = None
         for fragment in range(fragments):
-            train_until([at[fragment] for at in sync])
+            train_until(round_batches, [at[fragment] for at in sync])
             grads = outer_gradient(fragment)
             if fragment == fragments - 1 and overlap > 0:
                 carried = (fragment, grads)
                 continue
-            train_until([at[fragment] + overlap for at in sync])
+            train_until(round_batches, [at[fragment] + overlap for at in sync])
             apply(fragment, grads)
     if carried is not None:
         apply(*carried)

@@ -19,7 +19,7 @@ Checkpoints (taken at round ends, where every group holds the global parameters;
 flight is finished first, so its merge falls at the round's end rather than tau steps later): the engine's state plus
 "<name>.outer_momentum" and "outer_round" (`RoundTrainer.state_for_checkpoint`); the inner AdamW moments saved
 are group 0's (engine.plan_shard_specs). With streamed fragments the fragments but the last are mid-way between
-their outer steps at a round's end: the checkpoint adds their global parameters ("<name>.outer_anchor") and its
+their outer steps at a round's end (and with merge_alpha > 0 no parameter equals its global one): the checkpoint adds their global parameters ("<name>.outer_anchor") and its
 parameters are group 0's local ones, which every group resumes from (as from group 0's moments). `load_local` resumes from a checkpoint of any plan, synchronous or grouped
 (a synchronous one has no outer momentum: it starts at zero, the round from its step count); every group of the
 new plan starts from the saved moments, with its own update count for their bias correction.

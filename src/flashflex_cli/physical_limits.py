@@ -164,6 +164,8 @@ PER_DEVICE_HOUR = Limit("per device-hour", 1e-6, 1e6)
 # far above any real run or model and keeps every product of them a finite float (validate_numbers.py holds
 # the same limits for the command-line options).
 SEQUENCES = Limit("sequences", 1, MAX_GLOBAL_BATCH, integer=True)  # a batch, micro-batch or micro-batch count
+# inner steps an outer exchange overlaps (0: none); as many as a round of inner steps can hold
+OVERLAP_STEPS = Limit("inner steps", 0, MAX_GLOBAL_BATCH, integer=True)
 SEQ_LEN = Limit("tokens", 1, MAX_SEQ_LEN, integer=True)
 # Micro-batches one pipeline accumulates into one optimizer step: 65,536. The runtime adds each micro-batch's
 # gradients into fp32 gradients, one addition after another; the worst-case relative rounding error of such a sum

@@ -6,7 +6,9 @@ dtype, among the holders of every parameter slice across all groups (the runtime
 set, issued one after another: they share the slow links, so their times add), flat rings over their slowest link
 at `dp_comm_efficiency` (int8: an all-gather of payloads and scales, charged as the all-reduce of the same ring time,
 semantics/outer_sync.exchange_bytes). Streamed fragments (`fragments` > 1) overlap the all-reduce with the next inner steps: only
-what exceeds the round's compute is exposed. The outer optimizer's update (a few passes over the parameters) is
+what exceeds the round's compute is exposed. The whole model's exchange (`fragments` 1) overlapped with
+`overlap_steps` tau inner steps exposes what exceeds tau steps of the slowest group (the one whose inner steps make
+the round's inner part). The outer optimizer's update (a few passes over the parameters) is
 not charged: at memory bandwidth it is well under a millisecond per 100 M parameters.
 
 `cross_bytes` (and `boundary_bytes` for pipeline transfers): the bytes a collective schedule puts on the links
@@ -131,7 +133,12 @@ def round_estimate(plan: Plan, cluster: Cluster, params: CostParams | None = Non
     steps = group_inner_steps(plan)
     inner = max(e.iteration_time_s * h for e, h in zip(groups, steps, strict=True))
     outer, sent = outer_allreduce_s(plan, cluster, params)
-    exposed = outer if plan.outer_sync.fragments == 1 else max(0.0, outer - inner)
+    if plan.outer_sync.fragments > 1:
+        hidden = inner
+    else:  # tau steps of the slowest group (module docstring); 0 without overlap
+        slowest = max(range(len(groups)), key=lambda g: groups[g].iteration_time_s * steps[g])
+        hidden = plan.outer_sync.overlap_steps * groups[slowest].iteration_time_s
+    exposed = max(0.0, outer - hidden)
     round_s = inner + exposed
     tokens = sum(group_round_sequences(plan)) * plan.inputs.train.seq_len
     tokens_per_s = tokens / round_s if round_s > 0 else 0.0

@@ -21,10 +21,13 @@ def optimizer_text(outer: OuterSync) -> str:
 
 
 def schedule_text(outer: OuterSync) -> str:
-    """How pseudo-gradients travel: dtype and fragment schedule."""
+    """How pseudo-gradients travel: dtype, fragment schedule and overlap."""
     fragments = ("the whole model each round" if outer.fragments == 1
                  else f"{outer.fragments} layer fragments streamed in turn")
-    return f"pseudo-gradients in {outer.compression}, {fragments}"
+    overlap = "" if outer.overlap_steps == 0 else (
+        f", each exchange overlapping {outer.overlap_steps} inner step{'s' if outer.overlap_steps != 1 else ''}, "
+        f"merged with alpha {outer.merge_alpha:g}")
+    return f"pseudo-gradients in {outer.compression}, {fragments}{overlap}"
 
 
 def outer_sync_lines(plan: Plan) -> list[str]:
@@ -65,6 +68,6 @@ def outer_sync_changes(a: Plan, b: Plan) -> list[str]:
             out.append(f"group {g}: inner steps per round {ga.inner_steps} -> {gb.inner_steps}")
     if oa.optimizer != ob.optimizer:
         out.append(f"outer optimizer: {optimizer_text(oa)} -> {optimizer_text(ob)}")
-    if (oa.compression, oa.fragments) != (ob.compression, ob.fragments):
+    if schedule_text(oa) != schedule_text(ob):
         out.append(f"outer sync: {schedule_text(oa)} -> {schedule_text(ob)}")
     return out

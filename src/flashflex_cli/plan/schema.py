@@ -17,9 +17,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -29,6 +31,7 @@ from ..physical_limits import (
     DEVICE_MEMORY_BYTES,
     LAYER_INDEX,
     MICRO_BATCHES,
+    OVERLAP_STEPS,
     SEED,
     SEQ_LEN,
     SEQUENCES,
@@ -54,6 +57,7 @@ TpDegree = limited(TP_DEGREE)
 LayerIndex = limited(LAYER_INDEX)
 Seed = limited(SEED)
 MicroBatches = limited(MICRO_BATCHES)
+OverlapSteps = limited(OVERLAP_STEPS)
 # The fewest bytes a token's hidden state takes (16-bit), to refuse a micro-batch no device could hold
 HIDDEN_STATE_BYTES = 2
 
@@ -147,19 +151,41 @@ class OuterSync(_Strict):
     """Replica groups joined by an outer step every round (semantics/outer_sync.py). `compression`: the dtype
     pseudo-gradients cross the links in (fp32, bf16, int8); `fragments`: the model's layers split into this many
     fragments synced in turn (Streaming DiLoCo, arXiv 2501.18512; 1 = the whole model each round).
+    `overlap_steps` (tau): inner steps each fragment's exchange overlaps before its outer step is applied (0: the
+    exchange blocks, as without it); `merge_alpha`: then parameter = alpha * local + (1 - alpha) * global (0: the
+    global ones replace the tau local steps). Both are left out of the file at their defaults.
     `reason`: why the planner chose it (traffic saved, the quality evidence); absent in hand-written plans."""
 
     groups: list[ReplicaGroup] = Field(min_length=1)
     optimizer: OuterOptimizer = OuterOptimizer()
     compression: Literal["fp32", "bf16", "int8"] = "bf16"
     fragments: LayerIndex = 1
+    overlap_steps: OverlapSteps = 0
+    merge_alpha: float = Field(0.0, ge=0.0, lt=1.0)
     reason: str | None = None
 
     @model_validator(mode="after")
     def _fragments(self) -> OuterSync:
         if self.fragments < 1:
             raise ValueError(f"fragments must be at least 1, got {self.fragments}")
+        for g, group in enumerate(self.groups):
+            if self.overlap_steps * self.fragments >= group.inner_steps:
+                raise ValueError(f"overlap_steps {self.overlap_steps} must be below group {g}'s inner_steps / "
+                                 f"fragments = {group.inner_steps}/{self.fragments} (an exchange must end before "
+                                 "the next fragment's begins)")
+        if self.merge_alpha > 0 and self.overlap_steps == 0:
+            raise ValueError(f"merge_alpha {self.merge_alpha:g} needs overlap_steps > 0 (without overlap the "
+                             "global parameters replace the local ones)")
         return self
+
+    @model_serializer(mode="wrap")
+    def _drop_overlap_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The fields, without overlap_steps 0 and merge_alpha 0 (plans written before them stay byte-identical)."""
+        data: dict[str, Any] = handler(self)
+        for key, default in (("overlap_steps", 0), ("merge_alpha", 0.0)):
+            if data.get(key) == default:
+                del data[key]
+        return data
 
 
 class UnusedDevice(_Strict):

@@ -22,11 +22,19 @@ Streamed fragments (semantics/outer_sync.py, `fragments` > 1): `step(fragment)` 
 of one fragment only (the other anchors, their momentum and parameters are untouched); the round count advances
 with the last fragment's step. Between a fragment's steps the parameters drift from the anchors, so a checkpoint
 then holds the anchors too ("<name>.outer_anchor").
+
+Overlapped exchanges (Streaming DiLoCo, arXiv 2501.18512, `overlap_steps` > 0): `begin(fragment)` computes the
+pseudo-gradients and starts their collectives without waiting (async_op; int8 sums after the wait), the caller
+trains on, and `finish(alpha)` waits for the oldest exchange begun, takes its outer step on the anchors and merges
+them into the parameters: parameter = alpha * parameter + (1 - alpha) * anchor. `step` is `begin` then
+`finish(0)`. `state` refuses while an exchange is in flight (the caller finishes it first: `flush`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -71,11 +79,35 @@ def dequantize_int8(payload: torch.Tensor, scales: torch.Tensor, block: int = IN
     return (blocks * scales[:, None]).reshape(-1)[:n]
 
 
+@dataclass
+class _Bucket:
+    """One outer bucket's exchange in flight: its slice indices (into `OuterSync.slices`), the buffers the
+    collectives fill (fp32/bf16: the summed flat [n]; int8: the holders' payloads [n] and scales [ceil(n / block)],
+    or one fp32 [n] result without a collective) and their handles (empty: nothing to wait for)."""
+
+    indices: list[int]
+    flat: torch.Tensor | None = None
+    payloads: list[torch.Tensor] = field(default_factory=list)
+    scales: list[torch.Tensor] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Exchange:
+    """The outer exchange of fragment `fragment` (None: every fragment) begun and not yet applied: the names of
+    its parameters and its buckets in the global order."""
+
+    fragment: int | None
+    names: list[str]
+    buckets: list[_Bucket]
+
+
 class OuterSync:
     """The outer step of `plan` (which has an `outer_sync` section) for the shards `params` (global name ->
     (info, parameter)) of rank `groups.rank`. `bytes_sent`: payload bytes this rank has contributed so far (the
     compressed buffers, int8: payload and fp32 scales; a ring all-reduce moves about twice that over each link, a
-    ring all-gather n-1 times it among n holders); `comm_seconds`: seconds spent in those collectives; `round`:
+    ring all-gather n-1 times it among n holders); `comm_seconds`: seconds spent starting and waiting for those
+    collectives (an overlapped exchange's time hidden behind inner steps is not counted); `round`:
     rounds of outer steps taken (every fragment's)."""
 
     def __init__(self, plan: Any, params: dict[str, tuple[ParamInfo, torch.nn.Parameter]],
@@ -88,6 +120,9 @@ class OuterSync:
                              f"(use {' or '.join(WIRE_DTYPES)})")
         self.params, self.groups = params, groups
         self.fragments = plan_fragments(plan)
+        # the parameters differ from the anchors at a round's end: fragments mid-way, or a merge that kept some of
+        # the local parameters (merge_alpha > 0); then checkpoints hold the anchors too
+        self.saves_anchors = self.fragments > 1 or outer.merge_alpha > 0
         layers = plan.inputs.model.num_layers
         self.fragment_of = {name: param_fragment(name, layers, self.fragments) for name in params}
         self.wire_dtype = WIRE_DTYPES[outer.compression]
@@ -110,6 +145,7 @@ class OuterSync:
                 self.scales[i] = 0.0
             self.buckets.setdefault((param_fragment(sl.name, layers, self.fragments), sl.ranks), []).append(i)
         self.slices = mine
+        self.pending: deque[Exchange] = deque()  # exchanges begun, not yet finished, oldest first
         self.round = 0
         self.bytes_sent = 0
         self.comm_seconds = 0.0
@@ -121,57 +157,93 @@ class OuterSync:
     def step(self, fragment: int | None = None) -> None:
         """Take the outer step of fragment `fragment` (None: of every fragment), collective over every rank of the
         job, at the same round and fragment on all; the round count advances with the last fragment."""
+        self.begin(fragment)
+        self.finish()
+
+    def begin(self, fragment: int | None = None) -> None:
+        """Compute the pseudo-gradients of fragment `fragment` (None: every fragment) and start their exchange
+        without waiting (collective over every rank of the job, in the same order on all); the round count
+        advances with the last fragment's."""
         names = [n for n in self.params if fragment is None or self.fragment_of[n] == fragment]
+        buckets = []
         with torch.no_grad():
             deltas = {name: self.anchors[name] - self.params[name][1].detach() for name in names}
-            for name in names:
-                self.anchors[name].grad = torch.zeros_like(self.anchors[name])
             # one global order: no two ranks wait on each other
             for key in sorted(k for k in self.buckets if fragment is None or k[0] == fragment):
                 members, indices = key[1], self.buckets[key]
                 parts = []
                 for i in indices:
-                    name = self.slices[i].name
-                    view = self._view(deltas[name], i)
+                    view = self._view(deltas[self.slices[i].name], i)
                     parts.append((view * self.scales[i]).reshape(-1) if self.scales[i] else
                                  torch.zeros(view.numel(), dtype=view.dtype, device=view.device))
-                flat = self._sum(torch.cat(parts), members)
+                buckets.append(self._start(torch.cat(parts), members, indices))
+        self.pending.append(Exchange(fragment, names, buckets))
+        if fragment is None or fragment == self.fragments - 1:
+            self.round += 1
+
+    def finish(self, alpha: float = 0.0) -> None:
+        """Wait for the oldest exchange begun, take its outer step on the anchors and merge them into the
+        parameters: parameter = alpha * parameter + (1 - alpha) * anchor (alpha 0: a copy of the anchors)."""
+        exchange = self.pending.popleft()
+        with torch.no_grad():
+            for name in exchange.names:
+                self.anchors[name].grad = torch.zeros_like(self.anchors[name])
+            for bucket in exchange.buckets:
+                flat = self._wait(bucket)
                 offset = 0
-                for i in indices:
+                for i in bucket.indices:
                     grad = self._view(self.anchors[self.slices[i].name].grad, i)
                     grad.copy_(flat[offset:offset + grad.numel()].view(grad.shape))
                     offset += grad.numel()
             self.optimizer.step()  # anchors without a gradient (other fragments) are skipped
-            for name in names:
-                self.params[name][1].copy_(self.anchors[name])
+            for name in exchange.names:
+                param = self.params[name][1]
+                if alpha == 0.0:
+                    param.copy_(self.anchors[name])
+                else:
+                    param.mul_(alpha).add_(self.anchors[name], alpha=1.0 - alpha)
                 self.anchors[name].grad = None
-        if fragment is None or fragment == self.fragments - 1:
-            self.round += 1
 
-    def _sum(self, flat: torch.Tensor, members: tuple[int, ...]) -> torch.Tensor:
-        """The sum over `members` of their fp32 terms `flat` [n] through the wire dtype: fp32 [n] (or the wire
-        dtype, converted by the caller's copy), the same on every member."""
-        if self.wire_dtype != torch.int8:
-            flat = flat.to(self.wire_dtype)
-            if len(members) > 1:
-                start = time.perf_counter()
-                dist.all_reduce(flat, group=self.groups.outer_groups[members])
-                self.comm_seconds += time.perf_counter() - start
-                self.bytes_sent += flat.numel() * flat.element_size()
-            return flat
-        payload, scales = quantize_int8(flat)
-        if len(members) == 1:
-            return dequantize_int8(payload, scales)
-        group = self.groups.outer_groups[members]
-        payloads = [torch.empty_like(payload) for _ in members]
-        all_scales = [torch.empty_like(scales) for _ in members]
+    def flush(self, alpha: float = 0.0) -> None:
+        """Finish every exchange in flight (`finish`), oldest first."""
+        while self.pending:
+            self.finish(alpha)
+
+    def _start(self, flat: torch.Tensor, members: tuple[int, ...], indices: list[int]) -> _Bucket:
+        """Start summing over `members` their fp32 terms `flat` [n] through the wire dtype (asynchronously)."""
+        bucket = _Bucket(indices)
         start = time.perf_counter()
-        dist.all_gather(payloads, payload, group=group)
-        dist.all_gather(all_scales, scales, group=group)
+        if self.wire_dtype != torch.int8:
+            bucket.flat = flat.to(self.wire_dtype)
+            if len(members) > 1:
+                bucket.handles.append(dist.all_reduce(bucket.flat, group=self.groups.outer_groups[members],
+                                                      async_op=True))
+                self.bytes_sent += bucket.flat.numel() * bucket.flat.element_size()
+        else:
+            payload, scales = quantize_int8(flat)
+            if len(members) == 1:
+                bucket.flat = dequantize_int8(payload, scales)
+            else:
+                group = self.groups.outer_groups[members]
+                bucket.payloads = [torch.empty_like(payload) for _ in members]
+                bucket.scales = [torch.empty_like(scales) for _ in members]
+                bucket.handles.append(dist.all_gather(bucket.payloads, payload, group=group, async_op=True))
+                bucket.handles.append(dist.all_gather(bucket.scales, scales, group=group, async_op=True))
+                self.bytes_sent += payload.numel() * payload.element_size() + scales.numel() * scales.element_size()
         self.comm_seconds += time.perf_counter() - start
-        self.bytes_sent += payload.numel() * payload.element_size() + scales.numel() * scales.element_size()
-        total = torch.zeros(flat.numel(), dtype=torch.float32, device=flat.device)
-        for q, s in zip(payloads, all_scales, strict=True):  # the group's rank order: the same sum everywhere
+        return bucket
+
+    def _wait(self, bucket: _Bucket) -> torch.Tensor:
+        """The sum `_start` began: fp32 [n] (or the wire dtype, converted by the caller's copy), the same on every
+        member. int8 dequantizes the holders' terms and sums them in fp32 in the group's rank order."""
+        start = time.perf_counter()
+        for handle in bucket.handles:
+            handle.wait()
+        self.comm_seconds += time.perf_counter() - start
+        if bucket.flat is not None:
+            return bucket.flat
+        total = torch.zeros(bucket.payloads[0].numel(), dtype=torch.float32, device=bucket.payloads[0].device)
+        for q, s in zip(bucket.payloads, bucket.scales, strict=True):  # the same sum everywhere
             total += dequantize_int8(q, s)
         return total
 
@@ -184,9 +256,12 @@ class OuterSync:
     def state(self) -> dict[str, torch.Tensor]:
         """Checkpoint entries: "<name>.outer_momentum" per parameter (local shard) and "outer_round" (int64). The
         global parameters are the parameters themselves at a round's end (the outer step just set them); with
-        streamed fragments only the last fragment's are, so "<name>.outer_anchor" holds each one's."""
+        streamed fragments only the last fragment's are, and with merge_alpha > 0 none are, so "<name>.outer_anchor"
+        then holds each one's. Refused while an exchange is in flight (`flush` first)."""
+        if self.pending:
+            raise RuntimeError(f"{len(self.pending)} outer exchange(s) in flight: finish them before a checkpoint")
         out = {f"{name}{MOMENTUM_SUFFIX}": self.momentum(name).detach() for name in self.anchors}
-        if self.fragments > 1:
+        if self.saves_anchors:
             out.update({f"{name}{ANCHOR_SUFFIX}": anchor.detach() for name, anchor in self.anchors.items()})
         out[ROUND_KEY] = torch.tensor(self.round, dtype=torch.int64)
         return out

@@ -10,6 +10,11 @@ Nesterov momentum steps the global parameters; every group copies them.
 Streamed fragments (semantics/outer_sync.py, `fragments` F > 1): the round's groups advance together fragment by
 fragment: for f = 0..F-1, each group g trains up to its inner step `fragment_sync_step(H_g, f, F)`, then the
 above outer step is taken for fragment f's parameters only (their pseudo-gradients, global parameters, momentum).
+
+Overlap (`overlap` tau > 0): fragment f's outer gradient is computed at its sync step as above, but the outer step
+and the merge (parameter = alpha * local + (1 - alpha) * global) wait until each group has trained tau more inner
+steps; the last fragment's are carried into the next round (after its inner step tau), and finished at once before
+a resume (`resumed_after`: the checkpoint finished it) and after the last round.
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ class ReferenceRounds:
 def reference_rounds(spec: ModelSpec, batches: list[list[list[torch.Tensor]]], weights: list[float],
                      optim: OptimConfig, outer_lr: float, outer_momentum: float, seed: int = 0,
                      wire_dtype: torch.dtype = torch.float32, resumed_after: int | None = None,
-                     fragments: int = 1) -> ReferenceRounds:
+                     fragments: int = 1, overlap: int = 0, alpha: float = 0.0) -> ReferenceRounds:
     """Train `len(batches)` rounds; `batches[r][g][k]`: group g's batch at inner step k of round r, int64
     [sequences, seq_len + 1]; `weights[g]`: group g's share of the round's tokens. fp32 on the CPU.
     `resumed_after`: after that many rounds every group takes group 0's AdamW moments (keeping its own step
     count) and its parameters (the global ones, but for fragments mid-way between outer steps), as a resume from a
-    checkpoint does (runtime/training/rounds.py). `fragments`: streamed fragments (module docstring)."""
+    checkpoint does (runtime/training/rounds.py). `fragments`: streamed fragments; `overlap`, `alpha`: inner steps
+    each exchange overlaps and the merge's mixing factor (module docstring)."""
     groups = len(weights)
     models = [build_reference(spec, seed) for _ in range(groups)]
     named = [[(info.name, p) for info, p in model.global_parameters()] for model in models]
@@ -54,8 +60,41 @@ def reference_rounds(spec: ModelSpec, batches: list[list[list[torch.Tensor]]], w
     steps = [0] * groups
     fragment_of = {name: param_fragment(name, spec.num_layers, fragments) for name in global_params}
     run = ReferenceRounds()
+
+    def outer_gradient(fragment: int) -> dict[str, torch.Tensor]:
+        """Fragment `fragment`'s outer gradient now: sum_g weight_g * (global - local_g), each term in the wire
+        dtype."""
+        with torch.no_grad():
+            return {name: sum(((anchor - dict(named[g])[name]) * weights[g]).to(wire_dtype).float()
+                              for g in range(groups))
+                    for name, anchor in global_params.items() if fragment_of[name] == fragment}
+
+    def apply(fragment: int, grads: dict[str, torch.Tensor]) -> None:
+        """The outer step of fragment `fragment` with `grads`, merged into every group's parameters."""
+        with torch.no_grad():
+            for name, anchor in global_params.items():
+                anchor.grad = grads.get(name)
+            outer.step()  # anchors of the other fragments have no gradient: untouched
+            for g in range(groups):
+                for name, param in named[g]:
+                    if fragment_of[name] == fragment:
+                        if alpha == 0.0:
+                            param.copy_(global_params[name])
+                        else:
+                            param.mul_(alpha).add_(global_params[name], alpha=1.0 - alpha)
+
+    def train_until(round_batches: list[list[torch.Tensor]], until: list[int]) -> None:
+        """Every group g's inner steps of the current round up to its step `until[g]` (exclusive, 0-based)."""
+        for g in range(groups):
+            _inner_steps(models[g], named[g], optimizers[g], optim, round_batches[g], steps, g, until[g],
+                         run.group_losses[-1][g])
+
+    carried: tuple[int, dict[str, torch.Tensor]] | None = None  # the last fragment's exchange in flight
     for index, round_batches in enumerate(batches):
         if index == resumed_after:
+            if carried is not None:
+                apply(*carried)
+                carried = None
             for g in range(1, groups):
                 for (_, mine), (_, first) in zip(named[g], named[0], strict=True):
                     state, source = optimizers[g].state[mine], optimizers[0].state[first]
@@ -63,19 +102,21 @@ def reference_rounds(spec: ModelSpec, batches: list[list[list[torch.Tensor]]], w
                     with torch.no_grad():
                         mine.copy_(first)
         run.group_losses.append([[] for _ in range(groups)])
+        sync = [[fragment_sync_step(len(mine), f, fragments) for f in range(fragments)] for mine in round_batches]
+        if carried is not None:
+            train_until(round_batches, [overlap] * groups)
+            apply(*carried)
+            carried = None
         for fragment in range(fragments):
-            for g in range(groups):
-                _inner_steps(models[g], named[g], optimizers[g], optim, round_batches[g], steps, g,
-                             fragment_sync_step(len(round_batches[g]), fragment, fragments), run.group_losses[-1][g])
-            with torch.no_grad():
-                for name, anchor in global_params.items():
-                    anchor.grad = None if fragment_of[name] != fragment else sum(
-                        ((anchor - dict(named[g])[name]) * weights[g]).to(wire_dtype).float() for g in range(groups))
-                outer.step()  # anchors of the other fragments have no gradient: untouched
-                for g in range(groups):
-                    for name, param in named[g]:
-                        if fragment_of[name] == fragment:
-                            param.copy_(global_params[name])
+            train_until(round_batches, [at[fragment] for at in sync])
+            grads = outer_gradient(fragment)
+            if fragment == fragments - 1 and overlap > 0:
+                carried = (fragment, grads)
+                continue
+            train_until(round_batches, [at[fragment] + overlap for at in sync])
+            apply(fragment, grads)
+    if carried is not None:
+        apply(*carried)
     run.params = {name: p.detach().clone() for name, p in global_params.items()}
     return run
 

@@ -4,13 +4,22 @@ One round on one rank: its group's `inner_steps` ordinary steps of the engine (g
 group only), each on its pipeline's rows of the round's data (`semantics/outer_sync.round_rows`; the data
 source's batch is a whole round, `round_sequences` sequences), then the outer step across every group
 (runtime/parallel/outer_sync.py); with streamed fragments, fragment f's outer step instead follows inner step
-`fragment_sync_step(inner_steps, f, fragments)` (semantics/outer_sync.py), synchronously. The round's loss is the token-weighted mean of the groups' mean inner losses,
-the same on every rank.
+`fragment_sync_step(inner_steps, f, fragments)` (semantics/outer_sync.py). The round's loss is the token-weighted
+mean of the groups' mean inner losses, the same on every rank.
 
-Checkpoints (taken at round ends, where every group holds the global parameters): the engine's state plus
+Overlap (`overlap_steps` tau > 0, Streaming DiLoCo arXiv 2501.18512): at its sync step a fragment's exchange only
+begins; the group trains tau more inner steps, then waits for it, takes the outer step and merges (parameter =
+alpha * local + (1 - alpha) * global, alpha = `merge_alpha`). The last fragment syncs at the round's end, so its
+exchange is carried into the next round and finished after that round's inner step tau (carrying, rather than
+making it synchronous, keeps the whole model's exchange hidden when fragments = 1, plain DiLoCo); the plan's
+tau < inner_steps / fragments makes every other exchange end inside its round, before the next one begins.
+`flush` finishes what is in flight (after the last round; `state_for_checkpoint` calls it).
+
+Checkpoints (taken at round ends, where every group holds the global parameters; with overlap the exchange in
+flight is finished first, so its merge falls at the round's end rather than tau steps later): the engine's state plus
 "<name>.outer_momentum" and "outer_round" (`RoundTrainer.state_for_checkpoint`); the inner AdamW moments saved
 are group 0's (engine.plan_shard_specs). With streamed fragments the fragments but the last are mid-way between
-their outer steps at a round's end: the checkpoint adds their global parameters ("<name>.outer_anchor") and its
+their outer steps at a round's end (and with merge_alpha > 0 no parameter equals its global one): the checkpoint adds their global parameters ("<name>.outer_anchor") and its
 parameters are group 0's local ones, which every group resumes from (as from group 0's moments). `load_local` resumes from a checkpoint of any plan, synchronous or grouped
 (a synchronous one has no outer momentum: it starts at zero, the round from its step count); every group of the
 new plan starts from the saved moments, with its own update count for their bias correction.
@@ -19,6 +28,7 @@ new plan starts from the saved moments, with its own update count for their bias
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -77,6 +87,9 @@ class RoundTrainer:
         self.syncs: dict[int, list[int]] = {}
         for f in range(fragments):
             self.syncs.setdefault(fragment_sync_step(self.inner_steps, f, fragments) - 1, []).append(f)
+        self.overlap, self.alpha = self.plan.outer_sync.overlap_steps, self.plan.outer_sync.merge_alpha
+        # this group's inner step (0-based, counted over the run) after which each exchange in flight finishes
+        self.due: deque[int] = deque()
 
     @property
     def round(self) -> int:
@@ -92,10 +105,18 @@ class RoundTrainer:
             rows = round_rows(self.plan, engine.groups.pipeline, index, k)
             batch = stage_tokens(self.source, index, rows.as_slice(), engine.first or engine.last)
             steps.append(engine.train_step(batch, record_ops=record_ops))
+            done = index * self.inner_steps + k
+            start = time.perf_counter()
+            while self.due and self.due[0] <= done:  # overlapped exchanges whose tau steps have run
+                self.due.popleft()
+                self.outer.finish(self.alpha)
             for fragment in self.syncs.get(k, []):
-                start = time.perf_counter()
-                self.outer.step(fragment)
-                outer_s += time.perf_counter() - start
+                if self.overlap == 0:
+                    self.outer.step(fragment)
+                else:
+                    self.outer.begin(fragment)
+                    self.due.append(done + self.overlap)
+            outer_s += time.perf_counter() - start
         group_loss = sum(s.loss for s in steps) / len(steps)
         total = torch.tensor([self.weight * group_loss if self.reports_loss else 0.0], dtype=torch.float64)
         dist.all_reduce(total, group=engine.groups.job_group)
@@ -103,8 +124,16 @@ class RoundTrainer:
                            outer_s=outer_s, outer_comm_s=self.outer.comm_seconds - comm,
                            outer_bytes=self.outer.bytes_sent - sent)
 
+    def flush(self) -> None:
+        """Finish every overlapped exchange in flight now (its outer step and merge), collective over the job: after
+        the last round, and before a checkpoint (which must not be taken with an exchange in flight)."""
+        self.outer.flush(self.alpha)
+        self.due.clear()
+
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
-        """The engine's entries (parameters are the global ones at a round's end) and the outer state."""
+        """The engine's entries (parameters are the global ones at a round's end) and the outer state, after
+        finishing any exchange in flight (`flush`)."""
+        self.flush()
         return {**self.engine.state_for_checkpoint(), **self.outer.state()}
 
     def load_local(self, fill: Callable[[dict[str, tuple[ShardSpec, torch.Tensor]]], None]) -> None:
@@ -117,7 +146,7 @@ class RoundTrainer:
             extra[key] = (ShardSpec(key, spec.full_shape, spec.dim, spec.start, spec.stop, spec.owner,
                                     optional=True), buffer)
         anchors: dict[str, torch.Tensor] = {}
-        if self.outer.fragments > 1:  # NaN: a checkpoint without anchors (its parameters are the global ones)
+        if self.outer.saves_anchors:  # NaN: a checkpoint without anchors (its parameters are the global ones)
             for spec in self.engine.shard_specs():
                 buffer = anchors[spec.name] = torch.full_like(self.engine.params[spec.name][1].detach(), float("nan"))
                 key = f"{spec.name}{ANCHOR_SUFFIX}"

@@ -375,6 +375,8 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
             break
         if step == start:
             timeouts.settle()  # the first step is done: survivors of a lost peer now wait --timeout at most
+    if trainer is not None:
+        trainer.flush()  # the last round's overlapped exchange, before the process group goes
     if log is not None:
         if timeline:
             write_timeline(config.out, timeline)

@@ -204,7 +204,7 @@ def layer_forward_transient_bytes(p: PartShape) -> float:
     return p.tokens * p.h * (p.c if p.autocast else FP32)
 
 
-def layer_backward_transient_bytes(p: PartShape, accumulating: bool = False) -> float:
+def layer_backward_transient_bytes(p: PartShape, accumulating: bool = False, copy_kept: bool = True) -> float:
     """Largest temporaries of one layer's backward above its saved tensors, its incoming [N, h] fp32 gradient
     included, read off the backward of the MLP's down projection and product where it starts.
 
@@ -214,7 +214,11 @@ def layer_backward_transient_bytes(p: PartShape, accumulating: bool = False) -> 
     gradient existed yet (the step's first backward), the weight's fp32 gradient, now the parameter's. In fp32:
     the product's gradient and its two input gradients, the first time with the weight's gradient beside them,
     or at the start the product's and the weight's gradients. With cast_once the weight copy is the stage's
-    (`stage_weight_copies`): it stays, so nothing of it is released here."""
+    (`stage_weight_copies`): it stays, so nothing of it is released here; and between those two moments the
+    weight's gradient is cast to fp32 (runtime/model/working_weights._SharedCast.backward): its c-byte gradient
+    beside its fp32 cast (h * f * (c + 4) bytes), the product's [N, f] gradient in place of the product (its
+    saved input, released), the copy itself released where no later backward multiplies by it (`copy_kept`
+    False: the step's last backward without recompute; h * f * c bytes less)."""
     n, h, c = p.tokens, p.h, p.c
     incoming = n * h * FP32
     down_weight = h * p.f
@@ -222,6 +226,8 @@ def layer_backward_transient_bytes(p: PartShape, accumulating: bool = False) -> 
     if p.autocast:
         start = n * h * c + n * p.f * c + down_weight * c
         later = 2 * n * p.f * c - (0.0 if p.cast_once else down_weight * c) + first_time
+        if p.cast_once:
+            later = max(later, down_weight * (FP32 + (c if copy_kept else 0.0)))
     else:
         start = n * p.f * FP32 + down_weight * FP32
         later = 2 * n * p.f * FP32 + first_time

@@ -9,6 +9,11 @@ step (1F1B order of semantics/schedule; w warm-up forwards, k = min(w + 1, m) mi
   k micro-batches in flight, the start's temporaries; no gradient yet;
 - the second backward (m >= 2), at its start: the same with every gradient allocated, min(k, m - 1) in flight,
   and a weight-sized temporary where a gradient is accumulated into an existing one;
+- with cast_once, in either backward, a moment later in its top layer: the down projection's weight gradient
+  cast to fp32 (h * f * (c + 4) bytes beside the incoming [N, h] fp32 gradient, the product's [N, f] gradient in
+  place of the released product) while the stage's working copies stay whole, as long as a later backward
+  multiplies by them (activations.layer_backward_transient_bytes; at the step's last backward without recompute
+  the down projection's copy is released first, h * f * c bytes less);
 - the embedding's backward (first stage), at the end of a backward: its dense weight-sized gradient;
 - a steady-state forward, at the top part's largest temporaries;
 - the data-parallel reduction (stages with DP partners): every gradient and its flat fp32 copy;
@@ -115,8 +120,10 @@ class _MicroBatch:
 
 
 def _micro_batch(p: activations.PartShape, num_layers: int, first: bool, last: bool, recompute: bool,
-                 measured: MeasuredCosts | None, activation_factor: float) -> _MicroBatch:
-    """The per-micro-batch terms of a stage (see `_MicroBatch`)."""
+                 measured: MeasuredCosts | None, activation_factor: float, num_micro: int) -> _MicroBatch:
+    """The per-micro-batch terms of a stage (see `_MicroBatch`) in a step of `num_micro` micro-batches: with
+    cast_once a layer's working copy outlives the first backward when another follows (`num_micro` >= 2), the
+    second when a third follows, and every backward under recompute."""
     if measured is not None:
         layer = measured.layer.activation_bytes
         embedding = measured.embedding.activation_bytes if first else 0.0
@@ -140,8 +147,9 @@ def _micro_batch(p: activations.PartShape, num_layers: int, first: bool, last: b
             activations.recompute_saved_bytes(p)
     else:
         layer_again = 0.0
-    layer_start = layer_again + activations.layer_backward_transient_bytes(p)
-    layer_accumulating = layer_again + activations.layer_backward_transient_bytes(p, accumulating=True)
+    layer_start = layer_again + activations.layer_backward_transient_bytes(p, copy_kept=recompute or num_micro >= 2)
+    layer_accumulating = layer_again + activations.layer_backward_transient_bytes(
+        p, accumulating=True, copy_kept=recompute or num_micro >= 3)
     if last:
         # the head's saved tensors are released before the layers' backward starts; its weight's gradient stays
         # when it is the first (it becomes the parameter's), and is added and freed otherwise
@@ -193,7 +201,7 @@ def stage_memory(model: ModelSpec, train: TrainConfig, tp: int, num_layers: int,
     held, own = float(optimizer_shard.held), float(optimizer_shard.own)
     kept = n_params - held + own  # parameters whose AdamW state and update live on this device
     weights, grads, moments = 4.0 * n_params, 4.0 * n_params, params.optimizer_state_bytes * kept
-    mb = _micro_batch(p, num_layers, first, last, train.recompute, measured, params.activation_bytes_factor)
+    mb = _micro_batch(p, num_layers, first, last, train.recompute, measured, params.activation_bytes_factor, m)
 
     # boundary sends no receive follows: held until the step ends
     send_bytes = p.tokens * p.h * (p.c if paths.lean_p2p else activations.FP32)

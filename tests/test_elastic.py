@@ -22,9 +22,18 @@ from pathlib import Path
 import pytest
 
 from flashflex_cli.cli import main
+from flashflex_cli.cost.params import CostParams
 from flashflex_cli.errors import RuntimeFailure
 from flashflex_cli.hardware.cluster import load_cluster, save_cluster
-from flashflex_cli.launch.elastic import ElasticRun, Layout, lost_devices, reduced_cluster, replan_micro_batch
+from flashflex_cli.launch.elastic import (
+    ElasticRun,
+    Layout,
+    lost_devices,
+    reduced_cluster,
+    replan,
+    replan_micro_batch,
+    replan_sharding,
+)
 from flashflex_cli.launch.elastic_options import ElasticSettings
 from flashflex_cli.launch.local import JobOutcome, RankExit
 from flashflex_cli.launch.options import launch_config
@@ -211,6 +220,27 @@ def test_a_replan_keeps_one_micro_batch_size_and_searches_between_several() -> N
     pipes[-1]["micro_batch_size"], pipes[-1]["num_micro_batches"] = 2, 1
     data["inputs"]["train"]["global_batch"] = sum(p["micro_batch_size"] * p["num_micro_batches"] for p in pipes)
     assert replan_micro_batch(Plan.model_validate(data)) == (2, 4)
+
+
+def test_a_replan_repeats_the_plans_optimizer_sharding_mode(tmp_path: Path) -> None:
+    """A re-plan searches with the `--shard-optimizer` mode its plan recorded (on: sharded again on the devices
+    left; off: not) and records it in turn; a plan without a record re-plans with auto (planner-made) or as it
+    shards (hand-written)."""
+    cluster_file = Path(__file__).resolve().parents[1] / "profiles" / "cpu-emulated.json"
+    args = ["--model", "llama-small", "--global-batch", "16", "--seq-len", "128", "--jobs", "1"]
+    cluster = reduced_cluster(load_cluster(cluster_file), ["node0/3"])
+    for mode in ("on", "off"):
+        plan = load_plan(_plan(cluster_file, tmp_path / f"{mode}.json", *args, "--shard-optimizer", mode))
+        assert plan.inputs.shard_optimizer == mode and replan_sharding(plan) == mode
+        new = replan(plan, cluster, "", CostParams(), 20.0)
+        assert new.world_size <= 3 and (new.optimizer_sharding is not None) == (mode == "on")
+        assert new.inputs.shard_optimizer == mode and replan_sharding(new) == mode
+        assert replan(plan, cluster, "", CostParams(), 20.0).to_json() == new.to_json()  # deterministic
+    auto = load_plan(_plan(cluster_file, tmp_path / "auto.json", *args))
+    assert auto.inputs.shard_optimizer is None and replan_sharding(auto) == "auto"
+    hand = auto.model_copy(update={"inputs": auto.inputs.model_copy(update={"strategy": "manual"})})
+    assert replan_sharding(hand) == ("on" if auto.optimizer_sharding is not None else "off")
+    assert replan_sharding(load_plan(tmp_path / "on.json").model_copy(update={"inputs": hand.inputs})) == "on"
 
 
 def test_reduced_cluster_renumbers_devices_and_drops_empty_nodes() -> None:

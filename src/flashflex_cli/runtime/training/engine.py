@@ -10,6 +10,7 @@ API (stable; later versions only add optional keyword arguments)::
     engine.pipeline_slice(global_batch) -> slice      # rows of the global batch this rank's pipeline takes
     engine.shard_specs() -> list[ShardSpec]           # global name, full shape, (dim, start, stop), owner
     engine.state_for_checkpoint() -> dict[str, Tensor]
+    engine.wait_for_parameters()                      # sharded optimizer: land the update's gathers in flight
     engine.checkpoint_shards() -> dict[str, ShardSpec]  # where each key of state_for_checkpoint sits (for dcp.save)
     engine.load_local(fill)                           # resume in place, only this rank's slices (any plan)
     engine.load_from_full(get_full)                   # resume from full tensors (any plan)
@@ -182,6 +183,8 @@ class RankEngine:
                                     num_micro=self.pipe.num_micro_batches) if pieces else \
             GradSync(self.params, groups, overlap=self.options.overlap_dp,
                      hierarchical=self.options.hierarchical_dp, num_micro=self.pipe.num_micro_batches)
+        if isinstance(self.sync, ShardedGradSync):
+            self._land_before_use(self.sync)
         # options.cast_once under autocast: 16-bit working copies of the layers' weights, one per step
         self.working = WorkingWeights(self.module, self.amp_dtype) \
             if self.options.cast_once and self.amp_dtype is not None else None
@@ -222,11 +225,47 @@ class RankEngine:
         else:
             self.options = replace(self.options, compile=False, compile_scope="block")
 
+    def _land_before_use(self, sync: ShardedGradSync) -> None:
+        """Forward pre-hooks landing the parameters' gathers of the last update (`sync.gather_params`) part by
+        part, before the first use: the embedding with the stage, each decoder layer, the final norm with the
+        head (and a tied embedding on the last stage); all of them with the stage when it runs compiled whole.
+        A no-op once they are in; inside a compiled graph too (the stage's hook landed everything before)."""
+        name_of = {id(param): name for name, (_, param) in self.params.items()}
+
+        def names(module: torch.nn.Module) -> frozenset[str]:
+            return frozenset(name_of[id(param)] for param in module.parameters())
+
+        layers = [names(layer) for layer in self.module.layers]
+        rest = frozenset(self.params).difference(*layers)  # embedding, final norm, head
+        embed = frozenset([name_of[id(self.module.embed)]]) if self.first else frozenset()
+
+        def stage_hook(module: StageModule, _args: object) -> None:
+            sync.wait_for_parameters(None if module.runners.whole is not None else embed)
+
+        def part_hook(wanted: frozenset[str]) -> Callable[[torch.nn.Module, object], None]:
+            def hook(_module: torch.nn.Module, _args: object) -> None:
+                if not torch.compiler.is_compiling():
+                    sync.wait_for_parameters(wanted)
+            return hook
+
+        self.module.register_forward_pre_hook(stage_hook)
+        for layer, wanted in zip(self.module.layers, layers, strict=True):
+            layer.register_forward_pre_hook(part_hook(wanted))
+        if self.last:
+            self.module.norm.register_forward_pre_hook(part_hook(rest))
+
+    def wait_for_parameters(self) -> None:
+        """Land every parameter gather of the last update still in flight (sharded optimizer; else nothing):
+        what reads the parameters between steps calls it first (checkpoints, exports, the end of training)."""
+        if isinstance(self.sync, ShardedGradSync):
+            self.sync.wait_for_parameters()
+
     def _working_weights(self, forwards: int) -> AbstractContextManager[object]:
         """The step's 16-bit working weights in place for `forwards` forwards, or the whole schedule under
         recompute (options.cast_once under autocast), else nothing."""
         if self.working is None:
             return nullcontext()
+        self.wait_for_parameters()  # the cast reads every layer's weights at once
         return self.working.cast(None if self.plan.inputs.train.recompute else forwards)
 
     def _autocast(self) -> AbstractContextManager[object]:
@@ -286,7 +325,7 @@ class RankEngine:
             else:
                 self.optimizer.step()
         if isinstance(self.sync, ShardedGradSync):
-            self.sync.gather_params()  # every holder's updated pieces into every holder's parameters
+            self.sync.gather_params()  # posted, not waited: the next forward lands each part before its use
         t3 = timer.mark()
         if not (self.last and self.tp.rank == 0):
             loss_sum.zero_()
@@ -317,6 +356,7 @@ class RankEngine:
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
         """Local shards (detached views, do not modify): params, AdamW moments (zeros before the first step),
         "step", "optimizer_steps" and, with a loss scaler, its scale and growth tracker (module docstring)."""
+        self.wait_for_parameters()
         out: dict[str, torch.Tensor] = {}
         sharded = self._sharded_names()
         for name, (_, param) in self.params.items():
@@ -379,6 +419,7 @@ class RankEngine:
         """Load this rank's shards of params and AdamW moments, the step counts and the loss scale, from FULL
         fp32 tensors (`get_full(key)` for the keys of `state_for_checkpoint`; a KeyError for an optional scalar
         leaves its default), whatever plan saved them."""
+        self.wait_for_parameters()  # a gather landing later would overwrite what is loaded
         step = int(get_full("step").item())
         with torch.no_grad():
             for name, (info, param) in self.params.items():
@@ -479,6 +520,7 @@ class RankEngine:
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """Full parameter tensors of this rank's params (collective over the TP group)."""
+        self.wait_for_parameters()
         return {name: self._gather(info, param).cpu() for name, (info, param) in self.params.items()}
 
 
@@ -489,6 +531,7 @@ class RankEngine:
         targets whose ShardSpec is `optional` (the scalars a checkpoint may lack) hold their default and are left
         as they are when the checkpoint lacks them. No full tensor is built here: host memory grows by the two
         moments (on CPU) plus what `fill` holds at once."""
+        self.wait_for_parameters()  # a gather landing later would overwrite what is loaded
         targets: dict[str, tuple[ShardSpec, torch.Tensor]] = {}
         moments: dict[str, dict[str, torch.Tensor]] = {}
         sharded = self._sharded_names()

@@ -198,6 +198,36 @@ def test_a_device_added_back_through_cluster_watch_returns_to_the_larger_plan(pl
     assert [row["step"] for row in _rows(run)] == list(range(1, WATCH_STEPS + 1))
 
 
+@pytest.mark.slow
+def test_a_sharded_plan_is_replanned_sharded_and_resumes_its_checkpoint(plans: dict[str, Path],
+                                                                       tmp_path: Path) -> None:
+    """--shard-optimizer on: the re-plan after a killed worker shards too (the mode the plan recorded), and the
+    sharded checkpoint resumes in the re-planned layout: the losses are an uninterrupted sharded run's."""
+    plan_path = _plan(plans["cluster4"], tmp_path / "sharded4.json", "--shard-optimizer", "on")
+    plan4 = load_plan(plan_path)
+    assert plan4.optimizer_sharding is not None and LOST in {r.device for r in plan4.ranks()}
+    run, ck, err = tmp_path / "run", tmp_path / "ck", tmp_path / "err.txt"
+    proc = _start(_launch(plan_path, run, ck, "--elastic", steps=WATCH_STEPS), err)
+    _wait_for_step(proc, run, 3)
+    workers = json.loads((run / "workers.json").read_text())["workers"]
+    os.kill(next(w["pid"] for w in workers if w["device"] == LOST), signal.SIGKILL)
+    stderr = _finish(proc, err)
+    assert proc.returncode == 0, stderr[-3000:]
+    [event] = _events(run)
+    assert event["lost_devices"] == [LOST] and event["devices_after"] == 3 and event["step"] >= EVERY
+    new_plan = load_plan(event["new_plan"])
+    assert new_plan.optimizer_sharding is not None and new_plan.inputs.shard_optimizer == "on"
+    rows = _rows(run)
+    assert [row["step"] for row in rows] == list(range(1, WATCH_STEPS + 1))
+    ref = tmp_path / "ref"
+    uninterrupted = subprocess.run([FLASHFLEX, "launch", str(plan_path), "--out", str(ref), "--steps",
+                                    str(WATCH_STEPS), "--schedule-steps", str(STEPS), "--timeout", "20",
+                                    "--no-checkpoint"], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    for mine, theirs in zip(rows, _rows(ref), strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=REL), mine["step"]
+
+
 # ---- the policy, without processes -----------------------------------------------------------------------------
 
 def test_lost_devices_are_the_killed_and_the_frozen_not_their_peers() -> None:

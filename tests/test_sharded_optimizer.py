@@ -273,15 +273,18 @@ OVERLAP_PLAN = [(1, 2, [(1, (0, 2)), (1, (2, 4))]), (2, 1, [(1, (0, 4))])]
 
 
 def gather_job(rank: int, world: int, plan_json: str, init_file: str, out_dir: str, overlap_dp: bool,
-               synchronous: bool) -> None:
+               synchronous: bool, compile_scope: str = "") -> None:
     """STEPS steps; `synchronous`: land the parameter gathers right after each step (as a blocking gather
-    would), else leave them to the next forward. Saves the losses, what was in flight after each step and at
-    the first forward of layers 0 and 1, the parameters as the step left them and as a checkpoint (taken with
-    no explicit wait) reads them."""
+    would), else leave them to the next forward; `compile_scope`: compiled (dynamo with the eager backend) per
+    block or whole. Saves the losses, what was in flight after each step and (uncompiled) at the first forward
+    of layers 0 and 1, the parameters as the step left them and as a checkpoint (taken with no explicit wait)
+    reads them."""
     with gloo_rank(rank, world, init_file):
         plan = Plan.model_validate_json(plan_json)
+        compiled = {"compile": True, "compile_scope": compile_scope} if compile_scope else {}
         engine = RankEngine(plan, rank, build_groups(plan, rank), torch.device("cpu"), OPTIM, seed=SEED,
-                            options=RuntimeOptions(overlap_dp=overlap_dp, hierarchical_dp=False))
+                            options=RuntimeOptions(overlap_dp=overlap_dp, hierarchical_dp=False, **compiled),
+                            compile_backend="eager")
         sync = engine.sync
 
         def pending() -> frozenset[str]:
@@ -295,7 +298,8 @@ def gather_job(rank: int, world: int, plan_json: str, init_file: str, out_dir: s
         def probe(*_: object) -> None:  # registered after the engine's hooks: runs after them
             at_first_layer.append((bool(pending() & first), bool(pending() & second)))
 
-        engine.module.layers[0].register_forward_pre_hook(probe)
+        if not compile_scope:
+            engine.module.layers[0].register_forward_pre_hook(probe)
         batches = make_batches(plan)
         losses, in_flight = [], []
         left: dict[str, torch.Tensor] = {}
@@ -308,6 +312,7 @@ def gather_job(rank: int, world: int, plan_json: str, init_file: str, out_dir: s
         saved = {name: value.clone() for name, value in engine.state_for_checkpoint().items() if name in engine.params}
         torch.save({"losses": losses, "in_flight": in_flight, "at_first_layer": at_first_layer, "left": left,
                     "saved": saved,
+                    "compiled": (engine.options.compile, engine.module.runners.whole is not None),
                     "sharded": sorted(sync.sharded) if isinstance(sync, ShardedGradSync) else [], "params": engine.gather_full_params()},
                    Path(out_dir) / f"rank{rank}.pt")
 
@@ -352,3 +357,27 @@ def test_parameter_gathers_overlap_the_next_forward(tmp_path: Path) -> None:
                 assert abs(a - b) <= 1e-5 * abs(b), rank
             for name, param in mine["params"].items():
                 _assert_params(f"rank {rank} param {name} (unsharded)", param, unsharded["params"][name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["block", "stage"])
+def test_parameter_gathers_land_under_compile(tmp_path: Path, scope: str) -> None:
+    """Compiled per block (the layers' hooks run outside the graphs) or whole (the stage's hook lands every
+    gather before the graph): the gathers are in flight after each step, and losses and final weights equal the
+    uncompiled run's with the gathers landed at once."""
+    plan = sharded(make_plan(TIED, OVERLAP_PLAN), [1, 2, 4])
+    runs = []
+    with WorkerPool(3, gather_job) as workers:
+        for synchronous, compile_scope in ((True, ""), (False, scope)):
+            out = tmp_path / f"run-{len(runs)}"
+            out.mkdir()
+            workers.run([(rank, plan.world_size, plan.to_json(), str(out / "store"), str(out), True, synchronous,
+                          compile_scope) for rank in range(plan.world_size)])
+            runs.append([torch.load(out / f"rank{rank}.pt") for rank in range(plan.world_size)])
+    for rank, (landed, mine) in enumerate(zip(*runs, strict=True)):
+        assert mine["compiled"] == (True, scope == "stage")
+        assert mine["sharded"] and all(step == mine["sharded"] for step in mine["in_flight"]), rank
+        for a, b in zip(mine["losses"], landed["losses"], strict=True):
+            assert abs(a - b) <= 1e-6 * abs(b), rank
+        for name, param in mine["params"].items():
+            torch.testing.assert_close(param, landed["params"][name], rtol=1e-6, atol=1e-7)

@@ -183,8 +183,6 @@ class RankEngine:
                                     num_micro=self.pipe.num_micro_batches) if pieces else \
             GradSync(self.params, groups, overlap=self.options.overlap_dp,
                      hierarchical=self.options.hierarchical_dp, num_micro=self.pipe.num_micro_batches)
-        if isinstance(self.sync, ShardedGradSync):
-            self._land_before_use(self.sync)
         # options.cast_once under autocast: 16-bit working copies of the layers' weights, one per step
         self.working = WorkingWeights(self.module, self.amp_dtype) \
             if self.options.cast_once and self.amp_dtype is not None else None
@@ -208,6 +206,8 @@ class RankEngine:
         dist.all_reduce(torch.zeros(1, device=device), group=groups.world_group)
         if self.options.compile:
             self._compile(compile_backend)
+        if isinstance(self.sync, ShardedGradSync):  # on what runs, compiled or not
+            self._land_before_use(self.sync)
 
     def _compile(self, backend: CompileBackend) -> None:
         """Compile the stage and warm it up on dummy inputs (collective over the world group: every rank runs
@@ -229,30 +229,25 @@ class RankEngine:
         """Forward pre-hooks landing the parameters' gathers of the last update (`sync.gather_params`) part by
         part, before the first use: the embedding with the stage, each decoder layer, the final norm with the
         head (and a tied embedding on the last stage); all of them with the stage when it runs compiled whole.
-        A no-op once they are in; inside a compiled graph too (the stage's hook landed everything before)."""
+        The hooks sit on what the stage calls (`runners`: a layer, or its compiled wrapper, whose hooks run
+        outside the graph), never inside a graph. A no-op once the gathers are in."""
         name_of = {id(param): name for name, (_, param) in self.params.items()}
+        runners = self.module.runners
+        layers = [frozenset(name_of[id(param)] for param in layer.parameters()) for layer in self.module.layers]
+        first = frozenset([name_of[id(self.module.embed)]]) if self.first else frozenset()
+        self.module.register_forward_pre_hook(
+            lambda *_: sync.wait_for_parameters(None if runners.whole is not None else first))
+        if runners.whole is not None:
+            return
 
-        def names(module: torch.nn.Module) -> frozenset[str]:
-            return frozenset(name_of[id(param)] for param in module.parameters())
+        def part_hook(wanted: frozenset[str]) -> Callable[..., None]:
+            return lambda *_: sync.wait_for_parameters(wanted)
 
-        layers = [names(layer) for layer in self.module.layers]
-        rest = frozenset(self.params).difference(*layers)  # embedding, final norm, head
-        embed = frozenset([name_of[id(self.module.embed)]]) if self.first else frozenset()
-
-        def stage_hook(module: StageModule, _args: object) -> None:
-            sync.wait_for_parameters(None if module.runners.whole is not None else embed)
-
-        def part_hook(wanted: frozenset[str]) -> Callable[[torch.nn.Module, object], None]:
-            def hook(_module: torch.nn.Module, _args: object) -> None:
-                if not torch.compiler.is_compiling():
-                    sync.wait_for_parameters(wanted)
-            return hook
-
-        self.module.register_forward_pre_hook(stage_hook)
-        for layer, wanted in zip(self.module.layers, layers, strict=True):
-            layer.register_forward_pre_hook(part_hook(wanted))
-        if self.last:
-            self.module.norm.register_forward_pre_hook(part_hook(rest))
+        for runner, wanted in zip(runners.layers, layers, strict=True):
+            assert isinstance(runner, torch.nn.Module)
+            runner.register_forward_pre_hook(part_hook(wanted))
+        if isinstance(runners.norm, torch.nn.Module):  # the last stage: norm, head, a tied embedding
+            runners.norm.register_forward_pre_hook(part_hook(frozenset(self.params).difference(first, *layers)))
 
     def wait_for_parameters(self) -> None:
         """Land every parameter gather of the last update still in flight (sharded optimizer; else nothing):

@@ -22,9 +22,18 @@ from pathlib import Path
 import pytest
 
 from flashflex_cli.cli import main
+from flashflex_cli.cost.params import CostParams
 from flashflex_cli.errors import RuntimeFailure
 from flashflex_cli.hardware.cluster import load_cluster, save_cluster
-from flashflex_cli.launch.elastic import ElasticRun, Layout, lost_devices, reduced_cluster, replan_micro_batch
+from flashflex_cli.launch.elastic import (
+    ElasticRun,
+    Layout,
+    lost_devices,
+    reduced_cluster,
+    replan,
+    replan_micro_batch,
+    replan_sharding,
+)
 from flashflex_cli.launch.elastic_options import ElasticSettings
 from flashflex_cli.launch.local import JobOutcome, RankExit
 from flashflex_cli.launch.options import launch_config
@@ -189,6 +198,36 @@ def test_a_device_added_back_through_cluster_watch_returns_to_the_larger_plan(pl
     assert [row["step"] for row in _rows(run)] == list(range(1, WATCH_STEPS + 1))
 
 
+@pytest.mark.slow
+def test_a_sharded_plan_is_replanned_sharded_and_resumes_its_checkpoint(plans: dict[str, Path],
+                                                                       tmp_path: Path) -> None:
+    """--shard-optimizer on: the re-plan after a killed worker shards too (the mode the plan recorded), and the
+    sharded checkpoint resumes in the re-planned layout: the losses are an uninterrupted sharded run's."""
+    plan_path = _plan(plans["cluster4"], tmp_path / "sharded4.json", "--shard-optimizer", "on")
+    plan4 = load_plan(plan_path)
+    assert plan4.optimizer_sharding is not None and LOST in {r.device for r in plan4.ranks()}
+    run, ck, err = tmp_path / "run", tmp_path / "ck", tmp_path / "err.txt"
+    proc = _start(_launch(plan_path, run, ck, "--elastic", steps=WATCH_STEPS), err)
+    _wait_for_step(proc, run, 3)
+    workers = json.loads((run / "workers.json").read_text())["workers"]
+    os.kill(next(w["pid"] for w in workers if w["device"] == LOST), signal.SIGKILL)
+    stderr = _finish(proc, err)
+    assert proc.returncode == 0, stderr[-3000:]
+    [event] = _events(run)
+    assert event["lost_devices"] == [LOST] and event["devices_after"] == 3 and event["step"] >= EVERY
+    new_plan = load_plan(event["new_plan"])
+    assert new_plan.optimizer_sharding is not None and new_plan.inputs.shard_optimizer == "on"
+    rows = _rows(run)
+    assert [row["step"] for row in rows] == list(range(1, WATCH_STEPS + 1))
+    ref = tmp_path / "ref"
+    uninterrupted = subprocess.run([FLASHFLEX, "launch", str(plan_path), "--out", str(ref), "--steps",
+                                    str(WATCH_STEPS), "--schedule-steps", str(STEPS), "--timeout", "20",
+                                    "--no-checkpoint"], capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    for mine, theirs in zip(rows, _rows(ref), strict=True):
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=REL), mine["step"]
+
+
 # ---- the policy, without processes -----------------------------------------------------------------------------
 
 def test_lost_devices_are_the_killed_and_the_frozen_not_their_peers() -> None:
@@ -211,6 +250,27 @@ def test_a_replan_keeps_one_micro_batch_size_and_searches_between_several() -> N
     pipes[-1]["micro_batch_size"], pipes[-1]["num_micro_batches"] = 2, 1
     data["inputs"]["train"]["global_batch"] = sum(p["micro_batch_size"] * p["num_micro_batches"] for p in pipes)
     assert replan_micro_batch(Plan.model_validate(data)) == (2, 4)
+
+
+def test_a_replan_repeats_the_plans_optimizer_sharding_mode(tmp_path: Path) -> None:
+    """A re-plan searches with the `--shard-optimizer` mode its plan recorded (on: sharded again on the devices
+    left; off: not) and records it in turn; a plan without a record re-plans with auto (planner-made) or as it
+    shards (hand-written)."""
+    cluster_file = Path(__file__).resolve().parents[1] / "profiles" / "cpu-emulated.json"
+    args = ["--model", "llama-small", "--global-batch", "16", "--seq-len", "128", "--jobs", "1"]
+    cluster = reduced_cluster(load_cluster(cluster_file), ["node0/3"])
+    for mode in ("on", "off"):
+        plan = load_plan(_plan(cluster_file, tmp_path / f"{mode}.json", *args, "--shard-optimizer", mode))
+        assert plan.inputs.shard_optimizer == mode and replan_sharding(plan) == mode
+        new = replan(plan, cluster, "", CostParams(), 20.0)
+        assert new.world_size <= 3 and (new.optimizer_sharding is not None) == (mode == "on")
+        assert new.inputs.shard_optimizer == mode and replan_sharding(new) == mode
+        assert replan(plan, cluster, "", CostParams(), 20.0).to_json() == new.to_json()  # deterministic
+    auto = load_plan(_plan(cluster_file, tmp_path / "auto.json", *args))
+    assert auto.inputs.shard_optimizer is None and replan_sharding(auto) == "auto"
+    hand = auto.model_copy(update={"inputs": auto.inputs.model_copy(update={"strategy": "manual"})})
+    assert replan_sharding(hand) == ("on" if auto.optimizer_sharding is not None else "off")
+    assert replan_sharding(load_plan(tmp_path / "on.json").model_copy(update={"inputs": hand.inputs})) == "on"
 
 
 def test_reduced_cluster_renumbers_devices_and_drops_empty_nodes() -> None:

@@ -22,11 +22,13 @@ import torch
 from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime.checkpoint import dcp as checkpoint
 from flashflex_cli.runtime.parallel.groups import build_groups
+from flashflex_cli.runtime.parallel.sharded_optimizer import ShardedGradSync
 from flashflex_cli.runtime.training.engine import RankEngine
 from flashflex_cli.runtime.training.reference import reference_train
 from flashflex_cli.semantics.optimizer_shards import plan_pieces, sharded_elements, split_proportional
 from flashflex_cli.semantics.parameters import model_params
 from flashflex_cli.semantics.process_groups import slice_holders
+from flashflex_cli.semantics.runtime_paths import RuntimeOptions
 from tests.infra.worker_pool import gloo_rank
 
 from .test_grad_overlap import STEPS as DP_STEPS
@@ -264,3 +266,118 @@ def test_fp16_scaling_sees_the_sharded_gradients(tmp_path: Path) -> None:
             assert abs(loss_a - loss_b) <= 1e-3 * abs(loss_b)
         for name, param in shard["params"].items():
             torch.testing.assert_close(param, unsharded["params"][name], rtol=1e-3, atol=1e-4)
+
+
+# two stages (a tied embedding at both ends) beside one stage of every layer: every layer is sharded
+OVERLAP_PLAN = [(1, 2, [(1, (0, 2)), (1, (2, 4))]), (2, 1, [(1, (0, 4))])]
+
+
+def gather_job(rank: int, world: int, plan_json: str, init_file: str, out_dir: str, overlap_dp: bool,
+               synchronous: bool, compile_scope: str = "") -> None:
+    """STEPS steps; `synchronous`: land the parameter gathers right after each step (as a blocking gather
+    would), else leave them to the next forward; `compile_scope`: compiled (dynamo with the eager backend) per
+    block or whole. Saves the losses, what was in flight after each step and (uncompiled) at the first forward
+    of layers 0 and 1, the parameters as the step left them and as a checkpoint (taken with no explicit wait)
+    reads them."""
+    with gloo_rank(rank, world, init_file):
+        plan = Plan.model_validate_json(plan_json)
+        compiled = {"compile": True, "compile_scope": compile_scope} if compile_scope else {}
+        engine = RankEngine(plan, rank, build_groups(plan, rank), torch.device("cpu"), OPTIM, seed=SEED,
+                            options=RuntimeOptions(overlap_dp=overlap_dp, hierarchical_dp=False, **compiled),
+                            compile_backend="eager")
+        sync = engine.sync
+
+        def pending() -> frozenset[str]:
+            return sync.pending_parameters if isinstance(sync, ShardedGradSync) else frozenset()
+
+        low = engine.stage_plan.layers[0]
+        first, second = (frozenset(name for name in engine.params if name.startswith(f"layers.{layer}."))
+                         for layer in (low, low + 1))
+        at_first_layer: list[tuple[bool, bool]] = []  # per forward of layer 0: (its own, layer 1's) in flight
+
+        def probe(*_: object) -> None:  # registered after the engine's hooks: runs after them
+            at_first_layer.append((bool(pending() & first), bool(pending() & second)))
+
+        if not compile_scope:
+            engine.module.layers[0].register_forward_pre_hook(probe)
+        batches = make_batches(plan)
+        losses, in_flight = [], []
+        left: dict[str, torch.Tensor] = {}
+        for step in range(STEPS):
+            losses.append(engine.train_step(batches[step][engine.pipeline_slice(plan.inputs.train.global_batch)]).loss)
+            in_flight.append(sorted(pending()))
+            left = {name: param.detach().clone() for name, (_, param) in engine.params.items()}
+            if synchronous:
+                engine.wait_for_parameters()
+        saved = {name: value.clone() for name, value in engine.state_for_checkpoint().items() if name in engine.params}
+        torch.save({"losses": losses, "in_flight": in_flight, "at_first_layer": at_first_layer, "left": left,
+                    "saved": saved,
+                    "compiled": (engine.options.compile, engine.module.runners.whole is not None),
+                    "sharded": sorted(sync.sharded) if isinstance(sync, ShardedGradSync) else [], "params": engine.gather_full_params()},
+                   Path(out_dir) / f"rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_parameter_gathers_overlap_the_next_forward(tmp_path: Path) -> None:
+    """The update's gathers are still in flight when the step returns; the next forward lands each layer's just
+    before that layer runs (layer 1's still in flight while layer 0 starts); a checkpoint after a step reads the
+    landed weights. Losses and final weights are those of the gathers landed at once (bit for bit) and of the
+    unsharded run (the parity bounds), with the DP reduction overlapped or not."""
+    plain = make_plan(TIED, OVERLAP_PLAN)
+    plan = sharded(plain, [1, 2, 4])
+    ref = reference_train(plan.inputs.model, make_batches(plan), OPTIM, seed=SEED)
+
+    def run(which: Plan, overlap_dp: bool, synchronous: bool) -> list[dict]:
+        out = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}"
+        out.mkdir()
+        workers.run([(rank, which.world_size, which.to_json(), str(out / "store"), str(out), overlap_dp,
+                      synchronous) for rank in range(which.world_size)])
+        return [torch.load(out / f"rank{rank}.pt") for rank in range(which.world_size)]
+
+    with WorkerPool(3, gather_job) as workers:
+        for overlap_dp in (False, True):
+            deferred, landed = run(plan, overlap_dp, False), run(plan, overlap_dp, True)
+            for rank, (mine, theirs) in enumerate(zip(deferred, landed, strict=True)):
+                assert mine["sharded"] and all(step == mine["sharded"] for step in mine["in_flight"]), rank
+                assert mine["losses"] == theirs["losses"]
+                for name, value in mine["saved"].items():
+                    assert torch.equal(value, theirs["saved"][name]), (rank, name)  # the checkpoint waited
+                assert any(not torch.equal(mine["left"][name], mine["saved"][name]) for name in mine["sharded"])
+                # steps after the first: layer 0 runs with its own gathers landed, layer 1's still in flight
+                assert mine["at_first_layer"][:1] == [(False, False)]
+                assert (False, True) in mine["at_first_layer"][1:] and (True, False) not in mine["at_first_layer"]
+                assert set(theirs["at_first_layer"]) == {(False, False)}
+                for name, param in mine["params"].items():
+                    assert torch.equal(param, theirs["params"][name])
+                    _assert_params(f"rank {rank} param {name}", param, ref.params[name])
+                for step, loss in enumerate(mine["losses"]):
+                    assert abs(loss - ref.losses[step]) <= 1e-5 * abs(ref.losses[step]), (rank, step)
+        for rank, (mine, unsharded) in enumerate(zip(deferred, run(plain, True, True), strict=True)):
+            for a, b in zip(mine["losses"], unsharded["losses"], strict=True):
+                assert abs(a - b) <= 1e-5 * abs(b), rank
+            for name, param in mine["params"].items():
+                _assert_params(f"rank {rank} param {name} (unsharded)", param, unsharded["params"][name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["block", "stage"])
+def test_parameter_gathers_land_under_compile(tmp_path: Path, scope: str) -> None:
+    """Compiled per block (the layers' hooks run outside the graphs) or whole (the stage's hook lands every
+    gather before the graph): the gathers are in flight after each step, and losses and final weights equal the
+    uncompiled run's with the gathers landed at once."""
+    plan = sharded(make_plan(TIED, OVERLAP_PLAN), [1, 2, 4])
+    runs = []
+    with WorkerPool(3, gather_job) as workers:
+        for synchronous, compile_scope in ((True, ""), (False, scope)):
+            out = tmp_path / f"run-{len(runs)}"
+            out.mkdir()
+            workers.run([(rank, plan.world_size, plan.to_json(), str(out / "store"), str(out), True, synchronous,
+                          compile_scope) for rank in range(plan.world_size)])
+            runs.append([torch.load(out / f"rank{rank}.pt") for rank in range(plan.world_size)])
+    for rank, (landed, mine) in enumerate(zip(*runs, strict=True)):
+        assert mine["compiled"] == (True, scope == "stage")
+        assert mine["sharded"] and all(step == mine["sharded"] for step in mine["in_flight"]), rank
+        for a, b in zip(mine["losses"], landed["losses"], strict=True):
+            assert abs(a - b) <= 1e-6 * abs(b), rank
+        for name, param in mine["params"].items():
+            torch.testing.assert_close(param, landed["params"][name], rtol=1e-6, atol=1e-7)

@@ -180,8 +180,10 @@ def plan_command(
     plan, fleet, train = trial.plan, trial.payload, trial.plan.inputs.train
     # where `flashflex launch` finds the cluster when --cluster is not given (the sha256 is still checked)
     # and the runtime switches it was predicted for (none for the launch defaults)
+    # and the sharding mode an elastic re-plan repeats (none for auto, the default)
+    mode = None if shard_optimizer == "auto" else shard_optimizer
     recorded = plan.inputs.model_copy(update={"cluster_path": str(cluster_file), "dtype_reason": reason,
-                                              "runtime": PlannedPaths.of(runtime)})
+                                              "runtime": PlannedPaths.of(runtime), "shard_optimizer": mode})
     plan = plan.model_copy(update={"inputs": recorded})
     plan = fleet.finish(plan, params)  # measured idle reasons, MFU over the whole cluster, dollars
     plan = choose_sync(sync, plan, cluster, lambda sub, trained: plan_layout(  # replica groups (issue 32)

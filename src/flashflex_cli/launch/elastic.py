@@ -3,8 +3,8 @@
 The supervised local launcher (local.py) runs the plan. When the job ends with lost devices (a rank killed by
 a signal nobody in the job sends, such as SIGKILL or SIGSEGV, or a rank found frozen: no heartbeat), this loop
 writes the cluster without them (`RUN/elastic/cluster-N.json`), plans the same model and training
-configuration on it with the planner (`RUN/elastic/plan-N.json`: same strategy, seed and layer profiles as the
-plan in force, whose `inputs` record them) and relaunches from the newest checkpoint with `--resume`: the run
+configuration on it with the planner (`RUN/elastic/plan-N.json`: same strategy, seed, layer profiles and
+`--shard-optimizer` mode as the plan in force, whose `inputs` record them) and relaunches from the newest checkpoint with `--resume`: the run
 configuration RUN/config.json is rewritten with the new plan and cluster and resume on (local.run_job). The global
 batch is kept and the data order depends only on (seed, step), so step k trains on the same tokens under any
 plan (runtime/training/data.py); the learning-rate schedule is kept too (--steps / --schedule-steps).
@@ -132,21 +132,39 @@ def replan_micro_batch(old: Plan) -> tuple[int, int | None]:
     return (sizes[0], None) if len(sizes) == 1 else (sizes[0], sizes[-1])
 
 
+def replan_sharding(old: Plan) -> str:
+    """The `--shard-optimizer` mode a re-plan of `old` searches with: the one its inputs record; else auto (the
+    planner's default) for a plan the planner made, and for a hand-written plan what it does (on: it shards)."""
+    from ..planner.search import STRATEGIES
+
+    if old.inputs.shard_optimizer is not None:
+        return old.inputs.shard_optimizer
+    if old.inputs.strategy in STRATEGIES:
+        return "auto"
+    return "on" if old.optimizer_sharding is not None else "off"
+
+
 def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, time_budget_s: float) -> Plan:
     """A plan of `old`'s model and training configuration for `cluster`, with `old`'s strategy ("flashflex" for a
-    hand-made plan) and seed; InfeasibleError when none fits."""
+    hand-made plan), seed and optimizer sharding decision (`replan_sharding`, recorded in the new plan's inputs:
+    a later re-plan decides the same way); InfeasibleError when none fits."""
     from ..cost.estimate import estimate
     from ..cost.reestimate import reestimated
     from ..planner.search import STRATEGIES, plan_layout
+    from ..planner.search.sharding import choose_sharding
 
     inputs = old.inputs
     strategy = inputs.strategy if inputs.strategy in STRATEGIES else "flashflex"
     micro_batch, max_micro_batch = replan_micro_batch(old)
-    plan = plan_layout(cluster, inputs.model, inputs.train, strategy=strategy, time_budget_s=time_budget_s,
-                       seed=inputs.seed, params=params, micro_batch=micro_batch, max_micro_batch=max_micro_batch)
+    mode = replan_sharding(old)
+    plan, _ = choose_sharding(lambda ways: plan_layout(
+        cluster, inputs.model, inputs.train, strategy=strategy, time_budget_s=time_budget_s, seed=inputs.seed,
+        params=params, micro_batch=micro_batch, max_micro_batch=max_micro_batch, optimizer_shard_ways=ways),
+        mode, params)
     plan = reestimated(plan, estimate(plan, cluster, params))
-    return plan.model_copy(update={"inputs": plan.inputs.model_copy(update={"cluster_path": cluster_path,
-                                                                            "runtime": inputs.runtime})})
+    return plan.model_copy(update={"inputs": plan.inputs.model_copy(update={
+        "cluster_path": cluster_path, "runtime": inputs.runtime,
+        "shard_optimizer": None if mode == "auto" else mode})})
 
 
 def latest_step(checkpoint_dir: str | None) -> int:

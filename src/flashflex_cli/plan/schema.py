@@ -228,7 +228,9 @@ class PlanInputs(_Strict):
     cluster_path: the cluster file as `flashflex plan` was given it (absent in older plans); `flashflex launch`
     without --cluster opens it and still checks its sha256.
     dtype_reason: why `flashflex plan --dtype auto` chose `train.dtype` (absent: the dtype was given).
-    runtime: the runtime switches the prediction is for (absent: the launch defaults)."""
+    runtime: the runtime switches the prediction is for (absent: the launch defaults).
+    shard_optimizer: the `flashflex plan --shard-optimizer` mode the layout was searched with, which an elastic
+    re-plan repeats (absent: auto, the planner's default, or a hand-written plan)."""
 
     cluster_sha256: str
     cluster_name: str = ""
@@ -240,6 +242,7 @@ class PlanInputs(_Strict):
     cluster_path: str | None = None
     dtype_reason: str | None = None
     runtime: PlannedPaths | None = None
+    shard_optimizer: Literal["auto", "on", "off"] | None = None
 
     def runtime_options(self) -> RuntimeOptions:
         """The runtime switches the plan was predicted for (the launch defaults where it records none)."""

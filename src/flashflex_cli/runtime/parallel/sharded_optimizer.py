@@ -23,8 +23,12 @@ unsharded reduction, so the overlap with backward and the deadlock argument carr
 3. the fp32 master weights of this rank's pieces are views of its own fp32 parameters (the runtime keeps no
    separate low-precision copy), and torch.optim.AdamW updates exactly those views, whose gradients are views of
    this rank's chunk (copied out of the buffer): AdamW's moments exist for this rank's pieces only;
-4. gather (after the optimizer step, bucket by bucket in the same global order): each holder broadcasts its
-   chunk to the others, who copy it into their parameters (an all-gather of unequal chunks, unpadded).
+4. gather (after the optimizer step, per layer bucket in forward order, the reverse of the global backward
+   order): each holder broadcasts its chunk to the others, who copy it into their parameters (an all-gather of
+   unequal chunks, unpadded). The broadcasts are posted and left in flight: the next step's forward lands each
+   bucket just before the first use of its parameters (`wait_for_parameters`, from the stage's forward
+   pre-hooks), so the gather overlaps the step's end and the compute of the earlier layers; whatever reads the
+   parameters between steps (checkpoints, exports, the end of training) lands them all first.
 
 The full gradient of a sharded parameter is dropped once its last bucket is packed. Parameters that one stage alone holds are
 not sharded (their state stays where it is). The gradient norm sums this rank's pieces and the slices it owns
@@ -34,7 +38,8 @@ optimizer's gradients (`JobScaler` over this optimizer), so it sees the sharded 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,6 +51,17 @@ from .grad_buckets import Bucket
 from .grad_sync import GradSync
 from .groups import PlanGroups, SliceHolders
 from .hier_reduce import hier_chain
+
+
+@dataclass
+class _Gather:
+    """One bucket's broadcasts in flight: the parameters it holds (global names), the works, the buffer and its
+    layout (per holder, holder order: its pieces)."""
+
+    names: frozenset[str]
+    works: list[dist.Work]
+    flat: torch.Tensor
+    chunks: list[list[ShardPiece]]
 
 
 def _reduce_step(chunk: torch.Tensor, holder: int, group: dist.ProcessGroup) -> Step:
@@ -78,6 +94,7 @@ class ShardedGradSync(GradSync):
         self._received: list[tuple[Bucket, torch.Tensor]] = []  # this step's buckets and this rank's chunk
         self._packs = {name: sum(name in bucket.names for bucket in self.schedule) for name in self.sharded}
         self._packs_left = dict(self._packs)  # per sharded parameter: its buckets not yet packed this step
+        self._pending: list[_Gather] = []  # the parameters' gathers posted after the last update, not yet landed
 
     @property
     def schedule(self) -> list[Bucket]:
@@ -113,6 +130,7 @@ class ShardedGradSync(GradSync):
     def _post(self, bucket: Bucket) -> None:
         """Pack `bucket` by holder and issue one reduce per holder's chunk (or the hierarchical all-reduce);
         drop the full gradient of every parameter whose last bucket this is."""
+        self.wait_for_parameters()  # any gather the forward did not land (a parameter it did not read)
         chunks, lengths = self._layout(bucket)
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
         with torch.no_grad():
@@ -168,6 +186,7 @@ class ShardedGradSync(GradSync):
     def close(self) -> None:
         super().close()
         self._received = []
+        self._pending = []
 
     # --- norm, clipping, the gathers after the update --------------------------------------------------------
 
@@ -197,38 +216,80 @@ class ShardedGradSync(GradSync):
             torch._foreach_mul_(self.local_grads(), coef)
         return norm
 
+    def _issue(self, bucket: Bucket, source: Callable[[ShardPiece], torch.Tensor]) -> _Gather:
+        """Pack this rank's pieces of `bucket` (`source(piece)`: this rank's value of its own piece) and post
+        every holder's broadcast of its chunk (async)."""
+        chunks, lengths = self._layout(bucket)
+        me = bucket.ranks.index(self.groups.rank)
+        group = self.groups.dp_groups[bucket.ranks]
+        with torch.no_grad():
+            flat = torch.empty(sum(lengths), dtype=torch.float32, device=self._device)
+            offset = sum(lengths[:me])
+            for piece in chunks[me]:
+                value = source(piece)
+                flat[offset:offset + piece.numel].view(value.shape).copy_(value)
+                offset += piece.numel
+        offset, works = 0, []
+        for holder, length in zip(bucket.ranks, lengths, strict=True):
+            if length > 0:
+                works.append(dist.broadcast(flat.narrow(0, offset, length), src=holder, group=group,
+                                            async_op=True))
+            offset += length
+        return _Gather(bucket.names, works, flat, chunks)
+
+    @staticmethod
+    def _land(gather: _Gather, target: Callable[[ShardPiece], torch.Tensor]) -> None:
+        """Wait for `gather`'s broadcasts and copy every holder's piece to `target(piece)` on this rank (this
+        rank's own pieces too: a no-op for the parameters)."""
+        for work in gather.works:
+            work.wait()
+        offset = 0
+        with torch.no_grad():
+            for chunk in gather.chunks:
+                for piece in chunk:
+                    out = target(piece)
+                    out.copy_(gather.flat[offset:offset + piece.numel].view(out.shape))
+                    offset += piece.numel
+
     def gather(self, source: Callable[[ShardPiece], torch.Tensor],
                target: Callable[[ShardPiece], torch.Tensor]) -> None:
         """For every bucket (this rank's, global order), every holder broadcasts its pieces to the others:
         `source(piece)` this rank's value of its own piece, `target(piece)` where every holder's piece goes on
-        this rank (one bucket at a time: transient memory of the largest bucket's buffer)."""
+        this rank (one bucket at a time: transient memory of the largest bucket's buffer). Blocking; the
+        parameters' gathers still in flight land first."""
+        self.wait_for_parameters()
         for bucket in self.schedule:
-            chunks, lengths = self._layout(bucket)
-            me = bucket.ranks.index(self.groups.rank)
-            group = self.groups.dp_groups[bucket.ranks]
-            with torch.no_grad():
-                flat = torch.empty(sum(lengths), dtype=torch.float32, device=self._device)
-                offset = sum(lengths[:me])
-                for piece in chunks[me]:
-                    value = source(piece)
-                    flat[offset:offset + piece.numel].view(value.shape).copy_(value)
-                    offset += piece.numel
-                offset, works = 0, []
-                for holder, length in zip(bucket.ranks, lengths, strict=True):
-                    if length > 0:
-                        works.append(dist.broadcast(flat.narrow(0, offset, length), src=holder, group=group,
-                                                    async_op=True))
-                    offset += length
-                for work in works:
-                    work.wait()
-                offset = 0
-                for chunk in chunks:
-                    for piece in chunk:
-                        out = target(piece)  # this rank's own pieces too (a no-op for the parameters)
-                        out.copy_(flat[offset:offset + piece.numel].view(out.shape))
-                        offset += piece.numel
+            self._land(self._issue(bucket, source), target)
+
+    def _param_target(self, piece: ShardPiece) -> torch.Tensor:
+        return self.piece_view(piece, self.params[piece.name][1].detach())
 
     def gather_params(self) -> None:
-        """After the optimizer step: every holder's updated pieces into every holder's parameters."""
-        self.gather(lambda piece: self.leaves[piece],
-                    lambda piece: self.piece_view(piece, self.params[piece.name][1].detach()))
+        """After the optimizer step: post every holder's broadcast of its updated pieces, per layer bucket in
+        forward order (embedding, layers first to last, final norm, head: the reverse of the global backward
+        order, so as consistent across ranks), and return without waiting. The pieces land in the parameters
+        at `wait_for_parameters`, which the stage's forward calls part by part before its first use of them:
+        the gathers overlap the step's end and the compute of earlier parts. Until then each bucket's buffer
+        is held (at most this rank's sharded parameters once more, in fp32)."""
+        self.wait_for_parameters()
+        self._pending = [self._issue(bucket, lambda piece: self.leaves[piece])
+                         for bucket in reversed(self.layer_buckets)]
+
+    def wait_for_parameters(self, names: Collection[str] | None = None) -> None:
+        """Land the parameter gathers still in flight that hold any of `names` (global names; None: all), in
+        the order they were posted: after this, those parameters hold every holder's update."""
+        if not self._pending:
+            return
+        wanted = None if names is None else frozenset(names)
+        keep: list[_Gather] = []
+        for posted in self._pending:
+            if wanted is None or not posted.names.isdisjoint(wanted):
+                self._land(posted, self._param_target)
+            else:
+                keep.append(posted)
+        self._pending = keep
+
+    @property
+    def pending_parameters(self) -> frozenset[str]:
+        """The global names of the parameters whose gathered update has not landed yet."""
+        return frozenset().union(*(posted.names for posted in self._pending))

@@ -10,6 +10,7 @@ API (stable; later versions only add optional keyword arguments)::
     engine.pipeline_slice(global_batch) -> slice      # rows of the global batch this rank's pipeline takes
     engine.shard_specs() -> list[ShardSpec]           # global name, full shape, (dim, start, stop), owner
     engine.state_for_checkpoint() -> dict[str, Tensor]
+    engine.wait_for_parameters()                      # sharded optimizer: land the update's gathers in flight
     engine.checkpoint_shards() -> dict[str, ShardSpec]  # where each key of state_for_checkpoint sits (for dcp.save)
     engine.load_local(fill)                           # resume in place, only this rank's slices (any plan)
     engine.load_from_full(get_full)                   # resume from full tensors (any plan)
@@ -205,6 +206,8 @@ class RankEngine:
         dist.all_reduce(torch.zeros(1, device=device), group=groups.world_group)
         if self.options.compile:
             self._compile(compile_backend)
+        if isinstance(self.sync, ShardedGradSync):  # on what runs, compiled or not
+            self._land_before_use(self.sync)
 
     def _compile(self, backend: CompileBackend) -> None:
         """Compile the stage and warm it up on dummy inputs (collective over the world group: every rank runs
@@ -222,11 +225,42 @@ class RankEngine:
         else:
             self.options = replace(self.options, compile=False, compile_scope="block")
 
+    def _land_before_use(self, sync: ShardedGradSync) -> None:
+        """Forward pre-hooks landing the parameters' gathers of the last update (`sync.gather_params`) part by
+        part, before the first use: the embedding with the stage, each decoder layer, the final norm with the
+        head (and a tied embedding on the last stage); all of them with the stage when it runs compiled whole.
+        The hooks sit on what the stage calls (`runners`: a layer, or its compiled wrapper, whose hooks run
+        outside the graph), never inside a graph. A no-op once the gathers are in."""
+        name_of = {id(param): name for name, (_, param) in self.params.items()}
+        runners = self.module.runners
+        layers = [frozenset(name_of[id(param)] for param in layer.parameters()) for layer in self.module.layers]
+        first = frozenset([name_of[id(self.module.embed)]]) if self.first else frozenset()
+        self.module.register_forward_pre_hook(
+            lambda *_: sync.wait_for_parameters(None if runners.whole is not None else first))
+        if runners.whole is not None:
+            return
+
+        def part_hook(wanted: frozenset[str]) -> Callable[..., None]:
+            return lambda *_: sync.wait_for_parameters(wanted)
+
+        for runner, wanted in zip(runners.layers, layers, strict=True):
+            assert isinstance(runner, torch.nn.Module)
+            runner.register_forward_pre_hook(part_hook(wanted))
+        if isinstance(runners.norm, torch.nn.Module):  # the last stage: norm, head, a tied embedding
+            runners.norm.register_forward_pre_hook(part_hook(frozenset(self.params).difference(first, *layers)))
+
+    def wait_for_parameters(self) -> None:
+        """Land every parameter gather of the last update still in flight (sharded optimizer; else nothing):
+        what reads the parameters between steps calls it first (checkpoints, exports, the end of training)."""
+        if isinstance(self.sync, ShardedGradSync):
+            self.sync.wait_for_parameters()
+
     def _working_weights(self, forwards: int) -> AbstractContextManager[object]:
         """The step's 16-bit working weights in place for `forwards` forwards, or the whole schedule under
         recompute (options.cast_once under autocast), else nothing."""
         if self.working is None:
             return nullcontext()
+        self.wait_for_parameters()  # the cast reads every layer's weights at once
         return self.working.cast(None if self.plan.inputs.train.recompute else forwards)
 
     def _autocast(self) -> AbstractContextManager[object]:
@@ -286,7 +320,7 @@ class RankEngine:
             else:
                 self.optimizer.step()
         if isinstance(self.sync, ShardedGradSync):
-            self.sync.gather_params()  # every holder's updated pieces into every holder's parameters
+            self.sync.gather_params()  # posted, not waited: the next forward lands each part before its use
         t3 = timer.mark()
         if not (self.last and self.tp.rank == 0):
             loss_sum.zero_()
@@ -317,6 +351,7 @@ class RankEngine:
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
         """Local shards (detached views, do not modify): params, AdamW moments (zeros before the first step),
         "step", "optimizer_steps" and, with a loss scaler, its scale and growth tracker (module docstring)."""
+        self.wait_for_parameters()
         out: dict[str, torch.Tensor] = {}
         sharded = self._sharded_names()
         for name, (_, param) in self.params.items():
@@ -379,6 +414,7 @@ class RankEngine:
         """Load this rank's shards of params and AdamW moments, the step counts and the loss scale, from FULL
         fp32 tensors (`get_full(key)` for the keys of `state_for_checkpoint`; a KeyError for an optional scalar
         leaves its default), whatever plan saved them."""
+        self.wait_for_parameters()  # a gather landing later would overwrite what is loaded
         step = int(get_full("step").item())
         with torch.no_grad():
             for name, (info, param) in self.params.items():
@@ -479,6 +515,7 @@ class RankEngine:
 
     def gather_full_params(self) -> dict[str, torch.Tensor]:
         """Full parameter tensors of this rank's params (collective over the TP group)."""
+        self.wait_for_parameters()
         return {name: self._gather(info, param).cpu() for name, (info, param) in self.params.items()}
 
 
@@ -489,6 +526,7 @@ class RankEngine:
         targets whose ShardSpec is `optional` (the scalars a checkpoint may lack) hold their default and are left
         as they are when the checkpoint lacks them. No full tensor is built here: host memory grows by the two
         moments (on CPU) plus what `fill` holds at once."""
+        self.wait_for_parameters()  # a gather landing later would overwrite what is loaded
         targets: dict[str, tuple[ShardSpec, torch.Tensor]] = {}
         moments: dict[str, dict[str, torch.Tensor]] = {}
         sharded = self._sharded_names()

@@ -386,6 +386,7 @@ def run(config: RunConfig, node: str | None = None, phases: oom.PhaseTracker | N
                                     predicted_step_seconds(plan.predicted), engine.compile_seconds,
                                     None if found is None else str(found), log.path):
                 say(f"flashflex: {line}")
+    engine.wait_for_parameters()  # no gather left in flight when the process group goes
     dist.barrier()
     heartbeat.mark_done()
     dist.destroy_process_group()

@@ -25,7 +25,9 @@ cluster is printed too (near-ties there are decided by measurement noise of a fe
 
 Sharded optimizer state (`--sharded`, or `--sharded-only` for that part alone): llama-small on four emulated
 devices whose memory is set so that, unsharded, only one deep pipeline fits (pp4; dp2 x pp2 needs more than a
-device has), while dp2 x pp2 fits with its optimizer state sharded across the two replicas. Both run `REPEATS`
+device has), while dp2 x pp2 fits with its optimizer state sharded across the two replicas. Both, and the plans
+`flashflex plan --shard-optimizer off|on` makes for that cluster (layers and batch shares by device speed, where the
+hand-written pair splits layers equally and is bound alike by the slowest device), run `REPEATS`
 times (the run-to-run spread of this shared host is printed: the measured gain must exceed it to mean
 anything), with predicted and measured step time and memory as above, and every rank of both plans trains
 in-process under PyTorch's tensor accounting (tests/infra/tensor_accounting.py): its peak against the cost model's
@@ -490,12 +492,14 @@ def tracked_errors(plan_path: Path, cluster_path: Path, work: Path) -> list[str]
 def run_sharded(work: Path, steps: int) -> None:
     """The sharded-optimizer runs (module docstring)."""
     cluster = tight_cluster(work)
+    planned_plans: dict[str, Path] = {}
     for mode in ("off", "on"):  # what the planner makes of the tight cluster, without and with sharding
         out = work / f"tight-{mode}.plan.json"
         run([FLASHFLEX, "plan", str(cluster), "--model", MODEL, "--global-batch", str(BATCH), "--seq-len", str(SEQ),
              "--dtype", DTYPE, "--attention", "sdpa", "--no-baseline", "--shard-optimizer", mode, "--micro-batch",
              "1", "--out", str(out)])
         plan = Plan.model_validate_json(out.read_text())
+        planned_plans[f"planned-shard-{mode}"] = out
         print(f"flashflex plan --shard-optimizer {mode}: {len(plan.pipelines)} pipeline(s) of "
               f"{', '.join(str(len(p.stages)) for p in plan.pipelines)} stages, predicted "
               f"{plan.predicted['iteration_time_s'] * 1e3:.0f} ms" if plan.predicted else "", flush=True)
@@ -505,17 +509,33 @@ def run_sharded(work: Path, steps: int) -> None:
         print(f"{case.name}: fits {shown['predicted']['fits']}", flush=True)
         for line in tracked_errors(plan, cluster, work):
             print(f"  {line}", flush=True)
+    # timed: the hand-written pair (equal layer splits: the slowest device bounds both alike) and the planner's
+    # own pair (layers and batch shares by device speed: what a user runs), interleaved so load drifts hit both
     times: dict[str, list[float]] = {}
+    predicted: dict[str, float] = {}
     for _ in range(REPEATS):
         for case in SHARDED_CASES:
             result = run_case(case, cluster, Path(), work, steps, layers_used=False)
             times.setdefault(case.name, []).append(result.measured_s)
+            predicted[case.name] = result.analytic_s
+        for name, plan_path in planned_plans.items():
+            out = work / f"run-{name}"
+            figures = launch_local(plan_path, cluster, out, steps)
+            times.setdefault(name, []).append(measured(out)[0])
+            predicted[name] = prediction(plan_path, cluster, None)[0]
+            print(f"{name:16s} measured {times[name][-1] * 1e3:8.1f} ms | predicted {predicted[name] * 1e3:8.1f} ms | "
+                  f"wall {figures['wall_s']:.1f} s, CPU {figures['cpu_s']:.1f} s, load "
+                  f"{figures['load_before']:.2f}->{figures['load_after']:.2f}", flush=True)
     for name, values in times.items():
         spread = (max(values) - min(values)) / statistics.median(values)
         print(f"{name}: measured step {', '.join(f'{v * 1e3:.0f}' for v in values)} ms, median "
-              f"{statistics.median(values) * 1e3:.0f} ms, run-to-run spread {spread:.1%}", flush=True)
+              f"{statistics.median(values) * 1e3:.0f} ms, run-to-run spread {spread:.1%}, predicted "
+              f"{predicted[name] * 1e3:.0f} ms", flush=True)
     off, on = (statistics.median(times[c.name]) for c in SHARDED_CASES)
-    print(f"validate_cost_model sharded: dp2 x pp2 sharded vs pp4 unsharded measured {off / on:.3f}x", flush=True)
+    planned_off, planned_on = (statistics.median(times[name]) for name in planned_plans)
+    print(f"validate_cost_model sharded: planner's sharded vs unsharded plan measured {planned_off / planned_on:.3f}x "
+          f"(predicted {predicted['planned-shard-off'] / predicted['planned-shard-on']:.3f}x); hand-written dp2 x pp2 "
+          f"sharded vs pp4 unsharded measured {off / on:.3f}x", flush=True)
 
 
 def report(results: list[Result]) -> None:

@@ -48,10 +48,11 @@ from tests.test_outer_sync_plan import grouped_plan
 from tests.test_outer_sync_runtime import (
     LAYOUT_A,
     LAYOUT_B,
-    RTOL,
     assert_params,
+    assert_round_losses,
     group_batches,
     grouped,
+    run_rounds,
     source_of,
 )
 from tests.test_parity import OPTIM, SEED
@@ -215,15 +216,6 @@ def pool() -> Iterator[WorkerPool]:
         yield workers
 
 
-def run_rounds(plan: Plan, tmp_path: Path, pool: WorkerPool, rounds: tuple[int, int], save: Path | None = None,
-               resume: Path | None = None) -> list[dict[str, Any]]:
-    out_dir = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}"
-    out_dir.mkdir()
-    pool.run([(rank, plan.world_size, plan.to_json(), str(out_dir / "store"), str(out_dir), rounds,
-               str(save or ""), str(resume or "")) for rank in range(plan.world_size)])
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(plan.world_size)]
-
-
 def assert_waits_after_tau_steps(events: list[Any], overlap: int) -> None:
     """Each exchange's collectives are waited for only after `overlap` inner steps of this rank past its begin
     (the last one's: after the run, by `flush`), and then its outer step is taken."""
@@ -263,11 +255,7 @@ def check_reference(plan: Plan, outputs: list[dict[str, Any]], rounds: int, firs
     for rank, out in enumerate(outputs):
         g = pipe_group[out["pipeline"]]
         assert out["round"] == rounds
-        for r, (inner, total) in enumerate(out["losses"], start=first):
-            torch.testing.assert_close(torch.tensor(inner, dtype=torch.float64),
-                                       torch.tensor(ref.group_losses[r][g], dtype=torch.float64), rtol=RTOL, atol=0)
-            want = sum(w * sum(ls) / len(ls) for w, ls in zip(group_weights(plan), ref.group_losses[r], strict=True))
-            assert total == pytest.approx(want, rel=RTOL)
+        assert_round_losses(plan, out["losses"], ref, g, first)
         for name, (tp, tp_rank, anchor) in out["anchors"].items():
             assert_params(f"rank {rank} {name}", anchor, infos[name].take(ref.params[name], tp, tp_rank),
                           max(group_inner_steps(plan)) * rounds)

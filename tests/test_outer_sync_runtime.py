@@ -130,6 +130,16 @@ LAYOUT_B = [(1, 3, [(2, (0, 4))]), (1, 2, [(1, (0, 3)), (1, (3, 4))])]
 GROUPS_B = [([0], 2), ([1], 3)]
 
 
+def assert_round_losses(plan: Plan, losses: list[tuple[Any, ...]], ref: Any, group: int, first: int = 0) -> None:
+    """A rank's rounds from round `first` on, each (inner losses, round loss, ...), against the reference's: the
+    inner losses of its group, the round loss the token-weighted mean of every group's mean inner loss."""
+    for r, (inner, total, *_) in enumerate(losses, start=first):
+        torch.testing.assert_close(torch.tensor(inner, dtype=torch.float64),
+                                   torch.tensor(ref.group_losses[r][group], dtype=torch.float64), rtol=RTOL, atol=0)
+        want = sum(w * sum(ls) / len(ls) for w, ls in zip(group_weights(plan), ref.group_losses[r], strict=True))
+        assert total == pytest.approx(want, rel=RTOL)
+
+
 def check_against_reference(plan: Plan, outputs: list[dict[str, Any]], rounds: int, first: int = 0) -> None:
     """Every rank's inner losses, round losses and final parameters against the reference (resumed after round
     `first` when not 0: every group then continues with group 0's AdamW moments)."""
@@ -139,12 +149,8 @@ def check_against_reference(plan: Plan, outputs: list[dict[str, Any]], rounds: i
     for rank, out in enumerate(outputs):
         g = pipe_group[out["pipeline"]]
         assert out["round"] == rounds
-        for r, (inner, total, sent) in enumerate(out["losses"], start=first):
-            torch.testing.assert_close(torch.tensor(inner, dtype=torch.float64),
-                                       torch.tensor(ref.group_losses[r][g], dtype=torch.float64), rtol=RTOL, atol=0)
-            want = sum(w * sum(ls) / len(ls) for w, ls in zip(group_weights(plan), ref.group_losses[r], strict=True))
-            assert total == pytest.approx(want, rel=RTOL)
-            assert sent > 0
+        assert_round_losses(plan, out["losses"], ref, g, first)
+        assert all(sent > 0 for _, _, sent in out["losses"])
         for name, param in out["params"].items():
             assert_params(f"rank {rank} {name}", param, ref.params[name], max(group_inner_steps(plan)) * rounds)
 

@@ -52,10 +52,11 @@ from tests.test_outer_sync_runtime import (
     GROUPS_B,
     LAYOUT_A,
     LAYOUT_B,
-    RTOL,
     assert_params,
+    assert_round_losses,
     group_batches,
     grouped,
+    run_rounds,
     source_of,
 )
 from tests.test_parity import OPTIM, SEED
@@ -109,15 +110,6 @@ def pool() -> Iterator[WorkerPool]:
     """Five reusable worker processes (LAYOUT_A's ranks)."""
     with WorkerPool(5, _worker) as workers:
         yield workers
-
-
-def run_rounds(plan: Plan, tmp_path: Path, pool: WorkerPool, rounds: tuple[int, int], save: Path | None = None,
-               resume: Path | None = None) -> list[dict[str, Any]]:
-    out_dir = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}"
-    out_dir.mkdir()
-    pool.run([(rank, plan.world_size, plan.to_json(), str(out_dir / "store"), str(out_dir), rounds,
-               str(save or ""), str(resume or "")) for rank in range(plan.world_size)])
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(plan.world_size)]
 
 
 def largest_pseudo_gradient(inner_steps: int) -> float:
@@ -214,11 +206,7 @@ def check_streamed(plan: Plan, outputs: list[dict[str, Any]], rounds: int, first
     for rank, out in enumerate(outputs):
         g = pipe_group[out["pipeline"]]
         assert out["round"] == rounds
-        for r, (inner, total, _) in enumerate(out["losses"], start=first):
-            torch.testing.assert_close(torch.tensor(inner, dtype=torch.float64),
-                                       torch.tensor(ref.group_losses[r][g], dtype=torch.float64), rtol=RTOL, atol=0)
-            want = sum(w * sum(ls) / len(ls) for w, ls in zip(group_weights(plan), ref.group_losses[r], strict=True))
-            assert total == pytest.approx(want, rel=RTOL)
+        assert_round_losses(plan, out["losses"], ref, g, first)
         # the last fragment's parameters are the global ones at a round's end; the others are compared through
         # the parameters after their own outer step (assert_fragments_agree) and the losses that follow it
         last = plan.outer_sync.fragments - 1

@@ -21,9 +21,10 @@ device, c the compute dtype's bytes:
   embedding                       forward 8 Nh; backward 4 Nh + 16 Vh (its dense [V, h] gradient)
 The W and Vh terms are per micro-batch (autocast's weight copies, the weight gradients' cast and accumulation),
 the rest per token. With RuntimeOptions.cast_once the layer's weight cast, (4 + c) W of the forward's 16-bit W
-term and one kernel per matrix (`layer_weight_cast`), runs once per step instead (cost/estimate.py charges it). Operations per micro-batch: layer 92 / 162 (16-bit; 84 / 156 without grouped-query heads),
-78 / 142 (fp32; 70 / 136); kernels 50 / 97 (48 / 95), 36 / 77 (34 / 75); head 22 / 36 (fp32 19 / 33), chunked
-15 + 43 per chunk (14 + 38) / 23; embedding 2 / 2.
+term and one kernel per matrix (`layer_weight_cast`), runs once per step instead (cost/estimate.py charges it).
+Operations per micro-batch: layer 92 / 162 (16-bit; 84 / 156 without grouped-query heads), 78 / 142 (fp32;
+70 / 136); kernels 50 / 97 (48 / 95), 36 / 77 (34 / 75); head 22 / 36 (fp32 19 / 33), chunked 15 + 43 per chunk
+(14 + 38) / 23; embedding 2 / 2.
 
 Compiled layers (torch.compile, RuntimeOptions.compile; TP 1): the elementwise operations fuse around the matrix
 products, so a layer's forward reads its input and weights and writes what it keeps for the backward and its

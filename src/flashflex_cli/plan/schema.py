@@ -165,7 +165,7 @@ class OuterSync(_Strict):
     reason: str | None = None
 
     @model_validator(mode="after")
-    def _fragments(self) -> OuterSync:
+    def _schedule(self) -> OuterSync:
         if self.fragments < 1:
             raise ValueError(f"fragments must be at least 1, got {self.fragments}")
         for g, group in enumerate(self.groups):

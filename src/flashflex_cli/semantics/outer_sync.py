@@ -179,5 +179,5 @@ def exchange_bytes(elements: int, compression: str, holders: int) -> float:
     scales (B = elements + 4 ceil(elements / INT8_BLOCK) bytes each), (n-1) B per ring link, as an all-reduce of
     n B / 2 bytes moves."""
     if compression != "int8":
-        return float(elements * COMPRESSION_BYTES[compression])
+        return float(pseudo_gradient_bytes(elements, compression))
     return (elements + 4 * -(-elements // INT8_BLOCK)) * max(1.0, holders / 2)

@@ -281,12 +281,10 @@ def rank_communicators(plan: Any) -> list[list[tuple[int, ...]]]:
     of `group_members` it belongs to, counting only groups of two or more ranks (a one-rank communicator connects
     to no peer)."""
     world = sum(stage.tp for pipe in plan.pipelines for stage in pipe.stages)
-    everyone = tuple(range(world))
-    out: list[list[tuple[int, ...]]] = [[everyone] if world > 1 else [] for _ in range(world)]
-    for spec in group_members(plan):
-        if len(spec.members) > 1:
-            for rank in spec.members:
-                out[rank].append(spec.members)
+    out: list[list[tuple[int, ...]]] = [[] for _ in range(world)]
+    for members in communicator_groups(plan):
+        for rank in members:
+            out[rank].append(members)
     return out
 
 

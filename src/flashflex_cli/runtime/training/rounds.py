@@ -16,13 +16,14 @@ tau < inner_steps / fragments makes every other exchange end inside its round, b
 `flush` finishes what is in flight (after the last round; `state_for_checkpoint` calls it).
 
 Checkpoints (taken at round ends, where every group holds the global parameters; with overlap the exchange in
-flight is finished first, so its merge falls at the round's end rather than tau steps later): the engine's state plus
-"<name>.outer_momentum" and "outer_round" (`RoundTrainer.state_for_checkpoint`); the inner AdamW moments saved
+flight is finished first, so its merge falls at the round's end rather than tau steps later): the engine's state
+plus "<name>.outer_momentum" and "outer_round" (`RoundTrainer.state_for_checkpoint`); the inner AdamW moments saved
 are group 0's (engine.plan_shard_specs). With streamed fragments the fragments but the last are mid-way between
-their outer steps at a round's end (and with merge_alpha > 0 no parameter equals its global one): the checkpoint adds their global parameters ("<name>.outer_anchor") and its
-parameters are group 0's local ones, which every group resumes from (as from group 0's moments). `load_local` resumes from a checkpoint of any plan, synchronous or grouped
-(a synchronous one has no outer momentum: it starts at zero, the round from its step count); every group of the
-new plan starts from the saved moments, with its own update count for their bias correction.
+their outer steps at a round's end (and with merge_alpha > 0 no parameter equals its global one): the checkpoint
+adds their global parameters ("<name>.outer_anchor") and its parameters are group 0's local ones, which every group
+resumes from (as from group 0's moments). `load_local` resumes from a checkpoint of any plan, synchronous or
+grouped (a synchronous one has no outer momentum: it starts at zero, the round from its step count); every group of
+the new plan starts from the saved moments, with its own update count for their bias correction.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -139,19 +140,17 @@ class RoundTrainer:
     def load_local(self, fill: Callable[[dict[str, tuple[ShardSpec, torch.Tensor]]], None]) -> None:
         """Resume in place from a checkpoint of any plan (`fill` as `RankEngine.load_local` takes it)."""
         momenta: dict[str, torch.Tensor] = {}
+        anchors: dict[str, torch.Tensor] = {}
         extra: dict[str, tuple[ShardSpec, torch.Tensor]] = {}
         for spec in self.engine.shard_specs():
-            buffer = momenta[spec.name] = torch.zeros_like(self.engine.params[spec.name][1].detach())
-            key = f"{spec.name}{MOMENTUM_SUFFIX}"
-            extra[key] = (ShardSpec(key, spec.full_shape, spec.dim, spec.start, spec.stop, spec.owner,
-                                    optional=True), buffer)
-        anchors: dict[str, torch.Tensor] = {}
-        if self.outer.saves_anchors:  # NaN: a checkpoint without anchors (its parameters are the global ones)
-            for spec in self.engine.shard_specs():
-                buffer = anchors[spec.name] = torch.full_like(self.engine.params[spec.name][1].detach(), float("nan"))
-                key = f"{spec.name}{ANCHOR_SUFFIX}"
-                extra[key] = (ShardSpec(key, spec.full_shape, spec.dim, spec.start, spec.stop, spec.owner,
-                                        optional=True), buffer)
+            local = self.engine.params[spec.name][1].detach()
+            wanted = [(MOMENTUM_SUFFIX, momenta, torch.zeros_like(local))]
+            if self.outer.saves_anchors:  # NaN: a checkpoint without anchors (its parameters are the global ones)
+                wanted.append((ANCHOR_SUFFIX, anchors, torch.full_like(local, float("nan"))))
+            for suffix, into, buffer in wanted:
+                into[spec.name] = buffer
+                key = f"{spec.name}{suffix}"
+                extra[key] = (replace(spec, name=key, optional=True), buffer)
         saved_round = torch.full((), -1, dtype=torch.int64)  # -1: a checkpoint without outer state
         extra[ROUND_KEY] = (ShardSpec(ROUND_KEY, (), None, 0, 1, self.engine.rank == 0, optional=True), saved_round)
         self.engine.load_local(lambda targets: fill({**targets, **extra}))

@@ -178,9 +178,9 @@ def weight_cast_s(cluster: Cluster, devices: Sequence[str], model: ModelSpec, tr
     """Seconds a stage of `num_layers` layers on the TP group `devices` casts its layers' weights once per step
     with RuntimeOptions.cast_once (cost/traffic.layer_weight_cast, the slowest device's pace); 0 without it (the
     forwards cast, counted in `layer_times`) and in fp32."""
-    on_cuda = is_cuda_group(cluster, devices)
-    if not params.runtime.resolved(on_cuda).cast_once:
+    if not params.runtime.cast_once:  # (a switch the device does not resolve)
         return 0.0
+    on_cuda = is_cuda_group(cluster, devices)
     part = PartShape(model, len(devices), 1, train.seq_len, params.compute_dtype or compute_dtype(train.dtype),
                      train.attention, on_cuda, cast_once=True)
     cast = layer_weight_cast(part)

@@ -239,6 +239,7 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
     partners = dp_partners(dp_plan)
     comms = stage_nccl_bytes(plan, cluster, params)
     shards = stage_optimizer_shards(plan)
+    paths = {on_cuda: params.runtime.resolved(on_cuda) for on_cuda in (False, True)}
     backward: dict[tuple[int, int], StageBackward] = {}
     for p, pipe in enumerate(plan.pipelines):
         mbs, m, count = pipe.micro_batch_size, pipe.num_micro_batches, len(pipe.stages)
@@ -291,7 +292,7 @@ def estimate(plan: Plan, cluster: Cluster, params: CostParams | None = None) -> 
         n_params = sum(stage_params_per_device(model, st.tp, st.layers[1] - st.layers[0], st.stage == 0, last))
         n_params += shards[key].own - shards[key].held  # sharded: the update covers what this stage keeps
         membw = min(cv.info(d).memory_bandwidth for d in st.devices) * params.memory_bandwidth_efficiency
-        optimizer = params.runtime.resolved(st.on_cuda).optimizer
+        optimizer = paths[st.on_cuda].optimizer
         opt = n_params * OPTIMIZER_BYTES_PER_PARAM[str(optimizer)] / membw
         # the next step's cast follows the update; its schedule waits for it
         cast = weight_cast_s(cluster, st.devices, model, train, params, st.layers[1] - st.layers[0])

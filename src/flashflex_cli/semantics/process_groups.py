@@ -20,23 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from .outer_sync import group_pipelines, group_ranks, grouped
 from .parameters import ParamInfo, model_params, shard_bounds
-
-
-class StageLike(Protocol):
-    """What this module reads of a plan's stage."""
-
-    @property
-    def tp(self) -> int: ...
-
-    @property
-    def layers(self) -> tuple[int, int]: ...
-
-    @property
-    def devices(self) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -78,15 +65,20 @@ def layer_stages(plan: Any) -> list[list[int]]:
     return table
 
 
-def _stages_of(plan: Any, pipeline: int, info: ParamInfo, table: list[list[int]]) -> list[int]:
-    """The stages of `pipeline` holding `info`: one, or the first and the last for a tied embedding (`table`:
-    `layer_stages(plan)`)."""
-    last = len(plan.pipelines[pipeline].stages) - 1
+def _holding_stages(plan: Any, info: ParamInfo, pipelines: list[int], table: list[list[int]]) -> list[tuple[int, int]]:
+    """(pipeline, stage) of every stage of `pipelines` holding `info`: one per pipeline, or its first and last
+    for a tied embedding (`table`: `layer_stages(plan)`)."""
     if info.name == "embed":
-        return [0, last] if plan.inputs.model.tie_embeddings and last > 0 else [0]
+        tied = plan.inputs.model.tie_embeddings
+        out = []
+        for p in pipelines:
+            last = len(plan.pipelines[p].stages) - 1
+            out += [(p, 0), (p, last)] if tied and last > 0 else [(p, 0)]
+        return out
     if info.name in ("norm", "head"):
-        return [last]
-    return [table[pipeline][int(info.name.split(".")[1])]]
+        return [(p, len(plan.pipelines[p].stages) - 1) for p in pipelines]
+    layer = int(info.name.split(".")[1])
+    return [(p, table[p][layer]) for p in pipelines]
 
 
 def stage_ranks(plan: Any) -> list[list[list[int]]]:
@@ -139,39 +131,47 @@ def outer_slice_holders(plan: Any) -> list[SliceHolders]:
 
 
 def _holders(plan: Any, pipeline_sets: list[list[int]]) -> list[SliceHolders]:
-    """The finest common slices of every parameter among the pipelines of each set (parameters first, then sets)."""
+    """The finest common slices of every parameter among the pipelines of each set (parameters first, then sets).
+    Parameters held by the same stages and cut along an equally long dimension (a layer's projections, layers
+    that sit in the same stage of every pipeline) share one computation of their slices (`cuts`)."""
     ranks, table = stage_ranks(plan), layer_stages(plan)
+    cuts: dict[tuple, list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]] = {}
     out: list[SliceHolders] = []
     for info in model_params(plan.inputs.model):
         for pipelines in pipeline_sets:
-            out += _param_holders(plan, info, pipelines, ranks, table)
+            out += _param_holders(plan, info, pipelines, ranks, table, cuts)
     return out
 
 
 def _param_holders(plan: Any, info: ParamInfo, pipelines: list[int], ranks: list[list[list[int]]],
-                   table: list[list[int]]) -> list[SliceHolders]:
-    """The finest common slices of one parameter among `pipelines`."""
-    holding: list[tuple[StageLike, list[int]]] = []
-    tied = False
-    for p in pipelines:
-        stages = _stages_of(plan, p, info, table)
-        tied = tied or len(stages) > 1
-        for s in stages:
-            holding.append((plan.pipelines[p].stages[s], ranks[p][s]))
+                   table: list[list[int]], cuts: dict[tuple, list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]]
+                   ) -> list[SliceHolders]:
+    """The finest common slices of one parameter among `pipelines`; `cuts`: the slices (start, stop, sorted holders,
+    holders by stage) already found, by holding stages and length."""
+    holding = _holding_stages(plan, info, pipelines, table)
+    tied = len(holding) > len(pipelines)
     if info.shard_dim is None:
-        members = tuple(sorted(r for _, rs in holding for r in rs))
-        contributors = tuple(rs[0] for _, rs in holding)
+        members = tuple(sorted(r for p, s in holding for r in ranks[p][s]))
+        contributors = tuple(ranks[p][s][0] for p, s in holding)
         return [SliceHolders(info.name, None, 0, info.shape[0], members, contributors, len(holding), tied)]
-    out: list[SliceHolders] = []
     n = info.shape[info.shard_dim]
-    cuts = sorted({b for st, _ in holding for t in range(st.tp) for b in shard_bounds(n, st.tp, t)})
-    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-        owners = []
-        for st, rs in holding:
-            t = min(st.tp - 1, ((a + 1) * st.tp - 1) // n)  # the floor split's shard holding index a
-            owners.append(rs[t])
-        out.append(SliceHolders(info.name, info.shard_dim, a, b, tuple(sorted(owners)), tuple(owners),
-                                len(holding), tied))
+    key = (tuple(holding), n)
+    found = cuts.get(key)
+    if found is None:
+        found = cuts[key] = _slices(n, [(plan.pipelines[p].stages[s].tp, ranks[p][s]) for p, s in holding])
+    return [SliceHolders(info.name, info.shard_dim, a, b, members, owners, len(holding), tied)
+            for a, b, members, owners in found]
+
+
+def _slices(n: int, holding: list[tuple[int, list[int]]]) -> list[tuple[int, int, tuple[int, ...], tuple[int, ...]]]:
+    """The finest common slices [start, stop) of an n-long dimension split by holding stages of (TP degree, ranks):
+    (start, stop, holders sorted, holders in stage order)."""
+    bounds = sorted({b for tp, _ in holding for t in range(tp) for b in shard_bounds(n, tp, t)})
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        # the floor split's shard holding index a, on each stage
+        owners = tuple([rs[min(tp - 1, ((a + 1) * tp - 1) // n)] for tp, rs in holding])
+        out.append((a, b, tuple(sorted(owners)), owners))
     return out
 
 

@@ -42,8 +42,8 @@ def equal_layers(num_layers: int, stages: int) -> list[int]:
     return [q + (1 if s < r else 0) for s in range(stages)]
 
 
-def _layout(cache: CostCache, tp: int, pp: int, dp: int) -> tuple[tuple[Devs, ...], ...]:
-    groups = [tuple(range(r, r + tp)) for r in range(0, tp * pp * dp, tp)]
+def _layout(groups: list[Devs], pp: int, dp: int) -> tuple[tuple[Devs, ...], ...]:
+    """Replica d's stage s is TP group s * dp + d of `groups` (every TP group of the degree, in device order)."""
     return tuple(tuple(groups[s * dp + d] for s in range(pp)) for d in range(dp))
 
 
@@ -82,11 +82,12 @@ def uniform_layouts(cache: CostCache, total_micro: int) -> list[UniformLayout]:
     for tp in tp_degrees(cache.model, common):
         if common % tp:
             continue
+        groups = [tuple(range(r, r + tp)) for r in range(0, g.size - tp + 1, tp)]
         for pp in range(1, min(layers, g.size // tp) + 1):
             room = g.size // (tp * pp)
             dps = [d for d in range(room, 0, -1) if total_micro % d == 0 and total_micro // d >= pp][:3]
             for dp in dps:
-                pipes = _layout(cache, tp, pp, dp)
+                pipes = _layout(groups, pp, dp)
                 fast = _fast_score(cache, pipes, total_micro // dp)
                 if fast is not None:
                     out.append(UniformLayout(tp, pp, dp, pipes, fast))

@@ -11,7 +11,7 @@ so a time T is reachable iff every cap_s(T) = min(c_s, floor((T - e_s) / t_s)) >
 sum_s cap_s(T) >= L. The optimum is one of the values n * t_s + e_s; starting from a lower bound (the
 continuous relaxation) we step through those breakpoints in increasing order until T is reachable,
 which finds the smallest reachable one exactly (each step adds at least one layer of room, so at most
-L steps of O(S)). Among the optimal splits we take
+L steps, each O(K log S) over the K kinds of stage). Among the optimal splits we take
 the one with the least total work sum n_s * t_s (layers go to the fastest stages first), which
 shortens the pipeline's fill and drain. (tests/test_planner_splits.py checks it against the textbook
 O(S L^2) dynamic programme.)
@@ -20,6 +20,7 @@ O(S L^2) dynamic programme.)
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Sequence
 
 _EPS = 1e-12
@@ -39,37 +40,58 @@ def split_layers(
     stage s; max_layers[s]: memory cap of stage s in layers.
     """
     t, e = per_layer_s, extra_s
-    c = [m if m < num_layers else num_layers for m in max_layers]
     stages = len(t)
-    if stages == 0 or stages > num_layers or min(c) < 1 or sum(c) < num_layers:
+    if stages == 0 or stages > num_layers:
         return None
+    c = [m if m < num_layers else num_layers for m in max_layers]
+    if min(c) < 1 or sum(c) < num_layers:
+        return None
+    # Stages of one kind (equal t and e: the same TP degree on the same device type) have the same room at
+    # every limit but their caps, so the walk runs over kinds (the planner's hottest loop): a kind's caps sorted,
+    # with prefix sums, give its room at a limit by one bisection.
+    caps_by_kind: dict[tuple[float, float], list[int]] = {}
+    for key, cap in zip(zip(t, e, strict=True), c, strict=True):
+        found = caps_by_kind.get(key)
+        if found is None:
+            caps_by_kind[key] = [cap]
+        else:
+            found.append(cap)
     # Start at a lower bound: every stage holds a layer, and the continuous relaxation
     # sum_s (T - e_s) / t_s = L; then walk up the breakpoints n * t_s + e_s in increasing order.
-    inverse = sum([1.0 / x for x in t])
-    limit = max(max([x + y for x, y in zip(t, e, strict=True)]),
-                (num_layers + sum([y / x for x, y in zip(t, e, strict=True)])) / inverse)
-    # _room inlined (the planner's hottest loop): every stage's room at `limit`, then at the next breakpoint
-    # (`step`) until the rooms hold the layers. A stage whose room reaches its cap keeps it at every larger
-    # limit, so it leaves the loop (`active`: the others; `full`: the room of the stages at their cap).
+    inverse, shift, slowest = 0.0, 0.0, 0.0
+    kinds = []
+    for (ts, es), caps in caps_by_kind.items():
+        count = len(caps)
+        inverse += count / ts
+        shift += count * es / ts
+        if ts + es > slowest:
+            slowest = ts + es
+        caps.sort()
+        prefix = [0]
+        for cap in caps:
+            prefix.append(prefix[-1] + cap)
+        kinds.append((ts, es, caps, prefix, count))
+    limit = max(slowest, (num_layers + shift) / inverse)
+    # _room inlined: every kind's room at `limit`, then at the next breakpoint (`step`) until the rooms hold the
+    # layers. A kind whose every stage is at its cap keeps that room at every larger limit, so it leaves the loop
+    # (`active`: the others; `full`: the room of the kinds at their caps).
     floor, scale = math.floor, 1 + _EPS
-    caps = list(c)  # each stage's room at `limit`
-    active = list(zip(range(stages), t, e, c, strict=True))
-    full = 0
+    active, full = kinds, 0
     while True:
         room, step, still = full, math.inf, []
-        for s, ts, es, cs in active:
+        for kind in active:
+            ts, es, caps, prefix, count = kind
             n = floor((limit - es) / ts * scale + 1e-9)
-            if n < cs:
-                room += n
-                caps[s] = n
-                still.append((s, ts, es, cs))
+            below = bisect_right(caps, n)  # stages whose cap is at most n
+            if below < count:
+                room += prefix[below] + n * (count - below)
+                still.append(kind)
                 nxt = (n + 1) * ts + es
                 if nxt < step:
                     step = nxt
             else:
-                room += cs
-                full += cs
-                caps[s] = cs
+                room += prefix[count]
+                full += prefix[count]
         active = still
         if room >= num_layers:
             break
@@ -77,7 +99,10 @@ def split_layers(
     counts = [1] * stages
     left = num_layers - stages
     for s in sorted(range(stages), key=t.__getitem__):  # stable: ties in stage order
-        take = min(left, caps[s] - 1)
+        n = floor((limit - e[s]) / t[s] * scale + 1e-9)
+        take = (c[s] if c[s] < n else n) - 1
+        if take > left:
+            take = left
         counts[s] += take
         left -= take
         if left == 0:

@@ -70,7 +70,7 @@ class Trials(TrialSpace):
             if room < layers:  # the exact figure, inf, without a layer split
                 self._seen[key] = (INFEASIBLE, UNFIT)
                 return INFEASIBLE
-            if count <= most and 2 * room < 3 * layers:  # memory binds: worth a probe
+            if count <= most:  # memory binds: worth a probe
                 links = self._links(pieces, (), None)
                 probed = self._slower_than(terms, links, limit)
                 if probed is not None:

@@ -7,8 +7,8 @@ so a trial costs O(1), resp. O(blocks) joins. A trial with more stages than laye
 `stage_search.assemble` does) and is bounded over the kept stages piece by piece (`kept.Kept`). Only a trial
 whose bound is below the best so far is evaluated. One whose layers do not fit in its stages' memory costs inf,
 known from its pieces' memory rooms without a layer split (`pieces.TrialSpace.fits`; in a unit sweep from the
-other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`). Where memory binds, a trial that could only win
-at a pace its layers cannot keep (each stage and each two adjacent stages within that pace, `Trials._slower_than`)
+other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`). A trial that could only win at a pace its layers
+cannot keep (each stage and each two adjacent stages within that pace, memory caps included, `Trials._slower_than`)
 is not split either. Otherwise its layers are split exactly, and when its exact fill and slowest stage / adjacent
 pair of stages (a lower bound on the period) already show that it cannot win, the window search is skipped and
 nothing is memoised (`Trials.cost_below`, `pipeline_score.evaluate_unless`); else it is evaluated in full
@@ -70,7 +70,7 @@ class Trials(TrialSpace):
             if room < layers:  # the exact figure, inf, without a layer split
                 self._seen[key] = (INFEASIBLE, UNFIT)
                 return INFEASIBLE
-            if count <= most:  # memory binds: worth a probe
+            if count <= most:  # a probe of the pace it would need, before a layer split
                 links = self._links(pieces, (), None)
                 probed = self._slower_than(terms, links, limit)
                 if probed is not None:

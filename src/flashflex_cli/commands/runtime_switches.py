@@ -56,7 +56,7 @@ LOSS_KERNEL: Any = typer.Option(None, VALUE_FLAGS["loss_kernel"][0], help="The c
                                 "project's, the default) or torch (torch's linear_cross_entropy at TP 1 where the "
                                 "installed torch has it).")
 COMPILE_SCOPE: Any = typer.Option(None, VALUE_FLAGS["compile_scope"][0], help="With --compile: block (each layer "
-                                  "its own graph), stage (a TP-1 stage's whole forward one graph) or auto (the "
+                                  "its own graph), stage (a stage's whole forward one graph; at TP > 1 its all-reduces traced) or auto (the "
                                   f"default: stage up to {STAGE_GRAPH_MAX_LAYERS} layers at TP 1, else block).")
 
 

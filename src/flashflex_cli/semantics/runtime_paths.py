@@ -10,8 +10,8 @@ Paths:
 - lean_p2p, overlap_dp, hierarchical_dp: the communication paths (runtime/parallel/pipeline.py, runtime/parallel/grad_sync.py).
 - compile: each decoder layer compiled with torch.compile (default: on CUDA devices only).
 - compile_scope (with compile): "block", each decoder layer its own graph (shared by all layers), the final norm and
-  the loss's chunks apart; "stage", at TP 1 the whole stage's forward (embedding, layers, final norm, loss) one
-  graph (at TP > 1 per block, the TP collectives being kept out of graphs); "auto", `stage_compile_scope`'s rule.
+  the loss's chunks apart; "stage", the whole stage's forward (embedding, layers, final norm, loss) one graph (at
+  TP > 1 its all-reduces traced as functional collectives); "auto", `stage_compile_scope`'s rule.
   The record holds rank 0's resolved choice.
 - chunked_loss: the output projection and cross-entropy computed in chunks of tokens (`loss_chunk_tokens`), so no
   [tokens, vocab] fp32 logits are ever held; False: the whole logits tensor, upcast to fp32 for the loss.
@@ -55,21 +55,23 @@ STAGE_GRAPH_MAX_LAYERS = 32
 
 def stage_compile_scope(setting: str, tp: int, num_layers: int) -> str:
     """The compile scope a stage of `num_layers` layers at TP degree `tp` runs under RuntimeOptions.compile_scope
-    `setting`: "block" at TP > 1 whatever the setting (its collectives stay outside graphs: a whole-stage graph
-    would break at each of them anyway); "auto": "stage" at TP 1 up to STAGE_GRAPH_MAX_LAYERS layers, else
+    `setting`: "stage" and "block" as set; "auto": "stage" at TP 1 up to STAGE_GRAPH_MAX_LAYERS layers, else
     "block".
 
-    Why "stage" for "auto": one graph lets inductor fuse across the layers' boundaries (each residual add with
-    the next layer's RMSNorm) and the final norm with the loss's first pass, and runs one compiled call per
+    Why "stage" for "auto" at TP 1: one graph lets inductor fuse across the layers' boundaries (each residual add
+    with the next layer's RMSNorm) and the final norm with the loss's first pass, and runs one compiled call per
     micro-batch instead of one per layer; issue 31 records the project's Llama 1B compiled whole at 544 ms a step
     on an H100 against 605 ms per block on the faster-memory H200 (seq 2048, 16 sequences a step).
     benchmarks/bench_gpu_runtime.py --ablations measures both scopes on one GPU (rows "compile scope block" and
-    "compile scope stage"), with each one's compile seconds."""
-    if tp > 1 or setting == "block":
+    "compile scope stage"), with each one's compile seconds. Why "block" for "auto" at TP > 1: there a whole-stage
+    graph traces the layers' all-reduces as functional collectives (runtime/model/compiled.py), which no run has
+    measured against per block yet (one GPU holds no TP group); per block keeps their timing and a compile time
+    that does not grow with depth. `--compile-scope stage` compiles a TP > 1 stage whole."""
+    if setting == "block":
         return "block"
     if setting == "stage":
         return "stage"
-    return "stage" if num_layers <= STAGE_GRAPH_MAX_LAYERS else "block"
+    return "stage" if tp == 1 and num_layers <= STAGE_GRAPH_MAX_LAYERS else "block"
 
 LOSS_KERNELS: tuple[str, ...] = get_args(LossKernel)
 

@@ -16,10 +16,15 @@ modules themselves untouched (parameter names, checkpoints and hooks unchanged):
   says how they split around the vocabulary-parallel all-reduces). The unchunked loss (`chunked_loss` off)
   stays eager: it is kept as the recorded runs' path, for comparison.
 - not the embedding: a lookup (plus, at TP > 1, a masked lookup and an all-reduce) has nothing to fuse.
-- or, compile scope "stage" (TP 1 only): the stage's whole forward, `StageModule.run_parts` (embedding, layers,
-  final norm, loss), one torch.compile'd function in `StageRunners.whole`; the chunked loss's autograd Function
-  and its loop break the graph where dynamo cannot trace them, and run their compiled chunk functions there.
-  Its compile time grows with the stage's depth (STAGE_GRAPH_MAX_LAYERS bounds what "auto" compiles whole).
+- or, compile scope "stage": the stage's whole forward, `StageModule.run_parts` (embedding, layers, final norm,
+  loss), one torch.compile'd function in `StageRunners.whole`; the chunked loss's autograd Function and its loop
+  break the graph where dynamo cannot trace them, and run their compiled chunk functions there. At TP > 1 the
+  layers' collectives are functional all-reduces traced into the graph (`TPContext.trace_collectives`: no graph
+  break at them, so inductor sees, and may reorder, across them; they are not timed as TP communication then),
+  and the warm-up runs them for real on every rank of the group (all of them compile the same graph, so a
+  compiler failure stops each before its first collective); the vocabulary-parallel loss's all-reduces stay the
+  in-place ones. Its compile time grows with the stage's depth (STAGE_GRAPH_MAX_LAYERS bounds what "auto" compiles
+  whole).
 
 `warm_up` runs the compiled stage once on dummy inputs of the real shapes (forward and backward, under the run's
 autocast, recompute as configured), with the TP collectives muted, so the compilation happens before step 0 and
@@ -48,16 +53,20 @@ CompileBackend = str | Callable[..., Any]
 
 def compile_stage(module: StageModule, backend: CompileBackend = "inductor", scope: str = "block") -> None:
     """Run `module`'s layers, final norm and chunked loss compiled (module docstring), per block, or with
-    `scope` "stage" at TP 1 its whole forward as one compiled function (the loss's chunk functions compiled
-    inside it where it breaks its graph). The compilation itself happens at the first call (`warm_up`)."""
+    `scope` "stage" its whole forward as one compiled function (the loss's chunk functions compiled inside it where
+    it breaks its graph; at TP > 1 the layers' collectives traced). The compilation itself happens at the first
+    call (`warm_up`)."""
     if module.tp.size > 1:
-        module.tp.keep_collectives_eager()
+        if scope == "stage":
+            module.tp.trace_collectives()
+        else:
+            module.tp.keep_collectives_eager()
 
     def compiled(part: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         return torch.compile(part, backend=backend, dynamic=False)
 
     loss = compile_kernels(backend) if module.last else EAGER_KERNELS
-    if scope == "stage" and module.tp.size == 1:
+    if scope == "stage":
         module.runners = StageRunners(layers=tuple(module.layers), norm=module.norm if module.last else None,
                                       loss=loss, whole=compiled(module.run_parts))
         return
@@ -67,8 +76,9 @@ def compile_stage(module: StageModule, backend: CompileBackend = "inductor", sco
 
 
 def eager_stage(module: StageModule) -> None:
-    """Run `module` uncompiled again (what `StageModule` builds)."""
+    """Run `module` uncompiled again (what `StageModule` builds), its TP collectives the timed in-place ones."""
     module.runners = StageRunners(tuple(module.layers), module.norm if module.last else None, EAGER_KERNELS)
+    module.tp.plain_collectives()
 
 
 def is_compiled(module: StageModule) -> bool:
@@ -90,13 +100,16 @@ def _muted(module: StageModule) -> Iterator[None]:
 def dummy_inputs(module: StageModule, micro_batch: int, seq_len: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What the stage's forward takes in training, with made-up values: tokens int64 [b, s] (first stage) or a
-    hidden state fp32 [b, s, hidden] that needs a gradient; targets int64 [b, s] on the last stage (else None)."""
+    hidden state fp32 [b, s, hidden] that needs a gradient; targets int64 [b, s] on the last stage (else None).
+    Tokens and targets are views of one [b, s + 1] row as in training (RankEngine.train_step), strides included:
+    a compiled graph is specialised on them."""
     shape = (micro_batch, seq_len)
+    rows = torch.zeros((micro_batch, seq_len + 1), dtype=torch.int64, device=device)
     if module.first:
-        x = torch.zeros(shape, dtype=torch.int64, device=device)
+        x = rows[:, :-1]
     else:
         x = torch.randn((*shape, module.spec.hidden_size), device=device).requires_grad_(True)
-    targets = torch.zeros(shape, dtype=torch.int64, device=device) if module.last else None
+    targets = rows[:, 1:] if module.last else None
     return x, targets
 
 

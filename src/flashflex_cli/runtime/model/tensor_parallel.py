@@ -8,6 +8,8 @@ the union of two shards of a TP-4 group.
 Autograd operators (identity when the group has one rank):
 - `copy_to_tp`: forward identity, backward all-reduce (input of a column-parallel linear);
 - `reduce_from_tp`: forward all-reduce, backward identity (output of a row-parallel linear);
+  both in-place on the process group (timed, mutable for a compile warm-up), or, for a stage compiled whole, as
+  functional collectives torch.compile traces (`TPContext.trace_collectives`);
 - `vocab_parallel_embedding`, `vocab_parallel_cross_entropy`: vocabulary split along dim 0 of the weight.
 """
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.nn import functional
 
 
@@ -41,6 +44,43 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         return grad, None
+
+
+class _TracedCopyToTP(torch.autograd.Function):
+    """`_CopyToTP` with a functional all-reduce (torch.distributed._functional_collectives), which torch.compile
+    traces into its graph: a new tensor, no in-place call on the process group."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        # a copy, not a view: a view leaving a compiled graph (the head's input, where the loss breaks the graph) is
+        # replayed outside it by AOTAutograd, which loses this backward's all-reduce (inside a graph the compiler
+        # removes the copy)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group), None
+
+
+class _TracedReduceFromTP(torch.autograd.Function):
+    """`_ReduceFromTP` with a functional all-reduce (see `_TracedCopyToTP`)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        return funcol.all_reduce(x.contiguous(), "sum", group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def _traced_copy_apply(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    return _TracedCopyToTP.apply(x, tp.group)
+
+
+def _traced_reduce_apply(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
+    return _TracedReduceFromTP.apply(x, tp.group)
 
 
 def _copy_apply(x: torch.Tensor, tp: TPContext) -> torch.Tensor:
@@ -72,8 +112,11 @@ class TPContext:
     reduce_fn: Callable[[torch.Tensor, TPContext], torch.Tensor] = field(default=_reduce_apply, repr=False,
                                                                           compare=False)
 
+    @torch.compiler.disable
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-        """All-reduce `x` in place over the group (no-op for size 1 or when muted); returns `x`."""
+        """All-reduce `x` in place over the group (no-op for size 1 or when muted); returns `x`. Never traced by
+        torch.compile (a graph break where a compiled region calls it: the vocabulary-parallel loss's reductions),
+        so a compiled graph does not depend on `muted`."""
         if self.size > 1 and not self.muted:
             start = time.perf_counter()
             dist.all_reduce(x, op=op, group=self.group)
@@ -87,6 +130,18 @@ class TPContext:
 
         self.copy_fn = torch.compiler.disable(_copy_apply)
         self.reduce_fn = torch.compiler.disable(_reduce_apply)
+
+    def plain_collectives(self) -> None:
+        """`copy_to_tp` / `reduce_from_tp` as built: the in-place, timed all-reduces (an eager stage)."""
+        self.copy_fn = _copy_apply
+        self.reduce_fn = _reduce_apply
+
+    def trace_collectives(self) -> None:
+        """Make `copy_to_tp` / `reduce_from_tp` functional all-reduces that torch.compile traces into its graph (a
+        stage compiled whole at TP > 1): no graph break at them, so the compiler sees across a layer's collectives;
+        they are then neither timed (`comm_seconds`) nor muted (a warm-up runs them on every rank of the group)."""
+        self.copy_fn = _traced_copy_apply
+        self.reduce_fn = _traced_reduce_apply
 
 
 def copy_to_tp(x: torch.Tensor, tp: TPContext) -> torch.Tensor:

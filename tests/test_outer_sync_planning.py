@@ -10,7 +10,7 @@ import pytest
 
 from flashflex_cli.cost.comm import ring_allreduce_seconds, ring_link
 from flashflex_cli.cost.estimate import estimate
-from flashflex_cli.cost.outer_sync import cross_bytes_per_token, group_plan, round_estimate
+from flashflex_cli.cost.outer_sync import cross_bytes, cross_bytes_per_token, group_plan, round_estimate
 from flashflex_cli.cost.params import CostParams
 from flashflex_cli.errors import InputError
 from flashflex_cli.hardware.synthetic import build_cluster
@@ -26,6 +26,7 @@ from flashflex_cli.planner.search.replica_groups import (
     inner_steps_for,
     parse_inner_steps,
 )
+from flashflex_cli.semantics.process_groups import outer_slice_holders
 from tests.conftest import FLASHFLEX
 
 SLOW = "2x4xA100-80G-SXM:nic=eth:bw=1"  # two nodes joined by 1 Gbit/s Ethernet
@@ -161,3 +162,25 @@ def test_cli_local_plan_round_trips(tmp_path: Path) -> None:
     assert "local sync: 2 replica groups" in shown.stdout
     tokens = f"{plan.predicted['tokens_per_s']:,.0f} tokens/s"  # the round's prediction, not one step's
     assert tokens in shown.stdout
+
+
+def test_int8_pseudo_gradients_cross_the_slow_links_as_an_all_gather() -> None:
+    """int8 pseudo-gradients are all-gathered with their scales (an int8 sum would overflow): in a ring of n
+    holders each link carries (n - 1) payloads of E + scales bytes for E elements, where bf16's all-reduce carries
+    2 (n - 1) / n 2 E: int8 crosses n / 4 of bf16's bytes (plus the scales' 4 / 1024), not the half a 1-byte
+    all-reduce would give; past 4 holders more than bf16."""
+    cluster = build_cluster("3x4xA100-80G-SXM:nic=eth:bw=1")
+    train = TrainConfig(global_batch=48, seq_len=1024)
+    synchronous = plan_layout(cluster, MODEL, train, time_budget_s=5)
+    synchronous = synchronous.model_copy(update={"predicted": Predicted.model_validate(
+        estimate(synchronous, cluster).to_predicted())})
+    local = choose_sync("local", synchronous, cluster, planner(), CostParams())
+    assert local.outer_sync is not None and len(local.outer_sync.groups) == 3
+    node_of = {d: i // 4 for i, d in enumerate(cluster.device_ids)}
+    sites = [node_of[d] for pipe in local.pipelines for stage in pipe.stages for d in stage.devices]
+    slices = outer_slice_holders(local)
+    holders = {len(sl.ranks) for sl in slices if sl.needs_reduce}
+    assert len(holders) == 1 and min(holders) >= 3  # one ring size, one holder per pipeline (at least one a group)
+    n = holders.pop()
+    ratio = cross_bytes(slices, "int8", sites, local) / cross_bytes(slices, "bf16", sites, local)
+    assert n / 4 <= ratio <= n / 4 * (1 + 4 / 1024) * 1.01

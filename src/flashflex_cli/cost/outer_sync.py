@@ -26,7 +26,6 @@ from typing import Any
 from ..hardware.cluster import Cluster
 from ..plan.schema import Plan
 from ..semantics.outer_sync import (
-    COMPRESSION_BYTES,
     exchange_bytes,
     group_inner_steps,
     group_pipelines,
@@ -40,7 +39,7 @@ from .estimate import Estimate, estimate
 from .params import CostParams
 from .view import view
 
-GRADIENT_BYTES = 4  # the synchronous reduction's fp32 gradient elements (runtime/parallel/grad_sync.py)
+GRADIENT_WIRE = "fp32"  # the synchronous reduction's gradient elements (runtime/parallel/grad_sync.py)
 
 
 def group_plan(plan: Plan, group: int) -> Plan:
@@ -166,9 +165,10 @@ def round_predicted(plan: Plan, cluster: Cluster, params: CostParams | None = No
     return rounded.to_predicted(base)
 
 
-def cross_bytes(slices: Sequence[Any], element_bytes: float, rank_site: Sequence[int], plan: Plan) -> float:
-    """Bytes the ring all-reduces of `slices` (those needing a reduction, grouped by holder set) put on links
-    between sites, `rank_site[r]` the site of rank r (module docstring)."""
+def cross_bytes(slices: Sequence[Any], wire: str, rank_site: Sequence[int], plan: Plan) -> float:
+    """Bytes the ring reductions of `slices` (those needing a reduction, grouped by holder set) put on links
+    between sites, `rank_site[r]` the site of rank r (module docstring), in the wire format `wire` (fp32, bf16:
+    all-reduced; int8: all-gathered with its scales, semantics/outer_sync.exchange_bytes)."""
     per_set: dict[tuple[int, ...], int] = {}
     for sl in slices:
         if sl.needs_reduce:
@@ -177,7 +177,7 @@ def cross_bytes(slices: Sequence[Any], element_bytes: float, rank_site: Sequence
     for members, elements in per_set.items():
         n = len(members)
         crossings = sum(1 for i in range(n) if rank_site[members[i]] != rank_site[members[(i + 1) % n]])
-        total += crossings * 2 * (n - 1) / n * elements * element_bytes
+        total += crossings * 2 * (n - 1) / n * exchange_bytes(elements, wire, n)
     return total
 
 
@@ -203,11 +203,10 @@ def cross_bytes_per_token(plan: Plan, rank_site: Sequence[int]) -> float:
     of replica groups' inner reductions per step plus its outer all-reduce per round."""
     seq_len = plan.inputs.train.seq_len
     if plan.outer_sync is None:
-        step = cross_bytes(slice_holders(plan), GRADIENT_BYTES, rank_site, plan) + boundary_bytes(plan, rank_site)
+        step = cross_bytes(slice_holders(plan), GRADIENT_WIRE, rank_site, plan) + boundary_bytes(plan, rank_site)
         return step / (plan.inputs.train.global_batch * seq_len)
     # per step of every group
-    inner = cross_bytes(slice_holders(plan), GRADIENT_BYTES, rank_site, plan) + boundary_bytes(plan, rank_site)
-    wire = COMPRESSION_BYTES[plan.outer_sync.compression]
-    outer = cross_bytes(outer_slice_holders(plan), wire, rank_site, plan)
+    inner = cross_bytes(slice_holders(plan), GRADIENT_WIRE, rank_site, plan) + boundary_bytes(plan, rank_site)
+    outer = cross_bytes(outer_slice_holders(plan), plan.outer_sync.compression, rank_site, plan)
     steps = max(group_inner_steps(plan))
     return (inner * steps + outer) / (sum(group_round_sequences(plan)) * seq_len)

@@ -9,6 +9,15 @@ configuration RUN/config.json is rewritten with the new plan and cluster and res
 batch is kept and the data order depends only on (seed, step), so step k trains on the same tokens under any
 plan (runtime/training/data.py); the learning-rate schedule is kept too (--steps / --schedule-steps).
 
+A plan of replica groups (`outer_sync`, semantics/outer_sync.py) that lost only whole groups, with a group left,
+is not re-planned: the new plan is the old one without those groups (group_loss.py: the other groups keep their
+pipelines, stages and inner steps; the global batch is what they train; one group left is a synchronous plan),
+when its rounds divide --steps, --checkpoint-every and the resume step. Its event's reason is "lost replica
+groups", with their indices in `lost_groups`. A group lost in part (or groups whose rounds do not fit) is
+re-planned on the reduced cluster, in replica groups as `flashflex plan --sync local` makes them (H within the
+old groups' inner steps) where the fleet has slow links to cut along and their rounds fit the run, else
+synchronously. The --cluster-watch re-plan (and the torchrun path, elastic_worker.py) plans synchronously.
+
 With `--cluster-watch FILE`, a change of FILE (cluster_watch.py) is planned at once; when the new plan's
 predicted tokens/s beats the plan in force on that cluster by at least --replan-gain percent, every rank is
 asked to stop at its next step boundary with a checkpoint (local.LocalJob.request_stop; only once training
@@ -36,11 +45,13 @@ from ..cost.params import CostParams
 from ..errors import FlashflexError, InputError, RuntimeFailure
 from ..fileio import atomic_write_text
 from ..hardware.cluster import Cluster
-from ..plan.schema import Plan
+from ..plan.schema import Plan, TrainConfig
 from ..run_config import RunConfig
+from ..semantics.outer_sync import group_inner_steps
 from .cluster_watch import ClusterWatch
 from .elastic_options import ElasticSettings, cost_params
 from .failures import checkpoint_stamp, describe_local_failure
+from .group_loss import RunSteps, group_loss_plan
 from .local import JobOutcome, LocalJob, RankExit, interrupted, run_job
 
 EVENTS_FILE = "events.jsonl"
@@ -60,13 +71,15 @@ class Layout:
 
 @dataclass
 class Replan:
-    """A decided change: the new layout, why, the devices lost, and the predictions compared (tokens/s)."""
+    """A decided change: the new layout, why, the devices lost (and the replica groups lost whole), and the
+    predictions compared (tokens/s)."""
 
     new: Layout
     reason: str
     lost: list[str] = field(default_factory=list)
     before_tps: float | None = None
     after_tps: float | None = None
+    groups: list[int] = field(default_factory=list)  # replica groups lost whole (launch/group_loss.py)
 
 
 # ---- pure pieces ---------------------------------------------------------------------------------------------
@@ -115,12 +128,17 @@ def reduced_cluster(cluster: Cluster, lost: list[str]) -> Cluster:
 
 
 def predicted_tokens_per_s(plan: Plan, cluster: Cluster, params: CostParams) -> float | None:
-    """The cost model's tokens/s for `plan` on `cluster` (None: it cannot run there)."""
+    """The cost model's tokens/s for `plan` on `cluster` (None: it cannot run there); a round's for replica
+    groups (cost/outer_sync.py)."""
     from ..cost.reestimate import validate_plan
 
     checked = validate_plan(plan, cluster, params)
     if not checked.ok or checked.estimate is None:
         return None
+    if plan.outer_sync is not None:
+        from ..cost.outer_sync import round_estimate
+
+        return float(round_estimate(plan, cluster, params).tokens_per_s)
     return float(checked.estimate.tokens_per_s)
 
 
@@ -144,10 +162,12 @@ def replan_sharding(old: Plan) -> str:
     return "on" if old.optimizer_sharding is not None else "off"
 
 
-def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, time_budget_s: float) -> Plan:
+def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, time_budget_s: float,
+           rounds: RunSteps | None = None) -> Plan:
     """A plan of `old`'s model and training configuration for `cluster`, with `old`'s strategy ("flashflex" for a
     hand-made plan), seed and optimizer sharding decision (`replan_sharding`, recorded in the new plan's inputs:
-    a later re-plan decides the same way); InfeasibleError when none fits."""
+    a later re-plan decides the same way); InfeasibleError when none fits. With `rounds` (the run it continues) a
+    plan of replica groups is re-planned in replica groups where it can (`regrouped`)."""
     from ..cost.estimate import estimate
     from ..cost.reestimate import reestimated
     from ..planner.search import STRATEGIES, plan_layout
@@ -157,14 +177,35 @@ def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, t
     strategy = inputs.strategy if inputs.strategy in STRATEGIES else "flashflex"
     micro_batch, max_micro_batch = replan_micro_batch(old)
     mode = replan_sharding(old)
-    plan, _ = choose_sharding(lambda ways: plan_layout(
-        cluster, inputs.model, inputs.train, strategy=strategy, time_budget_s=time_budget_s, seed=inputs.seed,
-        params=params, micro_batch=micro_batch, max_micro_batch=max_micro_batch, optimizer_shard_ways=ways),
-        mode, params)
+
+    def plan_on(sub: Cluster, train: TrainConfig, ways: int = 1) -> Plan:
+        return plan_layout(sub, inputs.model, train, strategy=strategy, time_budget_s=time_budget_s,
+                           seed=inputs.seed, params=params, micro_batch=micro_batch,
+                           max_micro_batch=max_micro_batch, optimizer_shard_ways=ways)
+
+    plan, _ = choose_sharding(lambda ways: plan_on(cluster, inputs.train, ways), mode, params)
     plan = reestimated(plan, estimate(plan, cluster, params))
+    if old.outer_sync is not None and rounds is not None:
+        plan = regrouped(old, plan, cluster, plan_on, params, rounds)
     return plan.model_copy(update={"inputs": plan.inputs.model_copy(update={
         "cluster_path": cluster_path, "runtime": inputs.runtime,
         "shard_optimizer": None if mode == "auto" else mode})})
+
+
+def regrouped(old: Plan, synchronous: Plan, cluster: Cluster, plan_site: Callable[[Cluster, TrainConfig], Plan],
+              params: CostParams, rounds: RunSteps) -> Plan:
+    """`synchronous` (the re-plan of `old`, a plan of replica groups, for `cluster`) as replica groups, as
+    `flashflex plan --sync local` makes them (planner/search/replica_groups.choose_sync) with H in the range of
+    `old`'s inner steps (a plan does not record the range it was planned with); `synchronous` where the fleet has
+    no slow link to cut along or the groups' rounds do not fit the run (`rounds`)."""
+    from ..planner.search.replica_groups import choose_sync
+
+    steps = group_inner_steps(old)
+    try:
+        grouped = choose_sync("local", synchronous, cluster, plan_site, params, (min(steps), max(steps)))
+    except InputError:
+        return synchronous
+    return grouped if rounds.fits(grouped) else synchronous
 
 
 def latest_step(checkpoint_dir: str | None) -> int:
@@ -313,15 +354,21 @@ class ElasticRun:
         if left < self.settings.min_devices:
             raise RuntimeFailure(f"lost {', '.join(lost)}: {left} device(s) left, below --min-devices "
                                  f"{self.settings.min_devices}; stopping: {_checkpoint_text(ckpt)}")
-        try:
-            new = replan(plan, cluster, "", self.params, self.settings.time_budget_s)
-        except FlashflexError as exc:
-            raise RuntimeFailure(f"lost {', '.join(lost)}: no plan of {plan.inputs.model.name} fits the {left} "
-                                 f"remaining device(s) ({exc}); stopping: {_checkpoint_text(ckpt)}") from None
+        rounds = RunSteps(self.options.steps, self.options.checkpoint_every, latest_step(ckpt))
+        shrunk = group_loss_plan(plan, lost, self.layout.cluster, cluster, self.params)
+        if shrunk is not None and rounds.fits(shrunk.plan):  # the other replica groups continue as they were
+            new, reason, groups = shrunk.plan, "lost replica groups", shrunk.groups
+        else:
+            try:
+                new = replan(plan, cluster, "", self.params, self.settings.time_budget_s, rounds)
+            except FlashflexError as exc:
+                raise RuntimeFailure(f"lost {', '.join(lost)}: no plan of {plan.inputs.model.name} fits the {left} "
+                                     f"remaining device(s) ({exc}); stopping: {_checkpoint_text(ckpt)}") from None
+            reason, groups = "lost devices", []
         self.restarts += 1
         before = predicted_tokens_per_s(plan, self.layout.cluster, self.params)
         after = float(new.predicted.tokens_per_s) if new.predicted else 0.0
-        return Replan(Layout(new, "", cluster, ""), "lost devices", lost, before, after)
+        return Replan(Layout(new, "", cluster, ""), reason, lost, before, after, groups)
 
     def _file(self, kind: str, index: int) -> str:
         return os.path.join(self.options.out, ELASTIC_DIR, f"{kind}-{index}.json")
@@ -338,7 +385,7 @@ class ElasticRun:
         atomic_write_text(new.cluster_path, new.cluster.to_json())
         atomic_write_text(new.plan_path, new.plan.to_json())
         event = {"time": datetime.now(UTC).isoformat(timespec="milliseconds"), "step": step,
-                 "reason": change.reason, "lost_devices": change.lost,
+                 "reason": change.reason, "lost_devices": change.lost, "lost_groups": change.groups,
                  "devices_before": old.plan.world_size, "devices_after": new.plan.world_size,
                  "old_plan": old.plan_path, "new_plan": new.plan_path,
                  "old_cluster": old.cluster_path, "new_cluster": new.cluster_path,
@@ -347,7 +394,12 @@ class ElasticRun:
                  "predicted_tokens_per_s_after": change.after_tps}
         append_event(self.options.out, event)
         what = f"lost {', '.join(change.lost)}" if change.lost else f"{self.settings.cluster_watch} changed"
-        self.say(f"elastic: {what}; re-planned {old.plan.world_size} -> {new.plan.world_size} devices, predicted "
+        how = "re-planned "
+        if change.groups:
+            what = (f"lost replica group{'s' if len(change.groups) > 1 else ''} "
+                    f"{', '.join(map(str, change.groups))} ({', '.join(change.lost)})")
+            how = "left out, the other groups as they were: "
+        self.say(f"elastic: {what}; {how}{old.plan.world_size} -> {new.plan.world_size} devices, predicted "
                  f"{_tps_text(change.before_tps)} -> {_tps_text(change.after_tps)} tokens/s ({new.plan_path}); "
                  f"resuming from step {step}")
         self.layout = new

@@ -17,13 +17,17 @@ tau < inner_steps / fragments makes every other exchange end inside its round, b
 
 Checkpoints (taken at round ends, where every group holds the global parameters; with overlap the exchange in
 flight is finished first, so its merge falls at the round's end rather than tau steps later): the engine's state
-plus "<name>.outer_momentum" and "outer_round" (`RoundTrainer.state_for_checkpoint`); the inner AdamW moments saved
-are group 0's (engine.plan_shard_specs). With streamed fragments the fragments but the last are mid-way between
+plus "<name>.outer_momentum", "outer_round" and "outer_round_steps" (the steps a round advances the run by), with
+"step" the run's step (`RoundTrainer.state_for_checkpoint`); the inner AdamW moments saved are group 0's
+(engine.plan_shard_specs). With streamed fragments the fragments but the last are mid-way between
 their outer steps at a round's end (and with merge_alpha > 0 no parameter equals its global one): the checkpoint
 adds their global parameters ("<name>.outer_anchor") and its parameters are group 0's local ones, which every group
 resumes from (as from group 0's moments). `load_local` resumes from a checkpoint of any plan, synchronous or
-grouped (a synchronous one has no outer momentum: it starts at zero, the round from its step count); every group of
-the new plan starts from the saved moments, with its own update count for their bias correction.
+grouped (a synchronous one has no outer momentum: it starts at zero, the round from its step count; one of rounds
+of another length, a replica group left out by an elastic run, continues at the same run step: `resumed_round`);
+every group of the new plan starts from the saved moments, with its own update count for their bias correction. A
+synchronous plan resumes from a grouped checkpoint too (the engine reads no outer entry; "step" is the run's):
+with streamed fragments it takes group 0's local parameters, as every group would.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from ...errors import InputError
 from ...semantics.outer_sync import (
     fragment_sync_step,
     group_inner_steps,
@@ -52,6 +57,8 @@ from .data import BatchSource, stage_tokens
 from .engine import RankEngine, StepResult
 from .optimizer import restore_moments
 
+ROUND_STEPS_KEY = "outer_round_steps"  # checkpoint entry: the saving plan's steps per round (int64)
+
 
 @dataclass(frozen=True)
 class RoundResult:
@@ -67,6 +74,23 @@ class RoundResult:
     outer_s: float = 0.0
     outer_comm_s: float = 0.0
     outer_bytes: int = 0
+
+
+def resumed_round(saved_round: int, saved_stride: int, saved_step: int, stride: int) -> int:
+    """The round a plan of `stride` steps per round resumes at from a checkpoint of round `saved_round` whose
+    plan's rounds were `saved_stride` steps (-1: not recorded, taken as `stride`): the same round, or the same run
+    step when the round's length changed (a replica group was left out, launch/group_loss.py; InputError when that
+    step is no whole number of this plan's rounds). A synchronous checkpoint (`saved_round` -1, of run step
+    `saved_step`): the rounds its step holds."""
+    if saved_round < 0:
+        return saved_step // stride
+    if saved_stride in (-1, stride):
+        return saved_round
+    step = saved_round * saved_stride
+    if step % stride:
+        raise InputError(f"the checkpoint of step {step} is no whole number of this plan's rounds of {stride} inner "
+                         "steps: resume it under a plan whose rounds divide the step")
+    return step // stride
 
 
 class RoundTrainer:
@@ -133,9 +157,12 @@ class RoundTrainer:
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
         """The engine's entries (parameters are the global ones at a round's end) and the outer state, after
-        finishing any exchange in flight (`flush`)."""
+        finishing any exchange in flight (`flush`); "step" is the run's step (rounds x `steps_per_round`, what a
+        synchronous plan resumes at) and ROUND_STEPS_KEY the steps per round."""
         self.flush()
-        return {**self.engine.state_for_checkpoint(), **self.outer.state()}
+        return {**self.engine.state_for_checkpoint(), **self.outer.state(),
+                "step": torch.tensor(self.round * self.steps_per_round, dtype=torch.int64),
+                ROUND_STEPS_KEY: torch.tensor(self.steps_per_round, dtype=torch.int64)}
 
     def load_local(self, fill: Callable[[dict[str, tuple[ShardSpec, torch.Tensor]]], None]) -> None:
         """Resume in place from a checkpoint of any plan (`fill` as `RankEngine.load_local` takes it)."""
@@ -152,11 +179,12 @@ class RoundTrainer:
                 key = f"{spec.name}{suffix}"
                 extra[key] = (replace(spec, name=key, optional=True), buffer)
         saved_round = torch.full((), -1, dtype=torch.int64)  # -1: a checkpoint without outer state
-        extra[ROUND_KEY] = (ShardSpec(ROUND_KEY, (), None, 0, 1, self.engine.rank == 0, optional=True), saved_round)
+        saved_stride = torch.full((), -1, dtype=torch.int64)  # -1: one written before the key (or synchronous)
+        for key, tensor in ((ROUND_KEY, saved_round), (ROUND_STEPS_KEY, saved_stride)):
+            extra[key] = (ShardSpec(key, (), None, 0, 1, self.engine.rank == 0, optional=True), tensor)
         self.engine.load_local(lambda targets: fill({**targets, **extra}))
-        index = int(saved_round.item())
-        if index < 0:
-            index = self.engine.step // self.steps_per_round
+        index = resumed_round(int(saved_round.item()), int(saved_stride.item()), self.engine.step,
+                              self.steps_per_round)
         # every group continues its own schedule from the round count (its inner steps per round); the AdamW
         # moments are group 0's (plan_shard_specs), their bias correction this group's own update count
         steps = index * self.inner_steps

@@ -20,7 +20,11 @@ Gutenberg). Byte-level tokens (vocabulary 256). Held out for evaluation: Hamlet 
     checked against the bytes the outer step itself counted). Target: eval loss within 3% of synchronous at equal
     tokens with at least 20x fewer bytes.
 (B) Speed (root; network namespaces, tests/infra/netns.py): two namespace hosts joined by a link shaped to
-    --rate (default 100mbit), one emulated CPU device each; `flashflex launch --launcher torchrun` runs every
+    --rate (default 100mbit), one emulated CPU device each, the model cut to --speed-layers layers (default 2:
+    the regime the issue is about is a device whose compute is fast against its slow link -- a GPU's pipeline stage
+    of a 1B model on 1 Gbit/s spends about 4x longer on the link than on its compute -- and one CPU core running
+    llama-tiny's 4 layers against 100 Mbit/s is only at 1:1, where a pipeline across the link is nearly as fast
+    as its compute allows; at 2 layers the link takes about twice the compute, as it would for a GPU); `flashflex launch --launcher torchrun` runs every
     synchronous layout of the two devices (one device alone, data parallel across the link, a pipeline across
     it) and the local-sync plan; tokens/s is the median of the per-step (per-round) rows after the first; bytes
     across the link are read from the veth's counters. Every layout runs --speed-repeats times (default 2), in
@@ -240,6 +244,8 @@ def main() -> int:
     parser.add_argument("--skip-speed", action="store_true", help="only part (A)")
     parser.add_argument("--rate", default="100mbit", help="part (B): the shaped link's tbf rate")
     parser.add_argument("--speed-model", default="llama-tiny", help="part (B): the model")
+    parser.add_argument("--speed-layers", type=int, default=2, help="part (B): the model cut to this many layers "
+                        "(the module docstring says why)")
     parser.add_argument("--speed-steps", type=int, default=48, help="part (B): steps of each synchronous run")
     parser.add_argument("--speed-rounds", type=int, default=8, help="part (B): rounds of the local-sync run")
     parser.add_argument("--speed-repeats", type=int, default=2, help="part (B): runs of every layout, alternating")

@@ -50,15 +50,24 @@ def layouts(num_layers: int, inner_steps: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def write_plan(work: Path, name: str, fragment: dict[str, Any], cluster_path: Path, model: str) -> Path:
-    from flashflex_cli.hardware.cluster import load_cluster
+def speed_model(name: str, layers: int | None) -> Any:
+    """The preset `name` (a ModelSpec), cut to `layers` layers when given."""
     from flashflex_cli.model.spec import PRESETS
+
+    model = PRESETS[name]
+    if layers is None or layers == model.num_layers:
+        return model
+    return model.model_copy(update={"name": f"{name}-{layers}l", "num_layers": layers})
+
+
+def write_plan(work: Path, name: str, fragment: dict[str, Any], cluster_path: Path, model: Any) -> Path:
+    from flashflex_cli.hardware.cluster import load_cluster
     from flashflex_cli.plan.schema import Plan, save_plan
 
     cluster = load_cluster(cluster_path)
     data = {"schema": "flashflex.plan/1",
             "inputs": {"cluster_sha256": cluster.sha256(), "cluster_name": cluster.name,
-                       "model": PRESETS[model].model_dump(mode="json"),
+                       "model": model.model_dump(mode="json"),
                        "train": {"global_batch": 2 * PER_DEVICE, "seq_len": SEQ_LEN, "dtype": "fp32"},
                        "strategy": "manual"}, **fragment}
     path = work / f"plan-{name.replace(' ', '-')}.json"
@@ -106,7 +115,6 @@ def speed(args: argparse.Namespace, work: Path, inner_steps: int | None) -> tupl
     from flashflex_cli.cost.params import CostParams
     from flashflex_cli.hardware.cluster import load_cluster
     from flashflex_cli.layers.load import load_layer_profiles
-    from flashflex_cli.model.spec import PRESETS
     from flashflex_cli.plan.schema import load_plan
 
     ok, why = netns_available(PREFIX)
@@ -117,8 +125,9 @@ def speed(args: argparse.Namespace, work: Path, inner_steps: int | None) -> tupl
     cluster = work / "cluster-speed.json"
     run([FLASHFLEX, "profile", "--synthetic", f"2x1xcpu:slowdown=1:bw={gbit(args.rate):g}", "--out", str(cluster),
          "--name", f"netns-{args.rate}"])
-    plans = {name: write_plan(work, name, fragment, cluster, args.speed_model)
-             for name, fragment in layouts(PRESETS[args.speed_model].num_layers, h).items()}
+    model = speed_model(args.speed_model, args.speed_layers)
+    plans = {name: write_plan(work, name, fragment, cluster, model)
+             for name, fragment in layouts(model.num_layers, h).items()}
     lines: list[str] = []
     measured: dict[str, dict[str, Any]] = {}
     port = 29600 + os.getpid() % 200

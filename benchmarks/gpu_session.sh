@@ -20,7 +20,8 @@
 # ranks:   multi-rank plans on the one GPU (`flashflex launch --share-gpu`: every rank its own NCCL host), by
 #          benchmarks/ranks_session.py: a 2-stage pipeline of a tied-embedding model with overlapped DP, 4 stages, a
 #          TP-2 stage, a TP change at a stage boundary, two unlike pipelines in DP, fp16 with loss scaling,
-#          recompute, a checkpoint and a resume under another plan; each run's losses against the one-rank run of
+#          recompute, the TP-2 stage compiled whole (all-reduces traced) and per block, a checkpoint and a resume
+#          under another plan; each run's losses against the one-rank run of
 #          the same model and data, then every rank's peak memory against its stage's prediction
 #          (validate_gpu_memory.py; its time figures are no target: the ranks share the GPU). ranks.txt in $OUT.
 # sharded: two ranks in data parallel on the one GPU (--share-gpu), the optimizer state sharded across them and not

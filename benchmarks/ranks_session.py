@@ -14,6 +14,8 @@ embeddings (llama-100m's shape, tied; with --cpu llama-tiny's):
   unlike-dp      a TP-2 stage beside a pipeline of two TP-1 stages split elsewhere (unlike pipelines in DP)
   fp16           pp2-tied-dp in fp16 with dynamic loss scaling, against the fp16 one-rank run
   recompute      pp2-tied-dp with activation recomputation
+  tp2-compiled-* tp2 under --compile, the stage compiled whole (its all-reduces traced as functional collectives)
+                 and per block, each with its median step time (the ranks share the GPU: a comparison, no target)
   resume         pp2-tied-dp for the first steps with a checkpoint, then resumed under tp-change
 
 Each run's losses, step by step, must equal the one-rank run's within the dtype's tolerance (relative): fp32 1e-4
@@ -127,6 +129,16 @@ def losses(run: Path) -> dict[int, float]:
     return {int(row["step"]): float(row["loss"]) for row in rows if "loss" in row and "step" in row}
 
 
+def median_step_s(run: Path) -> float:
+    """The median step time (seconds) of a run folder's steps after the first (nan without any)."""
+    try:
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except OSError:
+        return float("nan")
+    times = sorted(float(row["step_time_s"]) for row in rows[1:] if "step_time_s" in row)
+    return times[len(times) // 2] if times else float("nan")
+
+
 def worst_difference(got: dict[int, float], want: dict[int, float]) -> float:
     """Largest relative difference over the steps both runs made (inf when they share none)."""
     shared = sorted(set(got) & set(want))
@@ -176,6 +188,15 @@ def main(argv: list[str] | None = None) -> int:
         failed = launch(plan, cluster_path, out, cfg.steps, cfg.steps, cfg.share_gpu)
         good += report(name, sum(s[0] for _, stages in shapes[shape] for s in stages), failed, out, refs[dtype],
                        dtype)
+    # the TP-2 stage compiled whole (its all-reduces traced as functional collectives) and per block
+    for scope in ("stage", "block"):
+        total += 1
+        name = f"tp2-compiled-{scope}"
+        out = work / "runs" / name
+        failed = launch(plan_file(name, "tp2", cfg.dtype), cluster_path, out, cfg.steps, cfg.steps, cfg.share_gpu,
+                        "--compile", "--compile-scope", scope)
+        good += report(f"{name} ({median_step_s(out):.3f} s a step, shared GPU)", 2, failed, out, refs[cfg.dtype],
+                       cfg.dtype)
     # a checkpoint under pp2-tied-dp after the first steps, resumed under tp-change
     total += 1
     ck, first = work / "ck", max(1, cfg.steps // 2)

@@ -3,12 +3,13 @@ graph, per block elsewhere, by the rule `semantics.runtime_paths.stage_compile_s
 "aot_eager" backend (inductor's input graphs, run eagerly: cheap, and what inductor would be given).
 
 - The rule: "auto" is "stage" at TP 1 up to STAGE_GRAPH_MAX_LAYERS layers, "block" deeper and at TP > 1; an
-  explicit "stage" still compiles a TP > 1 stage per block; old records read "block".
+  explicit "stage" compiles a TP > 1 stage whole too; old records read "block".
 - One rank, the whole stage (embedding, 4 layers, final norm, chunked loss) one graph, made in the warm-up: the
   steps compile nothing and train as the eager engine does.
 - An asymmetric plan (pipeline 0: a TP-1 stage then a TP-2 stage; pipeline 1: one TP-1 stage), compiled under
   "auto" (stage, block, stage), against the same plan eager: losses, gradients and parameters within the
-  tolerances of tests/test_compile.py (fused fp32 element-wise work and reductions, reordered).
+  tolerances of tests/test_compile.py (fused fp32 element-wise work and reductions, reordered); and under an
+  explicit "stage" (the TP-2 stage whole, its all-reduces traced as functional collectives) the same.
 """
 
 from __future__ import annotations
@@ -106,15 +107,7 @@ def test_asymmetric_plan_auto_scope_equals_eager(tmp_path: Path, pool: WorkerPoo
     compiled, eager = _run(plan, True, tmp_path, pool), _run(plan, False, tmp_path, pool)
     assert [o["scope"] for o in compiled] == ["stage", "block", "block", "stage"]
     assert all(o["compiled"] for o in compiled) and not any(o["compiled"] for o in eager)
-    tokens = plan.inputs.train.tokens_per_step
-    for rank, (got, want) in enumerate(zip(compiled, eager, strict=True)):
-        for index in (0, 1):
-            _assert_close(f"rank {rank} results[{index}]", torch.tensor([r[index] for r in got["results"]]),
-                          torch.tensor([r[index] for r in want["results"]]), RTOL, 0.0)
-        for name, grad in got["grads"].items():
-            _assert_close(f"rank {rank} grad {name}", grad, want["grads"][name], RTOL,
-                          grad_atol(want["grads"][name], tokens))
-            _assert_params(f"rank {rank} param {name}", got["params"][name], want["params"][name])
+    _assert_runs_equal(plan, compiled, eager)
     assert len(compiled[0]["results"]) == STEPS
 
 
@@ -133,8 +126,13 @@ def test_tp2_stage_compiled_whole_traces_its_all_reduces_and_equals_eager(tmp_pa
         made, total = whole[rank]["graphs"]
         assert made == total  # every graph made in the warm-up, none by a step
         assert total < per_block[rank]["graphs"][1]  # not broken at each of the layers' all-reduces
+    _assert_runs_equal(plan, whole, eager)
+
+
+def _assert_runs_equal(plan: Plan, runs: list[dict], eager: list[dict]) -> None:
+    """Every rank's losses and gradient norms, step-0 gradients and final parameters against the eager run's."""
     tokens = plan.inputs.train.tokens_per_step
-    for rank, (got, want) in enumerate(zip(whole, eager, strict=True)):
+    for rank, (got, want) in enumerate(zip(runs, eager, strict=True)):
         for index in (0, 1):
             _assert_close(f"rank {rank} results[{index}]", torch.tensor([r[index] for r in got["results"]]),
                           torch.tensor([r[index] for r in want["results"]]), RTOL, 0.0)

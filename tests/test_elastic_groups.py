@@ -210,6 +210,37 @@ def test_a_group_lost_in_part_is_replanned_in_replica_groups_where_links_are_slo
 
 # ---- a real launch -----------------------------------------------------------------------------------------------
 
+def test_the_torchrun_round_of_the_hosts_left_keeps_their_groups(tmp_path: Path) -> None:
+    """Global rank 0 of a rendered elastic torchrun job (launch/elastic_worker.decide_round), in a round without
+    node0: the group on node0 is lost whole (node0/2, idle in the plan, does not matter), and the group on node1
+    goes on alone, as the synchronous plan of its pipeline; without node1, node0's group goes on, its two pipelines
+    as they were, in data parallel."""
+    from flashflex_cli.hardware.cluster import save_cluster
+    from flashflex_cli.launch.elastic_worker import decide_round
+    from flashflex_cli.plan.schema import save_plan
+    from flashflex_cli.run_config import load_run_config, save_run_config
+
+    cluster = _cluster()
+    plan = _plan(cluster, [["node0/0"], ["node0/1"], ["node1/0"]], [([0, 1], 2), ([2], 2)], unused=("node0/2",))
+    cluster_path, plan_path = tmp_path / "cluster.json", tmp_path / "plan.json"
+    save_cluster(cluster_path, cluster)
+    save_plan(plan_path, plan)
+    for present, kept in ((["node1"], [["node1/0"]]), (["node0"], [["node0/0"], ["node0/1"]])):
+        run = tmp_path / f"run-{present[0]}"
+        launched = launch_config(plan=str(plan_path), cluster=str(cluster_path), out=str(run),
+                                 checkpoint_dir=str(tmp_path / f"ck-{present[0]}"), steps=STEPS,
+                                 checkpoint_every=EVERY, lr=2e-3)
+        written = load_run_config(decide_round(launched, str(save_run_config(launched)), present, 1))
+        new = load_plan(written.plan)
+        assert [stage.devices for pipe in new.pipelines for stage in pipe.stages] == kept
+        [event] = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+        assert event["reason"] == "lost replica groups" and event["lost_groups"] == ([0] if present == ["node1"]
+                                                                                     else [1])
+        # one group left: its pipelines trained synchronously
+        assert new.outer_sync is None and new.inputs.train.global_batch == 2 * len(kept)
+        assert check_plan(new, load_cluster(written.cluster)).ok
+
+
 def _rows(run: Path) -> list[dict]:
     return latest_rows([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                         if line.strip()])

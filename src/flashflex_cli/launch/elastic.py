@@ -16,7 +16,8 @@ when its rounds divide --steps, --checkpoint-every and the resume step. Its even
 groups", with their indices in `lost_groups`. A group lost in part (or groups whose rounds do not fit) is
 re-planned on the reduced cluster, in replica groups as `flashflex plan --sync local` makes them (H within the
 old groups' inner steps) where the fleet has slow links to cut along and their rounds fit the run, else
-synchronously. The --cluster-watch re-plan (and the torchrun path, elastic_worker.py) plans synchronously.
+synchronously. The torchrun path (elastic_worker.py) does the same for the hosts that left; the --cluster-watch
+re-plan plans synchronously.
 
 With `--cluster-watch FILE`, a change of FILE (cluster_watch.py) is planned at once; when the new plan's
 predicted tokens/s beats the plan in force on that cluster by at least --replan-gain percent, every rank is

@@ -54,15 +54,18 @@ class GroupLoss:
 
 
 def lost_groups(plan: Plan, lost: Collection[str]) -> list[int] | None:
-    """The replica groups of `plan` whose every device is in `lost`, when they hold every lost device and at least
-    one group remains; None otherwise (no `outer_sync`, nothing lost, a group lost in part, every group lost)."""
-    if plan.outer_sync is None or not lost:
+    """The replica groups of `plan` whose every device is in `lost`, when they hold every lost device the plan uses
+    (a lost device it leaves idle does not matter) and at least one group remains; None otherwise (no `outer_sync`,
+    nothing used lost, a group lost in part, every group lost)."""
+    if plan.outer_sync is None:
         return None
     by_pipeline: dict[int, list[str]] = {}
     for rank in plan.ranks():
         by_pipeline.setdefault(rank.pipeline, []).append(rank.device)
     devices = [[d for p in pipes for d in by_pipeline[p]] for pipes in group_pipelines(plan)]
-    gone = set(lost)
+    gone = set(lost) & {d for group in devices for d in group}
+    if not gone:
+        return None
     whole = [g for g, group in enumerate(devices) if set(group) <= gone]
     covered = {d for g in whole for d in devices[g]}
     if not whole or len(whole) == len(devices) or covered != gone:

@@ -111,8 +111,8 @@ def decide_round(config: RunConfig, config_path: str, present: list[str], round_
                               "predicted_tokens_per_s_before": predicted_tokens_per_s(plan, cluster, params),
                               "predicted_tokens_per_s_after": new.predicted.tokens_per_s if new.predicted else None})
     what = (f"replica group{'s' if len(groups) > 1 else ''} {', '.join(map(str, groups))} left out, the others as "
-            "they were" if groups else "re-planned")
-    say(f"flashflex elastic: round {round_}: plan nodes {', '.join(present)} present; {what}: "
+            "they were:" if groups else "re-planned")
+    say(f"flashflex elastic: round {round_}: plan nodes {', '.join(present)} present; {what} "
         f"{plan.world_size} -> {new.world_size} devices ({plan_path})")
     return written
 

@@ -209,6 +209,19 @@ def regrouped(old: Plan, synchronous: Plan, cluster: Cluster, plan_site: Callabl
     return grouped if rounds.fits(grouped) else synchronous
 
 
+def plan_after_loss(plan: Plan, lost: list[str], cluster: Cluster, reduced: Cluster, cluster_path: str,
+                    params: CostParams, time_budget_s: float, rounds: RunSteps) -> tuple[Plan, list[int]]:
+    """The plan that continues `plan` on `reduced` (`cluster` without the devices `lost`), and the replica groups
+    it leaves out: the other groups as they were when whole groups were lost and their rounds fit the run
+    (`group_loss.group_loss_plan`), else a re-plan with no group left out (`replan`; FlashflexError when none
+    fits). `cluster_path` is recorded in the plan's inputs either way."""
+    shrunk = group_loss_plan(plan, lost, cluster, reduced, params)
+    if shrunk is not None and rounds.fits(shrunk.plan):
+        inputs = shrunk.plan.inputs.model_copy(update={"cluster_path": cluster_path})
+        return shrunk.plan.model_copy(update={"inputs": inputs}), shrunk.groups
+    return replan(plan, reduced, cluster_path, params, time_budget_s, rounds), []
+
+
 def latest_step(checkpoint_dir: str | None) -> int:
     """The step of the newest complete checkpoint (0: none)."""
     if checkpoint_dir is None:
@@ -356,16 +369,13 @@ class ElasticRun:
             raise RuntimeFailure(f"lost {', '.join(lost)}: {left} device(s) left, below --min-devices "
                                  f"{self.settings.min_devices}; stopping: {_checkpoint_text(ckpt)}")
         rounds = RunSteps(self.options.steps, self.options.checkpoint_every, latest_step(ckpt))
-        shrunk = group_loss_plan(plan, lost, self.layout.cluster, cluster, self.params)
-        if shrunk is not None and rounds.fits(shrunk.plan):  # the other replica groups continue as they were
-            new, reason, groups = shrunk.plan, "lost replica groups", shrunk.groups
-        else:
-            try:
-                new = replan(plan, cluster, "", self.params, self.settings.time_budget_s, rounds)
-            except FlashflexError as exc:
-                raise RuntimeFailure(f"lost {', '.join(lost)}: no plan of {plan.inputs.model.name} fits the {left} "
-                                     f"remaining device(s) ({exc}); stopping: {_checkpoint_text(ckpt)}") from None
-            reason, groups = "lost devices", []
+        try:
+            new, groups = plan_after_loss(plan, lost, self.layout.cluster, cluster, "", self.params,
+                                          self.settings.time_budget_s, rounds)
+        except FlashflexError as exc:
+            raise RuntimeFailure(f"lost {', '.join(lost)}: no plan of {plan.inputs.model.name} fits the {left} "
+                                 f"remaining device(s) ({exc}); stopping: {_checkpoint_text(ckpt)}") from None
+        reason = "lost replica groups" if groups else "lost devices"
         self.restarts += 1
         before = predicted_tokens_per_s(plan, self.layout.cluster, self.params)
         after = float(new.predicted.tokens_per_s) if new.predicted else 0.0

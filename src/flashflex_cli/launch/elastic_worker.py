@@ -10,9 +10,9 @@ present nodes, a new plan for it (the planner: same model, training configuratio
 run configuration with that plan and cluster (resume on in every round after the first: they resume from the
 newest checkpoint) into RUN/elastic/ on the shared folder, appends an event to RUN/events.jsonl and publishes
 the configuration's path in the store. A plan of replica groups whose absent hosts held whole groups keeps the
-other groups as they were (launch/group_loss.py, as the local elastic loop does); a group lost in part is
-re-planned in replica groups where the rounds fit the run (launch/elastic.replan). The other processes wait for that path. A process whose node's devices
-the plan leaves unused exits 0.
+other groups as they were, a group lost in part is re-planned in replica groups where the rounds fit the run
+(launch/elastic.plan_after_loss, as the local elastic loop decides). The other processes wait for that path. A
+process whose node's devices the plan leaves unused exits 0.
 
 Limits: the host serving the rendezvous (the first host) must survive; all hosts must see RUN and the
 checkpoint folder at the same paths (a shared file system).
@@ -71,8 +71,8 @@ def decide_round(config: RunConfig, config_path: str, present: list[str], round_
     from ..fileio import atomic_write_text
     from ..hardware.cluster import Cluster, load_cluster
     from ..plan.schema import load_plan
-    from .elastic import append_event, latest_step, predicted_tokens_per_s, replan
-    from .group_loss import RunSteps, group_loss_plan
+    from .elastic import append_event, latest_step, plan_after_loss, predicted_tokens_per_s
+    from .group_loss import RunSteps
 
     plan, cluster = load_plan(config.plan), load_cluster(config.cluster)
     used = sorted({info.device.rpartition("/")[0] for info in plan.ranks()})
@@ -89,13 +89,10 @@ def decide_round(config: RunConfig, config_path: str, present: list[str], round_
     plan_path = os.path.join(folder, f"plan-round-{round_}.json")
     params = CostParams()
     lost = [d for d in cluster.device_ids if d.rpartition("/")[0] not in present]
-    rounds = RunSteps(config.steps, config.checkpoint_every, latest_step(config.checkpoint_dir))
-    shrunk = group_loss_plan(plan, lost, cluster, smaller, params)
-    if shrunk is not None and rounds.fits(shrunk.plan):  # the replica groups of the present hosts go on as they were
-        new, reason, groups = shrunk.plan, "lost replica groups", shrunk.groups
-        new = new.model_copy(update={"inputs": new.inputs.model_copy(update={"cluster_path": cluster_path})})
-    else:
-        new, reason, groups = replan(plan, smaller, cluster_path, params, 30.0, rounds), "hosts changed", []
+    step = latest_step(config.checkpoint_dir)
+    new, groups = plan_after_loss(plan, lost, cluster, smaller, cluster_path, params, 30.0,
+                                  RunSteps(config.steps, config.checkpoint_every, step))
+    reason = "lost replica groups" if groups else "hosts changed"
     atomic_write_text(cluster_path, smaller.to_json())
     atomic_write_text(plan_path, new.to_json())
     # beside this round's plan: RUN/config.json stays the one the rendered script names
@@ -103,7 +100,7 @@ def decide_round(config: RunConfig, config_path: str, present: list[str], round_
                                        resume=config.resume or round_ > 0)
     written = os.path.join(folder, f"config-round-{round_}.json")
     atomic_write_text(written, round_config.to_json())
-    append_event(config.out, {"round": round_, "step": latest_step(config.checkpoint_dir), "reason": reason,
+    append_event(config.out, {"round": round_, "step": step, "reason": reason,
                               "present_nodes": present, "lost_devices": lost, "lost_groups": groups,
                               "old_plan": config.plan,
                               "new_plan": plan_path, "old_cluster": config.cluster, "new_cluster": cluster_path,

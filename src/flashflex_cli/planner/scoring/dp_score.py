@@ -115,27 +115,42 @@ def _column(cache: CostCache, devices: Sequence[int], min_tp: int, nbytes: float
 NOTHING: Column = BucketTime(0.0, 0.0, frozenset())
 
 
-def _layer_columns(cache: CostCache, terms: Sequence[PipeTerms], merged: bool = False
-                   ) -> tuple[list[Column], list[bool], np.ndarray]:
-    """Per layer: its bucket's column; whether it shares a holder with the layer above (entry l for layers l
-    and l + 1, L - 1 of them); every pipeline's stage index per layer (int64 [k, L]). `merged`: one bucket per segment (layers of the same holders), charged on
-    its first layer, the others get `NOTHING`."""
+class _Holders(NamedTuple):
+    """Per layer of the pipelines of one candidate (k pipelines, L layers): `by_layer` the holders' first devices
+    (pipeline order), `least` their smallest TP degree; per pair of layers l, l + 1 (L - 1 entries): `whole`
+    whether every holder is the same, `shares` whether one is; `owner` every pipeline's stage index per layer
+    (int64 [k, L])."""
+
+    by_layer: list[list[int]]
+    least: list[int]
+    whole: list[bool]
+    shares: list[bool]
+    owner: np.ndarray
+
+
+def _holders(terms: Sequence[PipeTerms]) -> _Holders:
+    """The `_Holders` of the pipelines with `PipeTerms` `terms`."""
     rows = np.stack([t.rows for t in terms])  # [k, 3, L]
     firsts, tps, owner = rows[:, 0], rows[:, 1], rows[:, 2]
     same = owner[:, 1:] == owner[:, :-1]
+    return _Holders(firsts.T.tolist(), tps.min(axis=0).tolist(), same.all(axis=0).tolist(),
+                    same.any(axis=0).tolist(), owner)
+
+
+def _segment_columns(cache: CostCache, holders: _Holders) -> list[Column]:
+    """Per layer, one bucket per segment (layers of the same holders) charged on its first layer, the others
+    `NOTHING`."""
     columns: list[Column] = []
-    whole = same.all(axis=0).tolist()
-    by_layer = firsts.T.tolist()  # [L][k] the holders' first devices
-    least = tps.min(axis=0).tolist()
+    by_layer, whole = holders.by_layer, holders.whole
     for layer, devices in enumerate(by_layer):
         if layer and whole[layer - 1]:
-            columns.append(NOTHING if merged else columns[-1])
+            columns.append(NOTHING)
             continue
         size = 1
-        while merged and layer + size < len(by_layer) and whole[layer + size - 1]:
+        while layer + size < len(by_layer) and whole[layer + size - 1]:
             size += 1
-        columns.append(_column(cache, devices, least[layer], size * cache.layer_grad_bytes))
-    return columns, same.any(axis=0).tolist(), owner
+        columns.append(_column(cache, devices, holders.least[layer], size * cache.layer_grad_bytes))
+    return columns
 
 
 def _end_columns(cache: CostCache, pipes: Sequence[PipeEval]) -> tuple[Column, Column]:
@@ -173,11 +188,10 @@ def dp_finish(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float]
     if not cache.params.dp_overlap:
         return slowest + _sequential(cache, pipes)
     terms = [pipe_terms(c, pipe) for c, pipe in zip(caches or [cache] * len(pipes), pipes, strict=True)]
-    columns, shares, _ = _layer_columns(cache, terms)
     at = np.asarray(ends, dtype=np.float64)
     layer_ready = (np.stack([t.ready for t in terms]) + at[:, None]).max(axis=0).tolist()
     head_ready = max(e + t.head_s for e, t in zip(ends, terms, strict=True))
-    return _timeline(columns, shares, layer_ready, head_ready, _end_columns(cache, pipes), slowest)
+    return _timeline(cache, _holders(terms), layer_ready, head_ready, _end_columns(cache, pipes), slowest)
 
 
 def dp_finish_below(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float], bound: float
@@ -187,7 +201,7 @@ def dp_finish_below(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[
     computed)."""
     if len(pipes) >= 2 and cache.params.dp_overlap and bound < float("inf"):
         known = [_memoised_terms(cache, pipe) for pipe in pipes]
-        if None in known and any(known) and _known_floor(cache, pipes, ends, known) >= bound:
+        if None in known and any(known) and _known_floor(cache, pipes, ends, known, bound) >= bound:
             return None
     return dp_finish(cache, pipes, ends)
 
@@ -202,40 +216,51 @@ def _memoised_terms(cache: CostCache, pipe: PipeEval) -> PipeTerms | None:
 
 
 def _known_floor(cache: CostCache, pipes: Sequence[PipeEval], ends: Sequence[float],
-                 known: Sequence[PipeTerms | None]) -> float:
+                 known: Sequence[PipeTerms | None], bound: float = float("inf")) -> float:
     """A lower bound on `dp_finish` (seconds): its timeline with every layer (and the head) ready when the
     pipelines of `known` (their `PipeTerms`, None where not memoised) have finished it. A layer's ready time is a
     max over the pipelines, so over some of them it is no later (-inf over none), and every later step of the
     timeline (max, +, `NicQueue.run`) is monotone in it, in floating point too: never above `dp_finish`. The
-    others need only their layers' holders (`_rows`), not their ready times."""
+    others need only their layers' holders (`_rows`), not their ready times. The timeline stops once a bucket
+    ends at `bound` or later (what it returns then is that bucket's end: at least `bound`, still a lower bound)."""
     terms = [t if t is not None else PipeTerms(_rows(pipe), np.full(sum(pipe.counts), -np.inf), -np.inf)
              for t, pipe in zip(known, pipes, strict=True)]
-    columns, shares, _ = _layer_columns(cache, terms)
     at = np.asarray(ends, dtype=np.float64)
     layer_ready = (np.stack([t.ready for t in terms]) + at[:, None]).max(axis=0).tolist()
     head_ready = max(e + t.head_s for e, t in zip(ends, terms, strict=True))
-    return _timeline(columns, shares, layer_ready, head_ready, _end_columns(cache, pipes), max(ends))
+    return _timeline(cache, _holders(terms), layer_ready, head_ready, _end_columns(cache, pipes), max(ends), bound)
 
 
-def _timeline(columns: list[Column], shares: list[bool], layer_ready: list[float], head_ready: float,
-              end_columns: tuple[Column, Column], slowest: float) -> float:
+def _timeline(cache: CostCache, holders: _Holders, layer_ready: list[float], head_ready: float,
+              end_columns: tuple[Column, Column], slowest: float, stop_at: float = float("inf")) -> float:
     """When the last bucket ends (at least `slowest`): the head's bucket from `head_ready`, then the layers
     top-down from their ready times, then the embedding after the slowest pipeline, each after the one before
     where they share a holder, the cross-node parts queued on the NICs (seconds; `end_columns`: the embedding's
-    and the head's columns)."""
+    and the head's columns). A layer's column is its segment's (layers of the same holders), computed where the
+    segment begins from the top; the timeline stops at the first bucket that ends at `stop_at` or later, and returns
+    that end (a lower bound on the whole timeline's)."""
     embed, head = end_columns
     run = NicQueue().run
     end = run(head_ready, *head)
     latest = end
-    top = len(columns) - 1
+    if latest >= stop_at:
+        return latest
+    by_layer, least, whole, shares = holders.by_layer, holders.least, holders.whole, holders.shares
+    grad_bytes = cache.layer_grad_bytes
+    top = len(by_layer) - 1
+    column = NOTHING
     for layer in range(top, -1, -1):
-        inside, across, nodes = columns[layer]
+        if layer == top or not whole[layer]:  # the top of a segment: its holders' column
+            column = _column(cache, by_layer[layer], least[layer], grad_bytes)
+        inside, across, nodes = column
         begin = layer_ready[layer]
         if (layer == top or shares[layer]) and end > begin:
             begin = end
         end = run(begin, inside, across, nodes)
         if end > latest:
             latest = end
+            if latest >= stop_at:
+                return latest
     end = run(max(slowest, end), *embed)
     return max(latest, end, slowest)
 
@@ -251,7 +276,8 @@ def _sequential(cache: CostCache, pipes: Sequence[PipeEval]) -> float:
     """Without overlap: the longest reduction of one stage (one bucket per segment of its layers, the
     embedding on first stages, the head on last stages, one after another) or of one node's NIC (every
     cross-node part of every bucket that node is in), seconds."""
-    columns, _, owner = _layer_columns(cache, [pipe_terms(cache, pipe) for pipe in pipes], merged=True)
+    holders = _holders([pipe_terms(cache, pipe) for pipe in pipes])
+    columns, owner = _segment_columns(cache, holders), holders.owner
     embed, head = _end_columns(cache, pipes)
     stages = np.array([len(pipe.stages) for pipe in pipes], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(stages)[:-1]])

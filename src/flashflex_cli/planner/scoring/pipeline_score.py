@@ -86,21 +86,22 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...],
 def evaluate_unless(cache: CostCache, stages: tuple[Devs, ...], links: Callable[[], list[float]],
                     skip: Callable[[float, float, int], bool],
                     terms: tuple[list[float], list[float], list[int]] | None = None,
-                    shape: Callable[[], tuple] | None = None) -> PipeEval | None:
+                    shape: Callable[[], tuple] | None = None,
+                    split: tuple[list[int] | None] | None = None) -> PipeEval | None:
     """`evaluate_pipeline`, or None (nothing memoised) when `skip(pace_low, fill, stages)` says so once the layer
     split is known: `fill` is the exact fill (seconds) and `pace_low` a lower bound on the pace (its slowest
     stage and adjacent pairs of stages, the windows of at most two stages of `steady_period_s`), so a caller that
     only wants pipelines below some cost learns early that this one is not (the window search is skipped). A
     pipeline whose layers do not fit is returned (`ok` False) but not memoised. `terms`: `stage_terms(cache, stages)`,
-    `shape`: gives `shape_key(cache, stages)`, where the caller has them (a caller with the shape knows the stages
-    are new: the memo by devices is not consulted). The memo by shape is consulted only for a pipeline not skipped
+    `shape`: gives `shape_key(cache, stages)`, `split`: (`layer_split.split_layers` of the terms,), where the caller
+    has them (a caller with the shape knows the stages are new: the memo by devices is not consulted). The memo by shape is consulted only for a pipeline not skipped
     (the figures are the same either way)."""
     if shape is None:
         hit = cache.memo(PipelineMemo).by_devices.get(tuple(stages))
         if hit is not None:
             return hit
     return _finish(cache, stages, None, *(terms or stage_terms(cache, stages)), links, skip, looked_up=False,
-                   known_shape=shape)
+                   known_shape=shape, known_split=split)
 
 
 def _memoised(cache: CostCache, stages: tuple[Devs, ...]) -> PipeEval | tuple:
@@ -156,12 +157,13 @@ def stage_terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float]
 def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per_layer: list[float],
             extra: list[float], caps: list[int], known_links: Callable[[], list[float]] | None = None,
             skip: Callable[[float, float, int], bool] | None = None, looked_up: bool = True,
-            known_shape: Callable[[], tuple] | None = None) -> PipeEval | None:
+            known_shape: Callable[[], tuple] | None = None,
+            known_split: tuple[list[int] | None] | None = None) -> PipeEval | None:
     """The layer split and figures of `stages` from its stage terms; memoised by devices and by `shape` (None:
     `known_shape()`, else `shape_key`); the memo by shape is looked up first (unless the caller has,
     `looked_up`) when not skipped; None, memoised nowhere, when `skip` says so (see `evaluate_unless`)."""
     count = len(stages)
-    split = split_layers(per_layer, extra, caps, cache.model.num_layers)
+    split = split_layers(per_layer, extra, caps, cache.model.num_layers) if known_split is None else known_split[0]
     if split is not None:
         times = stage_times(per_layer, extra, split)
         links = known_links() if known_links is not None else \

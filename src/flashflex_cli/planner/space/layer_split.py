@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Sequence
+from typing import Literal
 
 _EPS = 1e-12
 
@@ -39,6 +40,18 @@ def split_layers(
     per_layer_s[s]: seconds per layer per micro-batch on stage s (> 0); extra_s[s]: fixed seconds on
     stage s; max_layers[s]: memory cap of stage s in layers.
     """
+    split = split_layers_within(per_layer_s, extra_s, max_layers, num_layers, math.inf)
+    assert split is not False
+    return split
+
+
+def split_layers_within(
+    per_layer_s: Sequence[float], extra_s: Sequence[float], max_layers: Sequence[int], num_layers: int,
+    pace_s: float
+) -> list[int] | None | Literal[False]:
+    """`split_layers`, or False as soon as the walk shows that every split has a stage slower than `pace_s`
+    seconds (a caller that only wants splits within a pace stops there: at most the walk's cost, often only its
+    set-up). None when no split fits in memory, as `split_layers` (checked first)."""
     t, e = per_layer_s, extra_s
     stages = len(t)
     if stages == 0 or stages > num_layers:
@@ -72,6 +85,8 @@ def split_layers(
             prefix.append(prefix[-1] + cap)
         kinds.append((ts, es, caps, prefix, count))
     limit = max(slowest, (num_layers + shift) / inverse)
+    if limit > pace_s:  # every stage holds a layer, and the relaxation is a lower bound on the slowest stage
+        return False
     # _room inlined: every kind's room at `limit`, then at the next breakpoint (`step`) until the rooms hold the
     # layers. A kind whose every stage is at its cap keeps that room at every larger limit, so it leaves the loop
     # (`active`: the others; `full`: the room of the kinds at their caps).
@@ -95,6 +110,8 @@ def split_layers(
         active = still
         if room >= num_layers:
             break
+        if step > pace_s:  # no room changes up to the next breakpoint: the optimum is past the pace
+            return False
         limit = step
     counts = [1] * stages
     left = num_layers - stages
@@ -108,36 +125,6 @@ def split_layers(
         if left == 0:
             break
     return counts
-
-
-def fits_within(per_layer_s: Sequence[float], extra_s: Sequence[float], max_layers: Sequence[int], num_layers: int,
-                limit: float, links_s: Sequence[float]) -> bool:
-    """Whether the stages can run the layers with every stage within `limit` seconds and every two adjacent
-    stages within twice `limit` together with a transfer each way between them (links_s[s]: seconds from stage s to
-    s + 1), memory caps included, counting the layers a stage runs within a time as `split_layers` does (never
-    fewer than fit exactly). When not, every split has a stage, or a window of two stages (`pair_window_s`), slower
-    than `limit`. Checked on each stage alone and on the stages paired (0, 1), (2, 3), ... and (1, 2), (3, 4), ...,
-    each pair's layers taken at its faster stage first."""
-    floor, scale = math.floor, 1 + _EPS
-    rooms = []
-    for t, e, c in zip(per_layer_s, extra_s, max_layers, strict=True):
-        n = floor((limit - e) / t * scale + 1e-9)  # _room, inlined
-        rooms.append(n if n < c else c)
-    if sum(rooms) < num_layers:
-        return False
-    for start in (0, 1):
-        room = sum(rooms[:start])
-        for s in range(start, len(rooms) - 1, 2):
-            t, u = per_layer_s[s], per_layer_s[s + 1]
-            budget = 2 * limit - 2 * links_s[s] - extra_s[s] - extra_s[s + 1]  # for the two stages' layers
-            fast, slow, first, second = (s, s + 1, t, u) if t <= u else (s + 1, s, u, t)
-            n = min(rooms[fast], floor(budget / first * scale + 1e-9))
-            room += n + min(rooms[slow], floor((budget - n * first) / second * scale + 1e-9))
-        if (len(rooms) - start) % 2:
-            room += rooms[-1]
-        if room < num_layers:
-            return False
-    return True
 
 
 def stage_times(per_layer_s: Sequence[float], extra_s: Sequence[float], counts: Sequence[int]) -> list[float]:

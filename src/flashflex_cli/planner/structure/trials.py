@@ -7,10 +7,11 @@ so a trial costs O(1), resp. O(blocks) joins. A trial with more stages than laye
 `stage_search.assemble` does) and is bounded over the kept stages piece by piece (`kept.Kept`). Only a trial
 whose bound is below the best so far is evaluated. One whose layers do not fit in its stages' memory costs inf,
 known from its pieces' memory rooms without a layer split (`pieces.TrialSpace.fits`; in a unit sweep from the
-other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`). A trial that could only win at a pace its layers
-cannot keep (each stage and each two adjacent stages within that pace, memory caps included, `Trials._slower_than`)
-is not split either. Otherwise its layers are split exactly, and when its exact fill and slowest stage / adjacent
-pair of stages (a lower bound on the period) already show that it cannot win, the window search is skipped and
+other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`). Otherwise its layers are split exactly; the split
+is given up as soon as it shows that its slowest stage is slower than the pace the trial would need to win
+(`Trials._needed_pace`, `layer_split.split_layers_within`: often at its first lower bound). When the exact fill and
+slowest stage / adjacent pair of stages (a lower bound on the period) show that it cannot win, the window search is
+skipped and
 nothing is memoised (`Trials.cost_below`, `pipeline_score.evaluate_unless`); else it is evaluated in full
 (`pipeline_score.evaluate_pipeline`). Every shortcut gives the exact figure or a valid lower bound, so the trials
 ranked, and the structure found, are the ones the plain evaluation of every trial gives. All figures in seconds
@@ -20,10 +21,11 @@ per micro-batch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from ...cost.schedule import closed_form_s
 from ..scoring.pipeline_score import PipeEval, evaluate_pipeline, evaluate_unless
-from ..space.layer_split import fits_within
+from ..space.layer_split import split_layers_within
 from .bounds import INFEASIBLE, SAFETY, cannot_beat, runs_lower_bound
 from .kept import Kept
 from .pieces import Piece, Sizes, TrialSpace
@@ -31,6 +33,9 @@ from .sweeps import Totals, UnitBounds
 
 Trial = tuple[Sizes, tuple[int, ...]]  # group sizes by block position, block order
 UNFIT = PipeEval((), (), INFEASIBLE, INFEASIBLE, INFEASIBLE, False)  # the evaluation of a trial that does not fit
+# relative margin over the needed pace before a split is given up: the split's slowest stage is within about 1e-9 of
+# its walk's limit (`layer_split._room`'s rounding allowance), so a split given up is surely slower than the pace
+PACE_MARGIN = 1e-8
 
 
 class Trials(TrialSpace):
@@ -64,18 +69,22 @@ class Trials(TrialSpace):
         pieces = self._pieces_of(sizes, order)
         micro, most, layers = self.micro, self.max_stages, self.cache.model.num_layers
         terms, links, shape = None, None, None
+        split: list[int] | None | Literal[False] = False  # (False: not split yet)
         count = sum([piece.summary.count for piece in pieces])
         if count <= layers:  # every stage kept (`_assemble`): the stages are listed only for a split
             *terms, room = self._terms_and_room(pieces, count)
             if room < layers:  # the exact figure, inf, without a layer split
                 self._seen[key] = (INFEASIBLE, UNFIT)
                 return INFEASIBLE
-            if count <= most:  # a probe of the pace it would need, before a layer split
+            if count <= most:  # the layer split, given up once it shows the pace it would need is out of reach
                 links = self._links(pieces, (), None)
-                probed = self._slower_than(terms, links, limit)
-                if probed is not None:
-                    self._bounds[key] = probed
-                    return INFEASIBLE
+                needed = self._needed_pace(terms, links, limit)
+                if needed is not None:
+                    pace, low_s = needed
+                    split = split_layers_within(*terms, layers, pace * (1.0 + PACE_MARGIN))
+                    if split is False:
+                        self._bounds[key] = low_s
+                        return INFEASIBLE
             shape = lambda: self.shape(pieces)  # noqa: E731
         stages, keep = self._assemble(pieces)
         low: list[float] = []
@@ -88,31 +97,29 @@ class Trials(TrialSpace):
             return cannot_beat(low[0], limit)
 
         pipe = evaluate_unless(self.cache, stages, (lambda: links) if links is not None else
-                               (lambda: self._links(pieces, stages, keep)), skip, terms, shape)  # type: ignore[arg-type]
+                               (lambda: self._links(pieces, stages, keep)), skip, terms, shape,  # type: ignore[arg-type]
+                               None if split is False else (split,))
         if pipe is None:
             self._bounds[key] = low[0]
             return float("inf")
         hit = self._seen[key] = (amortised(pipe, micro, most), pipe)
         return hit[0]
 
-    def _slower_than(self, terms: list, links: list[float], limit: float) -> float | None:
-        """A lower bound on the amortised seconds of the trial with stage terms `terms` and transfer seconds
-        `links` that cannot beat `limit`, or None: the pace it would need to beat the limit (with the least fill
-        any split has) is one at which its layers do not fit in time (each stage and each window of two stages
-        within that pace, `layer_split.fits_within`), so every split is slower. A few passes over the stages
-        instead of the layer split."""
-        per_layer, extra, caps = terms
+    def _needed_pace(self, terms: list, links: list[float], limit: float) -> tuple[float, float] | None:
+        """The pace (seconds per micro-batch) the trial with stage terms `terms` and transfer seconds `links` would
+        need to beat `limit` with the least fill any split has (a layer a stage, the others at the fastest stage's
+        speed, and the transfers), and the lower bound on its amortised seconds when its split is slower than that
+        pace; None when no such bound could prune it (one micro-batch, or a bound not clearly at the limit). A split
+        whose slowest stage is slower than the pace is slower than the limit, whatever its fill and windows."""
+        per_layer, extra, _caps = terms
         count = len(per_layer)
         m, layers = max(self.micro, count), self.cache.model.num_layers
         if m < 2:
             return None
-        # every split's fill: a layer a stage and the others at the fastest stage's speed, and the transfers
         fill = sum(per_layer) + sum(extra) + (layers - count) * min(per_layer) + 2.0 * sum(links)
         pace = (m * (limit / (1.0 - SAFETY)) - fill) / (m - 1)
-        if fits_within(per_layer, extra, caps, layers, pace, links):
-            return None
         low = closed_form_s(pace, fill, m) / m
-        return low if cannot_beat(low, limit) else None
+        return (pace, low) if cannot_beat(low, limit) else None
 
     def bound(self, sizes: Sizes, order: tuple[int, ...], key: tuple | None = None) -> float:
         """A lower bound on `cost` (the exact figure when already known; `key`: the trial's `key` where the

@@ -12,8 +12,10 @@ cluster with --jobs 1 (the same minute's load, min over --repeats runs); wall ti
 60 s on the 2-core CI machine. The baseline in the same run is the `uniform` strategy (a closed-form sweep of
 symmetric layouts); the ratio shows what the full search costs on top. `--max-micro-batch N` turns on the
 micro-batch search (default: pinned at 1, the plans of the speed target).
+`--cold` runs every repeat in a fresh interpreter, as `flashflex plan` does: without it, later repeats reuse the
+cost model's memos (1F1B simulations, stage memory) that the first one filled, and the minimum is a warm run.
 Usage: python benchmarks/bench_planning_time.py [--sizes 8,32,128] [--classes all|none|NAME,...] [--jobs 1]
-       [--repeats 2] [--max-micro-batch 8] [--shard-optimizer auto|on|off]
+       [--repeats 2] [--max-micro-batch 8] [--shard-optimizer auto|on|off] [--cold]
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from flashflex_cli.cost.params import CostParams  # noqa: E402
+from flashflex_cli.hardware.cluster import Cluster  # noqa: E402
 from flashflex_cli.hardware.synthetic import build_cluster  # noqa: E402
-from flashflex_cli.model.spec import PRESETS  # noqa: E402
+from flashflex_cli.model.spec import PRESETS, ModelSpec  # noqa: E402
 from flashflex_cli.plan.schema import TrainConfig  # noqa: E402
 from flashflex_cli.planner.search import SearchStats, plan_layout  # noqa: E402
 from flashflex_cli.planner.search.sharding import choose_sharding  # noqa: E402
@@ -104,9 +109,17 @@ def main() -> None:
     parser.add_argument("--shard-optimizer", default="off", choices=("auto", "on", "off"),
                         help="plan as `flashflex plan --shard-optimizer` (planner/search/sharding.py: auto and on "
                         "add the sharded searches where they are tried)")
+    parser.add_argument("--cold", action="store_true",
+                        help="run every repeat in a fresh interpreter, as `flashflex plan` runs (the cost model's "
+                        "memos start empty; imports not counted)")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # --cold's child: plan this cluster once
     args = parser.parse_args()
+    if args.one is not None:
+        _plan_once(args)
+        return
     mode = f"searched up to {args.max_micro_batch}" if args.max_micro_batch else "pinned at 1"
-    print(f"jobs {args.jobs}, micro-batch size {mode}, CPU time = min of {max(1, args.repeats)} runs")
+    fresh = ", each in a fresh interpreter" if args.cold else " in one interpreter (later runs reuse the cost memos)"
+    print(f"jobs {args.jobs}, micro-batch size {mode}, CPU time = min of {max(1, args.repeats)} runs{fresh}")
     print(f"{'cluster':<17} {'devices':>7} {'model':<11} {'batch':>5} {'flashflex s':>11} {'cpu s':>6} "
           f"{'uniform s':>9} {'ratio':>6} {'cands':>5} {'tokens/s':>11} {'vs uniform':>10} {'budget hit':>10} "
           f"{'load':>5} {'target':>8}")
@@ -115,17 +128,9 @@ def main() -> None:
         size = len(cluster.device_ids)
         model = PRESETS[args.model or model_name]
         train = TrainConfig(global_batch=batch, seq_len=4096)
-        runs = []
-        for _ in range(max(1, args.repeats)):
-            stats = SearchStats()
-            c0, t0 = _cpu_seconds(), time.perf_counter()
-            plan, _ = choose_sharding(
-                lambda ways, cluster=cluster, model=model, train=train, stats=stats: plan_layout(
-                    cluster, model, train, time_budget_s=args.budget, stats=stats, jobs=args.jobs,
-                    max_micro_batch=args.max_micro_batch, optimizer_shard_ways=ways),
-                args.shard_optimizer, CostParams())
-            runs.append((_cpu_seconds() - c0, time.perf_counter() - t0, stats, plan))
-        cpu, wall, stats, plan = min(runs, key=lambda r: (r[2].budget_hit, r[0]))  # a cut search did less work
+        runs = [(_fresh_run(args, name) if args.cold else _timed_run(args, cluster, model, train))
+                for _ in range(max(1, args.repeats))]
+        cpu, wall, stats, tps = min(runs, key=lambda r: (r[2].budget_hit, r[0]))  # a cut search did less work
         t1 = time.perf_counter()
         try:
             base = plan_layout(cluster, model, train, strategy="uniform")
@@ -133,13 +138,47 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - no symmetric layout fits: report it, keep benchmarking
             base_tps = float("nan")
         uniform_s = time.perf_counter() - t1
-        tps = plan.predicted.tokens_per_s
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         print(f"{name:<17} {size:>7} {model.name:<11} {batch:>5} {wall:>11.2f} {cpu:>6.2f} {uniform_s:>9.2f} "
               f"{wall / max(uniform_s, 1e-9):>6.1f} {stats.candidates:>5} {tps:>11,.0f} {tps / base_tps:>9.2f}x "
               f"{str(stats.budget_hit):>10} {load:>5.1f} {_verdict(size, wall, cpu, args.jobs):>8}", flush=True)
     print(f"{os.cpu_count()} CPUs; wall time grows with the load average; CPU time (planner process plus its "
           f"workers) is what an idle machine's wall time would be with --jobs 1")
+
+
+def _timed_run(args: argparse.Namespace, cluster: Cluster, model: ModelSpec, train: TrainConfig
+               ) -> tuple[float, float, SearchStats, float]:
+    """One planning run in this interpreter: (CPU s, wall s, its search stats, predicted tokens/s)."""
+    stats = SearchStats()
+    c0, t0 = _cpu_seconds(), time.perf_counter()
+    plan, _ = choose_sharding(
+        lambda ways: plan_layout(cluster, model, train, time_budget_s=args.budget, stats=stats, jobs=args.jobs,
+                                 max_micro_batch=args.max_micro_batch, optimizer_shard_ways=ways),
+        args.shard_optimizer, CostParams())
+    return _cpu_seconds() - c0, time.perf_counter() - t0, stats, float(plan.predicted.tokens_per_s)
+
+
+def _fresh_run(args: argparse.Namespace, name: str) -> tuple[float, float, SearchStats, float]:
+    """`_timed_run` of cluster `name` in a fresh interpreter (this script with --one)."""
+    command = [sys.executable, __file__, "--one", name, "--sizes", args.sizes, "--classes", args.classes,
+               "--budget", str(args.budget), "--jobs", str(args.jobs), "--shard-optimizer", args.shard_optimizer]
+    if args.model:
+        command += ["--model", args.model]
+    if args.max_micro_batch:
+        command += ["--max-micro-batch", str(args.max_micro_batch)]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout.split()
+    stats = SearchStats()
+    stats.candidates, stats.budget_hit = int(out[2]), out[3] == "True"
+    return float(out[0]), float(out[1]), stats, float(out[4])
+
+
+def _plan_once(args: argparse.Namespace) -> None:
+    """--cold's child: plan cluster `args.one` once and print CPU s, wall s, candidates, budget hit, tokens/s."""
+    name, spec, model_name, batch = next(c for c in clusters(args.sizes, args.classes) if c[0] == args.one)
+    cluster = build_cluster(spec, name=name)
+    train = TrainConfig(global_batch=batch, seq_len=4096)
+    cpu, wall, stats, tps = _timed_run(args, cluster, PRESETS[args.model or model_name], train)
+    print(cpu, wall, stats.candidates, stats.budget_hit, tps)
 
 
 def _verdict(size: int, wall: float, cpu: float, jobs: int) -> str:

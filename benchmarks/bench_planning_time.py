@@ -34,7 +34,7 @@ from flashflex_cli.hardware.cluster import Cluster  # noqa: E402
 from flashflex_cli.hardware.synthetic import build_cluster  # noqa: E402
 from flashflex_cli.model.spec import PRESETS, ModelSpec  # noqa: E402
 from flashflex_cli.plan.schema import TrainConfig  # noqa: E402
-from flashflex_cli.planner.search import SearchStats, plan_layout  # noqa: E402
+from flashflex_cli.planner.search import SearchStats, plan_layout, searches_of  # noqa: E402
 from flashflex_cli.planner.search.sharding import choose_sharding  # noqa: E402
 
 TYPES = ("A100-80G-SXM:nic=ib:link=nvlink", "RTX-4090:nic=eth", "RTX-3090:nic=eth", "A100-40G-SXM:nic=roce")
@@ -152,8 +152,8 @@ def _timed_run(args: argparse.Namespace, cluster: Cluster, model: ModelSpec, tra
     stats = SearchStats()
     c0, t0 = _cpu_seconds(), time.perf_counter()
     plan, _ = choose_sharding(
-        lambda ways: plan_layout(cluster, model, train, time_budget_s=args.budget, stats=stats, jobs=args.jobs,
-                                 max_micro_batch=args.max_micro_batch, optimizer_shard_ways=ways),
+        searches_of(cluster, model, train, time_budget_s=args.budget, stats=stats, jobs=args.jobs,
+                    max_micro_batch=args.max_micro_batch),
         args.shard_optimizer, CostParams())
     return _cpu_seconds() - c0, time.perf_counter() - t0, stats, float(plan.predicted.tokens_per_s)
 

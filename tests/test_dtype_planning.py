@@ -22,6 +22,7 @@ from flashflex_cli.plan.schema import Plan, TrainConfig
 from flashflex_cli.planner import search
 from flashflex_cli.planner.fleet.objective import reduced_cluster
 from flashflex_cli.planner.fleet.precision import DtypeTrial, choose_dtype
+from flashflex_cli.planner.search import driver
 
 from .cost_fixtures import cluster, plan, stage
 
@@ -105,13 +106,13 @@ def test_auto_picks_fp16_on_a100_and_v100_nodes_and_uses_the_v100s(files: dict[s
                                                                     capsys: pytest.CaptureFixture[str],
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    original = search.plan_layout
+    original = driver.plan_layout
 
     def counting(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         calls.append(args[2].dtype)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(search, "plan_layout", counting)
+    monkeypatch.setattr(driver, "plan_layout", counting)  # (the searches `searches_of` gives call it)
     # one search per dtype (the optimizer-sharding search, a second one per dtype where it may pay, is off here)
     plan = _plan(files["mixed"], tmp_path / "auto.json", "--dtype", "auto", "--shard-optimizer", "off")
     assert calls == ["bf16", "fp16"]  # planned twice, no more
@@ -133,8 +134,8 @@ def test_auto_picks_fp16_on_a100_and_v100_nodes_and_uses_the_v100s(files: dict[s
 def test_auto_picks_bf16_when_every_device_computes_it_and_plans_once(files: dict[str, Path], tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    original = search.plan_layout
-    monkeypatch.setattr(search, "plan_layout", lambda *a, **k: (calls.append(a[2].dtype), original(*a, **k))[1])
+    original = driver.plan_layout
+    monkeypatch.setattr(driver, "plan_layout", lambda *a, **k: (calls.append(a[2].dtype), original(*a, **k))[1])
     auto = _plan(files["a100"], tmp_path / "auto.json", "--dtype", "auto", "--shard-optimizer", "off")
     assert calls == ["bf16"]
     assert auto.inputs.train.dtype == "bf16" and auto.inputs.dtype_reason == "every device computes bf16 natively"

@@ -118,7 +118,7 @@ def plan_command(
                                     help="Range of H, the inner steps per round of local sync."),
 ) -> None:
     """Plan an asymmetric DP x PP x TP layout and print its predicted throughput next to the uniform one."""
-    from ..planner.search import SearchStats, plan_layout
+    from ..planner.search import SearchStats, plan_layout, searches_of
     from ..planner.search.pool import usable_cores
     from ..planner.search.replica_groups import SYNC_CHOICES, choose_sync, parse_inner_steps
     from ..planner.search.sharding import MODES as SHARDING_MODES
@@ -160,10 +160,10 @@ def plan_command(
         """The fleet planned in dtype `chosen`, re-estimated on the whole cluster."""
         fleet, trained = replace(options), train.model_copy(update={"dtype": chosen})
         fleets.append(fleet)
-        found = fleet.plan(lambda sub: sharded_in(lambda ways: plan_layout(
+        found = fleet.plan(lambda sub: sharded_in(searches_of(
             sub, spec, trained, strategy=strategy, time_budget_s=time_budget, seed=seed,
             params=params, stats=stats, max_micro_batch=max_micro_batch if micro_batch is None else None,
-            jobs=jobs or usable_cores(), micro_batch=micro_batch or 1, optimizer_shard_ways=ways)))
+            jobs=jobs or usable_cores(), micro_batch=micro_batch or 1)))
         found = reestimated(found, estimate(found, cluster, params))  # records the layer profiles it used
         assert fleet.choice is not None  # fleet.plan raises otherwise
         return DtypeTrial(chosen, found, float(found.predicted.tokens_per_s),  # type: ignore[union-attr]

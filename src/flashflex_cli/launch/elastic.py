@@ -171,7 +171,7 @@ def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, t
     plan of replica groups is re-planned in replica groups where it can (`regrouped`)."""
     from ..cost.estimate import estimate
     from ..cost.reestimate import reestimated
-    from ..planner.search import STRATEGIES, plan_layout
+    from ..planner.search import STRATEGIES, plan_layout, searches_of
     from ..planner.search.sharding import choose_sharding
 
     inputs = old.inputs
@@ -184,7 +184,9 @@ def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, t
                            seed=inputs.seed, params=params, micro_batch=micro_batch,
                            max_micro_batch=max_micro_batch, optimizer_shard_ways=ways)
 
-    plan, _ = choose_sharding(lambda ways: plan_on(cluster, inputs.train, ways), mode, params)
+    plan, _ = choose_sharding(searches_of(cluster, inputs.model, inputs.train, strategy=strategy,
+                                          time_budget_s=time_budget_s, seed=inputs.seed, params=params,
+                                          micro_batch=micro_batch, max_micro_batch=max_micro_batch), mode, params)
     plan = reestimated(plan, estimate(plan, cluster, params))
     if old.outer_sync is not None and rounds is not None:
         plan = regrouped(old, plan, cluster, plan_on, params, rounds)

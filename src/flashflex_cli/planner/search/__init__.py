@@ -2,6 +2,6 @@
 `finalise`), the micro-batch search, the `uniform` and `exhaustive` baselines and the worker pool."""
 
 from .collect import SearchStats
-from .driver import STRATEGIES, plan_layout, scored_candidates
+from .driver import STRATEGIES, plan_layout, scored_candidates, searches_of
 
-__all__ = ["STRATEGIES", "SearchStats", "plan_layout", "scored_candidates"]
+__all__ = ["STRATEGIES", "SearchStats", "plan_layout", "scored_candidates", "searches_of"]

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from ...cost.params import CostParams
 from ...errors import InputError
@@ -85,7 +86,7 @@ def plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy
                 time_budget_s: float = 30.0, seed: int = 0, params: CostParams | None = None,
                 stats: SearchStats | None = None, device_moves: bool = True,
                 max_micro_batch: int | None = None, jobs: int = 1, micro_batch: int = 1,
-                optimizer_shard_ways: int = 1) -> Plan:
+                optimizer_shard_ways: int = 1, graph: DeviceGraph | None = None) -> Plan:
     """Plan an asymmetric layout of `model` on `cluster` for `train` (module docstring); InfeasibleError
     when none exists; InputError for an unknown strategy. `device_moves=False` limits refinement to
     whole-group moves (to measure what the device-level moves add). `micro_batch`: the base micro-batch size
@@ -94,10 +95,22 @@ def plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy
     (`microbatch.MicroBatchSearch`). `jobs`:
     worker processes for the search's independent units (`pool.SearchPool`; the plan does not depend on it).
     `optimizer_shard_ways` > 1: plans that shard their optimizer state, the search charging each stage that
-    share of it (planner/search/sharding.py chooses)."""
+    share of it (planner/search/sharding.py chooses). `graph`: the `DeviceGraph(cluster, train.dtype)` that
+    another search of the same cluster built (its tables and partitions are reused)."""
+    if graph is None:
+        graph = DeviceGraph(cluster, train.dtype)
+    elif graph.cluster is not cluster or graph.dtype != train.dtype:
+        raise ValueError("plan_layout: the graph given is of another cluster or dtype")
     with _no_cycle_collection():
-        return _plan_layout(cluster, model, train, strategy, time_budget_s, seed, params, stats, device_moves,
+        return _plan_layout(graph, model, train, strategy, time_budget_s, seed, params, stats, device_moves,
                             max_micro_batch, jobs, micro_batch, optimizer_shard_ways)
+
+
+def searches_of(cluster: Cluster, model: ModelSpec, train: TrainConfig, **options: Any) -> Callable[[int], Plan]:
+    """`plan_layout` of `cluster` for each optimizer-shard ways (`sharding.choose_sharding`'s `plan_with`), with
+    the other `options` of `plan_layout`: the searches share one `DeviceGraph` (its tables and partitions)."""
+    graph = DeviceGraph(cluster, train.dtype)
+    return lambda ways: plan_layout(cluster, model, train, optimizer_shard_ways=ways, graph=graph, **options)
 
 
 @contextmanager
@@ -114,7 +127,7 @@ def _no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
-def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strategy: str, time_budget_s: float,
+def _plan_layout(graph: DeviceGraph, model: ModelSpec, train: TrainConfig, strategy: str, time_budget_s: float,
                  seed: int, params: CostParams | None, stats: SearchStats | None, device_moves: bool,
                  max_micro_batch: int | None, jobs: int, micro_batch: int, optimizer_shard_ways: int = 1) -> Plan:
     """`plan_layout` itself."""
@@ -126,7 +139,7 @@ def _plan_layout(cluster: Cluster, model: ModelSpec, train: TrainConfig, strateg
     stats = stats if stats is not None else SearchStats()
     params = params or CostParams()
     total = micro_batches(train.global_batch, micro_batch)
-    cache = CostCache(DeviceGraph(cluster, train.dtype), model, train, params, micro_batch, optimizer_shard_ways)
+    cache = CostCache(graph, model, train, params, micro_batch, optimizer_shard_ways)
     check_feasible(cache, total)
     deadline = started + max(0.0, time_budget_s)
     if strategy == "uniform":

@@ -174,6 +174,11 @@ class DeviceGraph:
     def _sub_csr_memo(self) -> dict[tuple[int, ...], tuple[array, array, array, array]]:
         return {}
 
+    @cached_property
+    def partition_memo(self) -> dict[tuple, tuple]:
+        """`partition.generators`' answers by (k, seed, active devices), kept as long as the graph."""
+        return {}
+
     def sub_csr(self, active: tuple[int, ...]) -> tuple[array, array, array, array]:
         """(xadj, adjncy, eweights, vweights) of the METIS graph restricted to the `active` vertices
         (renumbered 0.. in the order given), as int64 arrays (pymetis reads them without a conversion);

@@ -113,18 +113,24 @@ def metis_groups(graph: DeviceGraph, k: int, seed: int, active: Sequence[int]) -
 def generators(graph: DeviceGraph, k: int, seed: int,
                active: Sequence[int] | None = None) -> list[tuple[str, list[list[int]]]]:
     """Every distinct level-1 partition of the `active` devices (default all) for k pipelines, in a
-    fixed order."""
+    fixed order; memoised on the graph (every search of one cluster partitions the same way: the sharded
+    searches repeat the unsharded one's pipeline counts)."""
     active = sorted(range(graph.size) if active is None else active)
-    out: list[tuple[str, list[list[int]]]] = []
-    seen: set[tuple] = set()
-    for name, groups in (("metis", metis_groups(graph, k, seed, active)),
-                         ("contiguous", contiguous_groups(graph, k, active)),
-                         ("typed", typed_groups(graph, k, active)), ("striped", striped_groups(graph, k, active))):
-        key = tuple(tuple(g) for g in groups)
-        if key not in seen:
-            seen.add(key)
-            out.append((name, groups))
-    return out
+    memo = graph.partition_memo
+    found = memo.get((k, seed, tuple(active)))
+    if found is None:
+        out: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
+        seen: set[tuple] = set()
+        for name, groups in (("metis", metis_groups(graph, k, seed, active)),
+                             ("contiguous", contiguous_groups(graph, k, active)),
+                             ("typed", typed_groups(graph, k, active)),
+                             ("striped", striped_groups(graph, k, active))):
+            key = tuple(tuple(g) for g in groups)
+            if key not in seen:
+                seen.add(key)
+                out.append((name, key))
+        found = memo[(k, seed, tuple(active))] = tuple(out)
+    return [(name, [list(g) for g in groups]) for name, groups in found]
 
 
 def device_subsets(graph: DeviceGraph, max_drops: int = 3) -> list[list[int]]:

@@ -14,8 +14,10 @@ symmetric layouts); the ratio shows what the full search costs on top. `--max-mi
 micro-batch search (default: pinned at 1, the plans of the speed target).
 `--cold` runs every repeat in a fresh interpreter, as `flashflex plan` does: without it, later repeats reuse the
 cost model's memos (1F1B simulations, stage memory) that the first one filled, and the minimum is a warm run.
+`--against SRC` compares with another version of the package (SRC: its `src` folder, e.g. of a `git worktree` of an
+earlier commit), run for run in fresh interpreters: on a shared, noisy host the only fair comparison of two versions.
 Usage: python benchmarks/bench_planning_time.py [--sizes 8,32,128] [--classes all|none|NAME,...] [--jobs 1]
-       [--repeats 2] [--max-micro-batch 8] [--shard-optimizer auto|on|off] [--cold]
+       [--repeats 2] [--max-micro-batch 8] [--shard-optimizer auto|on|off] [--cold] [--against SRC]
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from flashflex_cli.hardware.cluster import Cluster  # noqa: E402
 from flashflex_cli.hardware.synthetic import build_cluster  # noqa: E402
 from flashflex_cli.model.spec import PRESETS, ModelSpec  # noqa: E402
 from flashflex_cli.plan.schema import TrainConfig  # noqa: E402
-from flashflex_cli.planner.search import SearchStats, plan_layout, searches_of  # noqa: E402
+from flashflex_cli.planner.search import SearchStats, plan_layout  # noqa: E402
 from flashflex_cli.planner.search.sharding import choose_sharding  # noqa: E402
 
 TYPES = ("A100-80G-SXM:nic=ib:link=nvlink", "RTX-4090:nic=eth", "RTX-3090:nic=eth", "A100-40G-SXM:nic=roce")
@@ -112,10 +114,17 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true",
                         help="run every repeat in a fresh interpreter, as `flashflex plan` runs (the cost model's "
                         "memos start empty; imports not counted)")
+    parser.add_argument("--against", default=None, metavar="SRC",
+                        help="also plan every cluster with the flashflex_cli package under SRC (e.g. a worktree's src "
+                        "of an earlier commit), alternated with this one run for run, each in a fresh interpreter, and "
+                        "print the CPU time of both and their ratio")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # --cold's child: plan this cluster once
     args = parser.parse_args()
     if args.one is not None:
         _plan_once(args)
+        return
+    if args.against is not None:
+        _compare(args)
         return
     mode = f"searched up to {args.max_micro_batch}" if args.max_micro_batch else "pinned at 1"
     fresh = ", each in a fresh interpreter" if args.cold else " in one interpreter (later runs reuse the cost memos)"
@@ -150,26 +159,50 @@ def _timed_run(args: argparse.Namespace, cluster: Cluster, model: ModelSpec, tra
                ) -> tuple[float, float, SearchStats, float]:
     """One planning run in this interpreter: (CPU s, wall s, its search stats, predicted tokens/s)."""
     stats = SearchStats()
+    options = {"time_budget_s": args.budget, "stats": stats, "jobs": args.jobs, "max_micro_batch": args.max_micro_batch}
+    try:  # the searches of one cluster sharing its device graph, as `flashflex plan` runs them
+        from flashflex_cli.planner.search import searches_of
+        search = searches_of(cluster, model, train, **options)
+    except ImportError:  # (an earlier package, --against)
+        search = lambda ways: plan_layout(cluster, model, train, optimizer_shard_ways=ways, **options)  # noqa: E731
     c0, t0 = _cpu_seconds(), time.perf_counter()
-    plan, _ = choose_sharding(
-        searches_of(cluster, model, train, time_budget_s=args.budget, stats=stats, jobs=args.jobs,
-                    max_micro_batch=args.max_micro_batch),
-        args.shard_optimizer, CostParams())
+    plan, _ = choose_sharding(search, args.shard_optimizer, CostParams())
     return _cpu_seconds() - c0, time.perf_counter() - t0, stats, float(plan.predicted.tokens_per_s)
 
 
-def _fresh_run(args: argparse.Namespace, name: str) -> tuple[float, float, SearchStats, float]:
-    """`_timed_run` of cluster `name` in a fresh interpreter (this script with --one)."""
+def _fresh_run(args: argparse.Namespace, name: str, src: str | None = None
+               ) -> tuple[float, float, SearchStats, float]:
+    """`_timed_run` of cluster `name` in a fresh interpreter (this script with --one), with the package under `src`
+    when given."""
     command = [sys.executable, __file__, "--one", name, "--sizes", args.sizes, "--classes", args.classes,
                "--budget", str(args.budget), "--jobs", str(args.jobs), "--shard-optimizer", args.shard_optimizer]
     if args.model:
         command += ["--model", args.model]
     if args.max_micro_batch:
         command += ["--max-micro-batch", str(args.max_micro_batch)]
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout.split()
+    env = None if src is None else {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.abspath(src), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout.split()
     stats = SearchStats()
     stats.candidates, stats.budget_hit = int(out[2]), out[3] == "True"
     return float(out[0]), float(out[1]), stats, float(out[4])
+
+
+def _compare(args: argparse.Namespace) -> None:
+    """--against: every cluster planned by this package and by the one under `args.against`, alternately, each run in
+    a fresh interpreter; the minimum CPU time of each and their ratio (the same minutes' load for both)."""
+    print(f"jobs {args.jobs}, CPU time = min of {max(1, args.repeats)} runs each, alternated, fresh interpreters; "
+          f"against {args.against}")
+    print(f"{'cluster':<17} {'this s':>7} {'against s':>9} {'ratio':>6} {'same tokens/s':>13} {'load':>5}")
+    for name, *_ in clusters(args.sizes, args.classes):
+        mine, theirs = [], []
+        for _ in range(max(1, args.repeats)):
+            mine.append(_fresh_run(args, name))
+            theirs.append(_fresh_run(args, name, args.against))
+        this, other = min(r[0] for r in mine), min(r[0] for r in theirs)
+        same = {r[3] for r in mine} == {r[3] for r in theirs}
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        print(f"{name:<17} {this:>7.2f} {other:>9.2f} {this / other:>6.2f} {str(same):>13} {load:>5.1f}", flush=True)
 
 
 def _plan_once(args: argparse.Namespace) -> None:

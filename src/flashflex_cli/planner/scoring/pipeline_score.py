@@ -94,8 +94,8 @@ def evaluate_unless(cache: CostCache, stages: tuple[Devs, ...], links: Callable[
     only wants pipelines below some cost learns early that this one is not (the window search is skipped). A
     pipeline whose layers do not fit is returned (`ok` False) but not memoised. `terms`: `stage_terms(cache, stages)`,
     `shape`: gives `shape_key(cache, stages)`, `split`: (`layer_split.split_layers` of the terms,), where the caller
-    has them (a caller with the shape knows the stages are new: the memo by devices is not consulted). The memo by shape is consulted only for a pipeline not skipped
-    (the figures are the same either way)."""
+    has them (a caller with the shape knows the stages are new: the memo by devices is not consulted). The memo by
+    shape is consulted only for a pipeline not skipped (the figures are the same either way)."""
     if shape is None:
         hit = cache.memo(PipelineMemo).by_devices.get(tuple(stages))
         if hit is not None:

@@ -147,7 +147,7 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - no symmetric layout fits: report it, keep benchmarking
             base_tps = float("nan")
         uniform_s = time.perf_counter() - t1
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        load = _load()
         print(f"{name:<17} {size:>7} {model.name:<11} {batch:>5} {wall:>11.2f} {cpu:>6.2f} {uniform_s:>9.2f} "
               f"{wall / max(uniform_s, 1e-9):>6.1f} {stats.candidates:>5} {tps:>11,.0f} {tps / base_tps:>9.2f}x "
               f"{str(stats.budget_hit):>10} {load:>5.1f} {_verdict(size, wall, cpu, args.jobs):>8}", flush=True)
@@ -201,7 +201,7 @@ def _compare(args: argparse.Namespace) -> None:
             theirs.append(_fresh_run(args, name, args.against))
         this, other = min(r[0] for r in mine), min(r[0] for r in theirs)
         same = {r[3] for r in mine} == {r[3] for r in theirs}
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        load = _load()
         print(f"{name:<17} {this:>7.2f} {other:>9.2f} {this / other:>6.2f} {str(same):>13} {load:>5.1f}", flush=True)
 
 
@@ -222,6 +222,11 @@ def _verdict(size: int, wall: float, cpu: float, jobs: int) -> str:
     if size in CPU_TARGETS and jobs == 1:
         parts.append(f"cpu {'ok' if cpu <= CPU_TARGETS[size] else 'MISSED'} <={CPU_TARGETS[size]:g}s")
     return ", ".join(parts)
+
+
+def _load() -> float:
+    """The 1-minute load average (nan where the platform has none)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
 def _cpu_seconds() -> float:

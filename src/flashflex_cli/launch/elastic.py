@@ -179,14 +179,13 @@ def replan(old: Plan, cluster: Cluster, cluster_path: str, params: CostParams, t
     micro_batch, max_micro_batch = replan_micro_batch(old)
     mode = replan_sharding(old)
 
-    def plan_on(sub: Cluster, train: TrainConfig, ways: int = 1) -> Plan:
-        return plan_layout(sub, inputs.model, train, strategy=strategy, time_budget_s=time_budget_s,
-                           seed=inputs.seed, params=params, micro_batch=micro_batch,
-                           max_micro_batch=max_micro_batch, optimizer_shard_ways=ways)
+    options: dict[str, Any] = {"strategy": strategy, "time_budget_s": time_budget_s, "seed": inputs.seed,
+                               "params": params, "micro_batch": micro_batch, "max_micro_batch": max_micro_batch}
 
-    plan, _ = choose_sharding(searches_of(cluster, inputs.model, inputs.train, strategy=strategy,
-                                          time_budget_s=time_budget_s, seed=inputs.seed, params=params,
-                                          micro_batch=micro_batch, max_micro_batch=max_micro_batch), mode, params)
+    def plan_on(sub: Cluster, train: TrainConfig) -> Plan:
+        return plan_layout(sub, inputs.model, train, **options)
+
+    plan, _ = choose_sharding(searches_of(cluster, inputs.model, inputs.train, **options), mode, params)
     plan = reestimated(plan, estimate(plan, cluster, params))
     if old.outer_sync is not None and rounds is not None:
         plan = regrouped(old, plan, cluster, plan_on, params, rounds)

@@ -116,8 +116,8 @@ def generators(graph: DeviceGraph, k: int, seed: int,
     fixed order; memoised on the graph (every search of one cluster partitions the same way: the sharded
     searches repeat the unsharded one's pipeline counts)."""
     active = sorted(range(graph.size) if active is None else active)
-    memo = graph.partition_memo
-    found = memo.get((k, seed, tuple(active)))
+    memo, key = graph.partition_memo, (k, seed, tuple(active))
+    found = memo.get(key)
     if found is None:
         out: list[tuple[str, tuple[tuple[int, ...], ...]]] = []
         seen: set[tuple] = set()
@@ -125,11 +125,11 @@ def generators(graph: DeviceGraph, k: int, seed: int,
                              ("contiguous", contiguous_groups(graph, k, active)),
                              ("typed", typed_groups(graph, k, active)),
                              ("striped", striped_groups(graph, k, active))):
-            key = tuple(tuple(g) for g in groups)
-            if key not in seen:
-                seen.add(key)
-                out.append((name, key))
-        found = memo[(k, seed, tuple(active))] = tuple(out)
+            partition = tuple(tuple(g) for g in groups)
+            if partition not in seen:
+                seen.add(partition)
+                out.append((name, partition))
+        found = memo[key] = tuple(out)
     return [(name, [list(g) for g in groups]) for name, groups in found]
 
 

@@ -11,8 +11,7 @@ other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`). Otherwise its lay
 is given up as soon as it shows that its slowest stage is slower than the pace the trial would need to win
 (`Trials._needed_pace`, `layer_split.split_layers_within`: often at its first lower bound). When the exact fill and
 slowest stage / adjacent pair of stages (a lower bound on the period) show that it cannot win, the window search is
-skipped and
-nothing is memoised (`Trials.cost_below`, `pipeline_score.evaluate_unless`); else it is evaluated in full
+skipped and nothing is memoised (`Trials.cost_below`, `pipeline_score.evaluate_unless`); else it is evaluated in full
 (`pipeline_score.evaluate_pipeline`). Every shortcut gives the exact figure or a valid lower bound, so the trials
 ranked, and the structure found, are the ones the plain evaluation of every trial gives. All figures in seconds
 per micro-batch.

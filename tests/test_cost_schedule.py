@@ -10,6 +10,7 @@ from flashflex_cli.cost.schedule import (
     closed_form_s,
     drain_offsets_s,
     fill_s,
+    period_exceeds,
     simulate_1f1b,
     stage_order,
     steady_period_s,
@@ -97,6 +98,26 @@ def test_the_period_is_the_slowest_window_and_the_slowest_stage_without_transfer
     assert steady_period_s([1.2, 1.0, 1.0], [0.0, 0.0]) == 1.2
     assert steady_period_s([0.7], []) == 0.7
     assert fill_s([1.2, 1.0, 1.0], [0.1, 0.5]) == pytest.approx(4.4)
+
+
+def test_period_exceeds_answers_whether_the_period_is_above_a_pace() -> None:
+    """The O(S) test the planner prunes with agrees with the window search, on both sides of the period."""
+    assert period_exceeds([1.2, 1.0, 1.0], [0.1, 0.5], 1.49)  # the 1..2 window, 1.5
+    assert not period_exceeds([1.2, 1.0, 1.0], [0.1, 0.5], 1.51)
+    assert not period_exceeds([0.7], [], 0.7)
+    rng = random.Random(7)
+    above = below = 0
+    for _ in range(3000):
+        stages = rng.randint(1, 16)
+        times = [rng.choice([1.0, rng.uniform(0.05, 2.0)]) for _ in range(stages)]
+        links = [rng.choice([0.0, rng.uniform(0.0, 0.6)]) for _ in range(stages - 1)]
+        period = steady_period_s(times, links)
+        for pace in (period * (1 - 1e-9), period * (1 + 1e-9), rng.uniform(0.05, 3.0)):
+            exceeds = period_exceeds(times, links, pace)
+            assert exceeds == (period > pace)
+            above += exceeds
+            below += not exceeds
+    assert above > 2000 and below > 2000
 
 
 def test_the_closed_form_cool_down_equals_the_simulations_where_backwards_do_not_shrink() -> None:

@@ -173,6 +173,22 @@ def short_windows_s(times_s: Sequence[float], links_s: Sequence[float]) -> float
     return low
 
 
+def period_exceeds(times_s: Sequence[float], links_s: Sequence[float], period_s: float) -> bool:
+    """Whether `steady_period_s(times_s, links_s)` exceeds `period_s` seconds, in O(S): whether some window of
+    stages s..t costs more than t - s + 1 periods, i.e. whether the largest sum over a run of stages of
+    (times_s[j] - period_s), plus twice the links inside the run, is positive (Kadane's maximum-sum run: the best
+    run ending at stage j either extends the best one ending at j - 1 over their link or starts at j)."""
+    run = times_s[0] - period_s
+    if run > 0.0:
+        return True
+    for time_s, link_s in zip(times_s[1:], links_s, strict=True):
+        extended = run + 2.0 * link_s
+        run = (extended if extended > 0.0 else 0.0) + time_s - period_s
+        if run > 0.0:
+            return True
+    return False
+
+
 def closed_form_s(period_s: float, fill_s: float, num_micro_batches: int) -> float:
     """Seconds for `num_micro_batches` micro-batches through one pipeline of that period and fill."""
     return fill_s + (num_micro_batches - 1) * period_s

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from ...cost.schedule import fill_s, short_windows_s, steady_period_s
+from ...cost.schedule import fill_s, steady_period_s
 from ..space.layer_split import split_layers, stage_times
 from .cost_cache import CostCache, Devs
 
@@ -84,14 +84,14 @@ def evaluate_pipeline(cache: CostCache, stages: tuple[Devs, ...],
 
 
 def evaluate_unless(cache: CostCache, stages: tuple[Devs, ...], links: Callable[[], list[float]],
-                    skip: Callable[[float, float, int], bool],
+                    skip: Callable[[list[float], list[float], float], bool],
                     terms: tuple[list[float], list[float], list[int]] | None = None,
                     shape: Callable[[], tuple] | None = None,
                     split: tuple[list[int] | None] | None = None) -> PipeEval | None:
-    """`evaluate_pipeline`, or None (nothing memoised) when `skip(pace_low, fill, stages)` says so once the layer
-    split is known: `fill` is the exact fill (seconds) and `pace_low` a lower bound on the pace (its slowest
-    stage and adjacent pairs of stages, the windows of at most two stages of `steady_period_s`), so a caller that
-    only wants pipelines below some cost learns early that this one is not (the window search is skipped). A
+    """`evaluate_pipeline`, or None (nothing memoised) when `skip(times, links, fill)` says so once the layer
+    split is known: `times` are the stages' seconds per micro-batch (forward + backward), `links` the transfer
+    seconds between them and `fill` the exact fill (seconds), so a caller that only wants pipelines below some cost
+    learns early that this one is not (before its period, its memo keys and its gradient sizes are computed). A
     pipeline whose layers do not fit is returned (`ok` False) but not memoised. `terms`: `stage_terms(cache, stages)`,
     `shape`: gives `shape_key(cache, stages)`, `split`: (`layer_split.split_layers` of the terms,), where the caller
     has them (a caller with the shape knows the stages are new: the memo by devices is not consulted). The memo by
@@ -156,7 +156,7 @@ def stage_terms(cache: CostCache, stages: tuple[Devs, ...]) -> tuple[list[float]
 
 def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per_layer: list[float],
             extra: list[float], caps: list[int], known_links: Callable[[], list[float]] | None = None,
-            skip: Callable[[float, float, int], bool] | None = None, looked_up: bool = True,
+            skip: Callable[[list[float], list[float], float], bool] | None = None, looked_up: bool = True,
             known_shape: Callable[[], tuple] | None = None,
             known_split: tuple[list[int] | None] | None = None) -> PipeEval | None:
     """The layer split and figures of `stages` from its stage terms; memoised by devices and by `shape` (None:
@@ -169,7 +169,7 @@ def _finish(cache: CostCache, stages: tuple[Devs, ...], shape: tuple | None, per
         links = known_links() if known_links is not None else \
             [cache.p2p(stages[s], stages[s + 1]) for s in range(count - 1)]
         fill = fill_s(times, links)
-        if skip is not None and skip(short_windows_s(times, links), fill, count):
+        if skip is not None and skip(times, links, fill):
             return None
     elif skip is not None:  # what does not fit is not worth a memo entry for a caller that skips
         return PipeEval(tuple(stages), (), _INFEASIBLE, _INFEASIBLE, _INFEASIBLE, False)

@@ -10,9 +10,9 @@ known from its pieces' memory rooms without a layer split (`pieces.TrialSpace.fi
 other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`). Otherwise its layers are split exactly; the split
 is given up as soon as it shows that its slowest stage is slower than the pace the trial would need to win
 (`Trials._needed_pace`, `layer_split.split_layers_within`: often at its first lower bound). When the exact fill and
-slowest stage / adjacent pair of stages (a lower bound on the period) show that it cannot win, the window search is
-skipped and nothing is memoised (`Trials.cost_below`, `pipeline_score.evaluate_unless`); else it is evaluated in full
-(`pipeline_score.evaluate_pipeline`). Every shortcut gives the exact figure or a valid lower bound, so the trials
+split show that its period is above the pace at which it would cost the limit (`cost.schedule.period_exceeds`: one
+pass over its stages, no window search), it is not evaluated further and nothing is memoised (`Trials.cost_below`,
+`pipeline_score.evaluate_unless`); else it is evaluated in full (`pipeline_score.evaluate_pipeline`). Every shortcut gives the exact figure or a valid lower bound, so the trials
 ranked, and the structure found, are the ones the plain evaluation of every trial gives. All figures in seconds
 per micro-batch.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from ...cost.schedule import closed_form_s
+from ...cost.schedule import closed_form_s, period_exceeds, short_windows_s
 from ..scoring.pipeline_score import PipeEval, evaluate_pipeline, evaluate_unless
 from ..space.layer_split import split_layers_within
 from .bounds import INFEASIBLE, SAFETY, cannot_beat, runs_lower_bound
@@ -88,12 +88,20 @@ class Trials(TrialSpace):
         stages, keep = self._assemble(pieces)
         low: list[float] = []
 
-        def skip(pace: float, fill: float, count: int) -> bool:
+        def skip(times: list[float], hops: list[float], fill: float) -> bool:
+            count = len(times)
             if count > most:
                 return False  # inf: evaluated, as `amortised` has it
             m = max(micro, count)
-            low.append(closed_form_s(pace, fill, m) / m)
-            return cannot_beat(low[0], limit)
+            if m < 2:  # one micro-batch through one stage: the fill is the cost
+                low.append(fill)
+                return cannot_beat(fill, limit)
+            # the pace at which the trial would cost limit / (1 - SAFETY): with a longer period it cannot beat the limit
+            pace = (m * (limit / (1.0 - SAFETY)) - fill) / (m - 1)
+            if not period_exceeds(times, hops, pace * (1.0 + PACE_MARGIN)):
+                return False
+            low.append(closed_form_s(max(pace, short_windows_s(times, hops)), fill, m) / m)
+            return True
 
         pipe = evaluate_unless(self.cache, stages, (lambda: links) if links is not None else
                                (lambda: self._links(pieces, stages, keep)), skip, terms, shape,  # type: ignore[arg-type]

@@ -98,6 +98,7 @@ class UnitBounds:
         self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = \
             count, inverse, total, hops, pace, fastest
         self.speeds: list[float] | None = None  # the other pieces' per-layer seconds, sorted, for dropped stages
+        self.none_kept: float | None = None  # the bound of the trials that keep none of the block's stages
         self.kept: dict[tuple[int, float, int], Kept] = {}  # `_side` by (side, cut speed, room)
         # the layer rooms (`TrialSpace.layer_room`) of the pieces after the block's place and, by stage count, of
         # the pieces before it (`_after_room`, `_before_room`)
@@ -157,18 +158,36 @@ class UnitBounds:
         owner = self.trials
         if layers > owner.max_stages:
             return INFEASIBLE
-        if self.speeds is None:
-            self.speeds = sorted([t for k, other in enumerate(self.pieces) if k != self.at for t in other.speeds])
+        speeds = self._other_speeds()
+        if self.keeps_none(piece, layers):  # the trial is the other pieces' L fastest stages, whatever the piece
+            if self.none_kept is None:
+                cut = speeds[layers - 1]
+                before = self._side(0, cut, layers - bisect_left(speeds, cut))
+                self.none_kept = before.bound(owner, self._side(1, cut, before.room))
+            return self.none_kept
         # the layers-th smallest per-layer time of all stages lies among the other pieces' `layers` smallest and
         # this piece's; the stages faster than it: the others' (bisect) and this piece's
-        cut = sorted(self.speeds[:layers] + list(piece.speeds))[layers - 1]
-        faster = bisect_left(self.speeds, cut) + sum(1 for t in piece.speeds if t < cut)
+        cut = sorted(speeds[:layers] + list(piece.speeds))[layers - 1]
+        faster = bisect_left(speeds, cut) + sum(1 for t in piece.speeds if t < cut)
         before = self._side(0, cut, layers - faster)
         run = piece.summary
         if run.fastest > cut:  # none of its stages kept
             return before.bound(owner, self._side(1, cut, before.room))
         middle = whole(owner.cache, piece) if run.slowest < cut else Kept(owner.cache, [piece], cut, before.room)
         return before.bound(owner, middle, self._side(1, cut, before.room if run.slowest < cut else middle.room))
+
+    def keeps_none(self, piece: Piece, layers: int) -> bool:
+        """Whether the trial with `piece` at the block's place keeps none of its stages: the other pieces have `layers`
+        stages faster than all of its (the trial is then the same pipeline whatever the piece, when it has more stages
+        than layers)."""
+        speeds = self._other_speeds()
+        return len(speeds) >= layers and piece.summary.fastest > speeds[layers - 1]
+
+    def _other_speeds(self) -> list[float]:
+        """The other pieces' per-layer seconds, sorted (computed once)."""
+        if self.speeds is None:
+            self.speeds = sorted([t for k, other in enumerate(self.pieces) if k != self.at for t in other.speeds])
+        return self.speeds
 
     def _side(self, side: int, cut: float, room: int) -> Kept:
         """The kept stages of the pieces before (side 0) or after (side 1) the block's place (memoised)."""

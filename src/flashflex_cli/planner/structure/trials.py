@@ -1,20 +1,22 @@
 """Trial structures of one pipeline's node blocks, evaluated only when they might win.
 
-A trial (a group-size choice per block and a block order, `pieces.TrialSpace`) is bounded from its pieces and
-the transfers where they join (`bounds.runs_lower_bound`'s figures); the sweeps sum what their trials share once
-(`sweeps`): a unit sweep (one block's sizes vary) the other pieces' totals, an order sweep the order-free totals,
-so a trial costs O(1), resp. O(blocks) joins. A trial with more stages than layers drops its slowest stages (as
-`stage_search.assemble` does) and is bounded over the kept stages piece by piece (`kept.Kept`). Only a trial
-whose bound is below the best so far is evaluated. One whose layers do not fit in its stages' memory costs inf,
-known from its pieces' memory rooms without a layer split (`pieces.TrialSpace.fits`; in a unit sweep from the
-other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`). Otherwise its layers are split exactly; the split
-is given up as soon as it shows that its slowest stage is slower than the pace the trial would need to win
-(`Trials._needed_pace`, `layer_split.split_layers_within`: often at its first lower bound). When the exact fill and
-split show that its period is above the pace at which it would cost the limit (`cost.schedule.period_exceeds`: one
-pass over its stages, no window search), it is not evaluated further and nothing is memoised (`Trials.cost_below`,
-`pipeline_score.evaluate_unless`); else it is evaluated in full (`pipeline_score.evaluate_pipeline`). Every shortcut gives the exact figure or a valid lower bound, so the trials
-ranked, and the structure found, are the ones the plain evaluation of every trial gives. All figures in seconds
-per micro-batch.
+A trial (a group-size choice per block and a block order, `pieces.TrialSpace`) is bounded from its pieces and the
+transfers where they join (`bounds.runs_lower_bound`'s figures); the sweeps sum what their trials share once
+(`sweeps`): a unit sweep (one block's sizes vary) the other pieces' totals, an order sweep the order-free totals, so
+a trial costs O(1), resp. O(blocks) joins. A trial with more stages than layers drops its slowest stages (as
+`stage_search.assemble` does) and is bounded over the kept stages piece by piece (`kept.Kept`); in a unit sweep, the
+options that keep none of the block's stages (the other pieces hold the L fastest) are one pipeline, evaluated once
+(`Trials._twins`). Only a trial whose bound is below the best so far is evaluated. One whose layers do not fit in
+its stages' memory costs inf, known from its pieces' memory rooms without a layer split (`pieces.TrialSpace.fits`;
+in a unit sweep from the other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`). Otherwise its layers are
+split exactly; the split is given up as soon as it shows that its slowest stage is slower than the pace the trial
+would need to win (`Trials._needed_pace`, `layer_split.split_layers_within`: often at its first lower bound). When
+the exact fill and split show that its period is above the pace at which it would cost the limit
+(`cost.schedule.period_exceeds`: one pass over its stages, no window search), it is not evaluated further and
+nothing is memoised (`Trials.cost_below`, `pipeline_score.evaluate_unless`); else it is evaluated in full
+(`pipeline_score.evaluate_pipeline`). Every shortcut gives the exact figure or a valid lower bound, so the trials
+ranked, and the structure found, are the ones the plain evaluation of every trial gives. All figures in seconds per
+micro-batch.
 """
 
 from __future__ import annotations
@@ -191,34 +193,60 @@ class Trials(TrialSpace):
         bounds = unit.bounds(options, keys)
         trials = _OptionTrials(sizes, order, block, options)
         return [(value, trials[j][0]) for value, j in self.ranked(trials, 1, bar, bounds, keys,
-                                                                  lambda j: unit.may_fit(options[j]))]
+                                                                  lambda j: unit.may_fit(options[j]),
+                                                                  self._twins(unit, block, options))]
+
+    def _twins(self, unit: UnitBounds, block: int, options: list[tuple[int, ...]]) -> list[int] | None:
+        """For `ranked`: the options whose trials keep none of the block's stages (more stages than layers, the
+        others' L fastest kept) are one pipeline, so each is given the first such option's position (the others their
+        own); None when fewer than two are."""
+        layers = self.cache.model.num_layers
+        if unit.count + min(len(option) for option in options) <= layers:
+            return None
+        twins, first = list(range(len(options))), -1
+        for j, option in enumerate(options):
+            piece = self.piece(block, option)
+            if unit.count + piece.summary.count > layers and unit.keeps_none(piece, layers):
+                if first < 0:
+                    first = j
+                twins[j] = first
+        return twins if first >= 0 and twins.count(first) > 1 else None
 
     def ranked(self, trials: Sequence[Trial], keep: int, bar: float,
                bounds: list[float] | None = None, keys: list[tuple] | None = None,
-               may_fit: Callable[[int], bool] | None = None) -> list[tuple[float, int]]:
+               may_fit: Callable[[int], bool] | None = None, twins: list[int] | None = None
+               ) -> list[tuple[float, int]]:
         """The `keep` best trials strictly below `bar` as (cost, position), by (cost, position).
 
         Trials are evaluated best-first by lower bound (`bounds`, else `bound`); once a bound shows that a trial
         costs more than the keep-th best found so far (or `bar`), it and every trial after it in that order
         are skipped; a trial whose figures once its layers are split show the same is not evaluated further
         (`cost_below`). `keys`: the trials' `key`s where the caller has them. `may_fit(position)`: False for a
-        trial whose layers do not fit in memory (its exact figure, inf, is recorded without evaluating it)."""
+        trial whose layers do not fit in memory (its exact figure, inf, is recorded without evaluating it).
+        `twins[position]`: the position of a trial that is the same pipeline (the same figure; its own where none),
+        so a trial whose twin was evaluated first takes its figure."""
         if keys is None:
             keys = [self.key(sizes, order) for sizes, order in trials]
         if bounds is None:
             bounds = self._bounds_of(trials, keys)
         found: list[tuple[float, int]] = []
         inf = float("inf")
+        done: dict[int, float] = {}  # the figures of the trials evaluated here that are others' twins
         for j in sorted(range(len(trials)), key=bounds.__getitem__):  # stable: ties in position order
             limit = found[keep - 1][0] if len(found) >= keep else bar
             if limit < inf:  # (with nothing below inf yet, every trial is evaluated: `finalise.nothing_fits` reads them)
                 if cannot_beat(bounds[j], limit):
                     break
-            if may_fit is not None and keys[j] not in self._seen and not may_fit(j):
-                self._seen[keys[j]] = (INFEASIBLE, UNFIT)
-                continue
-            value = self.cost(*trials[j], keys[j])[0] if limit == inf else \
-                self.cost_below(*trials[j], keys[j], limit)
+            if twins is not None and twins[j] in done:
+                value = done[twins[j]]
+            else:
+                if may_fit is not None and keys[j] not in self._seen and not may_fit(j):
+                    self._seen[keys[j]] = (INFEASIBLE, UNFIT)
+                    continue
+                value = self.cost(*trials[j], keys[j])[0] if limit == inf else \
+                    self.cost_below(*trials[j], keys[j], limit)
+                if twins is not None and twins[j] == j:
+                    done[j] = value
             if value < bar:
                 found.append((value, j))
                 found.sort()

@@ -48,12 +48,44 @@ class Totals:
         self.pieces = pieces = [trials.piece(b, sizes[b]) for b in range(len(trials.blocks))]
         self.count, self.inverse, self.total, self.hops, self.pace, self.fastest = _summed(pieces)
         self._cut_room: tuple[float, int] | None = None
+        self._parts: dict[tuple[int, int], Kept] = {}  # `_kept_of` by (block, room left; -1 where no tie is)
 
     def cut_room(self) -> tuple[float, int]:
         """`TrialSpace.cut_room` of these pieces (order-free), computed once."""
         if self._cut_room is None:
             self._cut_room = self.trials.cut_room(self.pieces)
         return self._cut_room
+
+    def dropped_bound(self, order: tuple[int, ...]) -> float:
+        """`Trials._dropped_bound` of these sizes in block order `order` (more stages than layers): each piece's kept
+        stages (`Kept`) do not depend on the order but through the room left for stages at the cut speed, so they are
+        summed once per piece (and room, where it has such a stage) and joined in order."""
+        owner = self.trials
+        if owner.cache.model.num_layers > owner.max_stages:
+            return INFEASIBLE
+        cut, room = self.cut_room()
+        parts = []
+        for b in order:
+            part, room = self._kept_of(b, cut, room)
+            if part is not None:
+                parts.append(part)
+        return parts[0].bound(owner, *parts[1:])
+
+    def _kept_of(self, block: int, cut: float, room: int) -> tuple[Kept | None, int]:
+        """The kept stages of block `block`'s piece when `room` stages at the cut speed may still be kept (None when
+        none is), and the room left after it."""
+        piece = self.pieces[block]
+        run = piece.summary
+        if run.fastest > cut:
+            return None, room
+        if run.slowest < cut:
+            return whole(self.trials.cache, piece), room
+        tied = cut in piece.speeds
+        key = (block, room if tied else -1)
+        found = self._parts.get(key)
+        if found is None:
+            found = self._parts[key] = Kept(self.trials.cache, [piece], cut, room)
+        return (found if found.first is not None else None), (found.room if tied else room)
 
     def bound(self, order: tuple[int, ...]) -> float:
         """`Trials._bound` of these sizes in block order `order` (at most as many stages as layers)."""

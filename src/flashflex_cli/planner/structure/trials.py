@@ -153,14 +153,14 @@ class Trials(TrialSpace):
                                     layers, self.micro, self.max_stages)
         return self._dropped_bound(pieces)
 
-    def _dropped_bound(self, pieces: list[Piece], cut_room: tuple[float, int] | None = None) -> float:
+    def _dropped_bound(self, pieces: list[Piece]) -> float:
         """`bounds.stages_lower_bound` of the stages kept when the slowest are dropped (as `_assemble` keeps
-        them: the L fastest, ties to the earlier), summed piece by piece (`Kept`). `cut_room`: `cut_room(pieces)`
-        where the caller has it (it does not depend on the pieces' order)."""
+        them: the L fastest, ties to the earlier), summed piece by piece (`Kept`; an order sweep's trials share
+        each piece's, `sweeps.Totals.dropped_bound`)."""
         layers = self.cache.model.num_layers
         if layers > self.max_stages:
             return INFEASIBLE
-        cut, room = cut_room or self.cut_room(pieces)
+        cut, room = self.cut_room(pieces)
         return Kept(self.cache, pieces, cut, room).bound(self)
 
     def _bounds_of(self, trials: list[Trial], keys: list[tuple]
@@ -177,7 +177,7 @@ class Trials(TrialSpace):
                 found = totals[id(sizes)] = Totals(self, sizes)
             if found.count <= layers:
                 return found.bound(order)
-            return self._dropped_bound([found.pieces[b] for b in order], found.cut_room())
+            return found.dropped_bound(order)
 
         return self.memo_bounds(trials, keys, compute)
 

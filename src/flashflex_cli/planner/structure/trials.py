@@ -6,7 +6,7 @@ transfers where they join (`bounds.runs_lower_bound`'s figures); the sweeps sum 
 a trial costs O(1), resp. O(blocks) joins. A trial with more stages than layers drops its slowest stages (as
 `stage_search.assemble` does) and is bounded over the kept stages piece by piece (`kept.Kept`); in a unit sweep, the
 options that keep none of the block's stages (the other pieces hold the L fastest) are one pipeline, evaluated once
-(`Trials._twins`). Only a trial whose bound is below the best so far is evaluated. One whose layers do not fit in
+(`Trials.ranked`'s `one_pipeline`). Only a trial whose bound is below the best so far is evaluated. One whose layers do not fit in
 its stages' memory costs inf, known from its pieces' memory rooms without a layer split (`pieces.TrialSpace.fits`;
 in a unit sweep from the other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`). Otherwise its layers are
 split exactly; the split is given up as soon as it shows that its slowest stage is slower than the pace the trial
@@ -192,29 +192,18 @@ class Trials(TrialSpace):
         unit = UnitBounds(self, sizes, order, block)
         bounds = unit.bounds(options, keys)
         trials = _OptionTrials(sizes, order, block, options)
-        return [(value, trials[j][0]) for value, j in self.ranked(trials, 1, bar, bounds, keys,
-                                                                  lambda j: unit.may_fit(options[j]),
-                                                                  self._twins(unit, block, options))]
-
-    def _twins(self, unit: UnitBounds, block: int, options: list[tuple[int, ...]]) -> list[int] | None:
-        """For `ranked`: the options whose trials keep none of the block's stages (more stages than layers, the
-        others' L fastest kept) are one pipeline, so each is given the first such option's position (the others their
-        own); None when fewer than two are."""
         layers = self.cache.model.num_layers
-        if unit.count + min(len(option) for option in options) <= layers:
-            return None
-        twins, first = list(range(len(options))), -1
-        for j, option in enumerate(options):
-            piece = self.piece(block, option)
-            if unit.count + piece.summary.count > layers and unit.keeps_none(piece, layers):
-                if first < 0:
-                    first = j
-                twins[j] = first
-        return twins if first >= 0 and twins.count(first) > 1 else None
+
+        def keeps_none(j: int) -> bool:  # (the options whose trials keep none of the block's stages: one pipeline)
+            piece = self.piece(block, options[j])
+            return unit.count + piece.summary.count > layers and unit.keeps_none(piece, layers)
+
+        return [(value, trials[j][0]) for value, j in self.ranked(trials, 1, bar, bounds, keys,
+                                                                  lambda j: unit.may_fit(options[j]), keeps_none)]
 
     def ranked(self, trials: Sequence[Trial], keep: int, bar: float,
                bounds: list[float] | None = None, keys: list[tuple] | None = None,
-               may_fit: Callable[[int], bool] | None = None, twins: list[int] | None = None
+               may_fit: Callable[[int], bool] | None = None, one_pipeline: Callable[[int], bool] | None = None
                ) -> list[tuple[float, int]]:
         """The `keep` best trials strictly below `bar` as (cost, position), by (cost, position).
 
@@ -223,30 +212,31 @@ class Trials(TrialSpace):
         are skipped; a trial whose figures once its layers are split show the same is not evaluated further
         (`cost_below`). `keys`: the trials' `key`s where the caller has them. `may_fit(position)`: False for a
         trial whose layers do not fit in memory (its exact figure, inf, is recorded without evaluating it).
-        `twins[position]`: the position of a trial that is the same pipeline (the same figure; its own where none),
-        so a trial whose twin was evaluated first takes its figure."""
+        `one_pipeline(position)`: True for trials that are all the same pipeline (the same figure): the first of them
+        evaluated gives its figure to the others."""
         if keys is None:
             keys = [self.key(sizes, order) for sizes, order in trials]
         if bounds is None:
             bounds = self._bounds_of(trials, keys)
         found: list[tuple[float, int]] = []
         inf = float("inf")
-        done: dict[int, float] = {}  # the figures of the trials evaluated here that are others' twins
+        shared: list[float] = []  # the figure of the first of the `one_pipeline` trials evaluated
         for j in sorted(range(len(trials)), key=bounds.__getitem__):  # stable: ties in position order
             limit = found[keep - 1][0] if len(found) >= keep else bar
             if limit < inf:  # (with nothing below inf yet, every trial is evaluated: `finalise.nothing_fits` reads them)
                 if cannot_beat(bounds[j], limit):
                     break
-            if twins is not None and twins[j] in done:
-                value = done[twins[j]]
+            same = one_pipeline is not None and one_pipeline(j)
+            if same and shared:
+                value = shared[0]
             else:
                 if may_fit is not None and keys[j] not in self._seen and not may_fit(j):
                     self._seen[keys[j]] = (INFEASIBLE, UNFIT)
                     continue
                 value = self.cost(*trials[j], keys[j])[0] if limit == inf else \
                     self.cost_below(*trials[j], keys[j], limit)
-                if twins is not None and twins[j] == j:
-                    done[j] = value
+                if same:
+                    shared.append(value)
             if value < bar:
                 found.append((value, j))
                 found.sort()

@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from ...cost.schedule import closed_form_s, period_exceeds, short_windows_s
+from ...cost.schedule import closed_form_s, fill_s, period_exceeds
 from ..scoring.pipeline_score import PipeEval, evaluate_pipeline, evaluate_unless
-from ..space.layer_split import split_layers_within
+from ..space.layer_split import split_layers_within, stage_times
 from .bounds import INFEASIBLE, SAFETY, cannot_beat, runs_lower_bound
 from .kept import Kept
 from .pieces import Piece, Sizes, TrialSpace
@@ -87,7 +87,6 @@ class Trials(TrialSpace):
                         self._bounds[key] = low_s
                         return INFEASIBLE
             shape = lambda: self.shape(pieces)  # noqa: E731
-        stages, keep = self._assemble(pieces)
         low: list[float] = []
 
         def skip(times: list[float], hops: list[float], fill: float) -> bool:
@@ -102,11 +101,20 @@ class Trials(TrialSpace):
             pace = (m * (limit / (1.0 - SAFETY)) - fill) / (m - 1)
             if not period_exceeds(times, hops, pace * (1.0 + PACE_MARGIN)):
                 return False
-            low.append(closed_form_s(max(pace, short_windows_s(times, hops)), fill, m) / m)
+            low.append(closed_form_s(pace, fill, m) / m)
             return True
 
+        if split and terms is not None and links is not None:  # split here: its figures decide before its stages
+            times = stage_times(terms[0], terms[1], split)  # are listed (and `evaluate_unless` need not test them)
+            if skip(times, links, fill_s(times, links)):
+                self._bounds[key] = low[0]
+                return INFEASIBLE
+            test = _never
+        else:
+            test = skip
+        stages, keep = self._assemble(pieces)
         pipe = evaluate_unless(self.cache, stages, (lambda: links) if links is not None else
-                               (lambda: self._links(pieces, stages, keep)), skip, terms, shape,  # type: ignore[arg-type]
+                               (lambda: self._links(pieces, stages, keep)), test, terms, shape,  # type: ignore[arg-type]
                                None if split is False else (split,))
         if pipe is None:
             self._bounds[key] = low[0]
@@ -256,6 +264,11 @@ class _OptionTrials(Sequence[Trial]):
 
     def __getitem__(self, j: int) -> Trial:  # type: ignore[override]
         return {**self.sizes, self.block: self.options[j]}, self.order
+
+
+def _never(_times: list[float], _links: list[float], _fill: float) -> bool:
+    """A skip test that evaluates every pipeline (`pipeline_score.evaluate_unless`)."""
+    return False
 
 
 def amortised(pipe: PipeEval, micro: int, max_stages: int) -> float:

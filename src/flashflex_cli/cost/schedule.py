@@ -162,17 +162,6 @@ def pair_window_s(first_s: float, second_s: float, link_s: float) -> float:
     return (first_s + second_s + 2.0 * link_s) / 2.0
 
 
-def short_windows_s(times_s: Sequence[float], links_s: Sequence[float]) -> float:
-    """The largest window of at most two adjacent stages (`pair_window_s`, and each stage alone): a lower bound on
-    `steady_period_s` (seconds per micro-batch)."""
-    low = max(times_s)
-    for s, link in enumerate(links_s):
-        pair = pair_window_s(times_s[s], times_s[s + 1], link)
-        if pair > low:
-            low = pair
-    return low
-
-
 def period_exceeds(times_s: Sequence[float], links_s: Sequence[float], period_s: float) -> bool:
     """Whether `steady_period_s(times_s, links_s)` exceeds `period_s` seconds, in O(S): whether some window of
     stages s..t costs more than t - s + 1 periods, i.e. whether the largest sum over a run of stages of

@@ -6,13 +6,13 @@ transfers where they join (`bounds.runs_lower_bound`'s figures); the sweeps sum 
 a trial costs O(1), resp. O(blocks) joins. A trial with more stages than layers drops its slowest stages (as
 `stage_search.assemble` does) and is bounded over the kept stages piece by piece (`kept.Kept`); in a unit sweep, the
 options that keep none of the block's stages (the other pieces hold the L fastest) are one pipeline, evaluated once
-(`Trials.ranked`'s `one_pipeline`). Only a trial whose bound is below the best so far is evaluated. One whose layers do not fit in
-its stages' memory costs inf, known from its pieces' memory rooms without a layer split (`pieces.TrialSpace.fits`;
-in a unit sweep from the other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`). Otherwise its layers are
-split exactly; the split is given up as soon as it shows that its slowest stage is slower than the pace the trial
-would need to win (`Trials._needed_pace`, `layer_split.split_layers_within`: often at its first lower bound). When
-the exact fill and split show that its period is above the pace at which it would cost the limit
-(`cost.schedule.period_exceeds`: one pass over its stages, no window search), it is not evaluated further and
+(`Trials.ranked`'s `one_pipeline`). Only a trial whose bound is below the best so far is evaluated. One whose layers
+do not fit in its stages' memory costs inf, known from its pieces' memory rooms without a layer split
+(`pieces.TrialSpace.fits`; in a unit sweep from the other pieces' rooms summed once, `sweeps.UnitBounds.may_fit`).
+Otherwise its layers are split exactly; the split is given up as soon as it shows that its slowest stage is slower
+than the pace the trial would need to win (`Trials._needed_pace`, `layer_split.split_layers_within`: often at its
+first lower bound). When the exact fill and split show that its period is above the pace at which it would cost the
+limit (`cost.schedule.period_exceeds`: one pass over its stages, no window search), it is not evaluated further and
 nothing is memoised (`Trials.cost_below`, `pipeline_score.evaluate_unless`); else it is evaluated in full
 (`pipeline_score.evaluate_pipeline`). Every shortcut gives the exact figure or a valid lower bound, so the trials
 ranked, and the structure found, are the ones the plain evaluation of every trial gives. All figures in seconds per
@@ -114,8 +114,8 @@ class Trials(TrialSpace):
             test = skip
         stages, keep = self._assemble(pieces)
         pipe = evaluate_unless(self.cache, stages, (lambda: links) if links is not None else
-                               (lambda: self._links(pieces, stages, keep)), test, terms, shape,  # type: ignore[arg-type]
-                               None if split is False else (split,))
+                               (lambda: self._links(pieces, stages, keep)), test,
+                               terms, shape, None if split is False else (split,))  # type: ignore[arg-type]
         if pipe is None:
             self._bounds[key] = low[0]
             return float("inf")

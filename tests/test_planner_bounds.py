@@ -82,6 +82,14 @@ def _sequential(cache: CostCache, blocks: list, micro: int, max_stages: int) -> 
     return None if best[0] == inf else (best[1], best[2])
 
 
+def _random_blocks(rng: random.Random, model: str, fewest_nodes: int) -> tuple[CostCache, list, list[int]]:
+    """A random cluster of `fewest_nodes` to 7 nodes of up to 8 devices: its cache for `model`, its node blocks and
+    the TP degrees its largest block supports."""
+    cache = _cache(_cluster(rng, rng.randint(fewest_nodes, 7), 8), model)
+    blocks = st.node_blocks(cache, range(cache.graph.size))
+    return cache, blocks, st.tp_degrees(cache.model, max(len(devs) for _, devs in blocks))
+
+
 def _random_trial(rng: random.Random, cache: CostCache, blocks: list) -> tuple[dict, tuple]:
     degrees = st.tp_degrees(cache.model, max(len(devs) for _, devs in blocks))
     sizes = {b: rng.choice(st.size_options(len(devs), degrees, 16)) for b, (_, devs) in enumerate(blocks)}
@@ -134,9 +142,7 @@ def test_the_summed_bounds_equal_the_stage_by_stage_bound(model: str) -> None:
     rng = random.Random(3)
     compared = dropped = 0
     for _ in range(10):
-        cache = _cache(_cluster(rng, rng.randint(2, 7), 8), model)
-        blocks = st.node_blocks(cache, range(cache.graph.size))
-        degrees = st.tp_degrees(cache.model, max(len(devs) for _, devs in blocks))
+        cache, blocks, degrees = _random_blocks(rng, model, 2)
         for micro in (1, 8, 40):
             trials = Trials(cache, blocks, micro, rng.choice([cache.model.num_layers, 6, 64]))
             sizes, order = _random_trial(rng, cache, blocks)
@@ -322,9 +328,7 @@ def test_the_options_that_keep_none_of_a_block_are_one_pipeline_and_the_sweep_is
     rng = random.Random(11)
     same_seen = sweeps = 0
     for _ in range(60):
-        cache = _cache(_cluster(rng, rng.randint(3, 7), 8), model)
-        blocks = st.node_blocks(cache, range(cache.graph.size))
-        degrees = st.tp_degrees(cache.model, max(len(devs) for _, devs in blocks))
+        cache, blocks, degrees = _random_blocks(rng, model, 3)
         micro = rng.choice([1, 8, 40])
         trials = Trials(cache, blocks, micro, 64)
         sizes, order = _random_trial(rng, cache, blocks)

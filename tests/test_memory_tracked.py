@@ -11,6 +11,9 @@ The counts are exact to the byte for single parts (checked in test_cost_activati
 step's small bookkeeping (loss scalars, gradient-norm partials, index tensors) and, on CPU only, gloo keeping the
 buffers of a rank's last transfer until its next one (up to two [tokens, hidden] tensors on a stage that receives
 through an all-gather; NCCL releases them once a transfer is waited for).
+The 16-bit plans compute their matrix products and SDPA kernels in fp32 below the accounting
+(tests/infra/half_kernels.py): the same tensors are counted (each rank's peaks equal to the byte with and without it,
+checked on bf16 / fp16, SDPA / eager, recompute), in a quarter of the time this AVX2-only CPU's 16-bit kernels take.
 
 A peak within 2% can still hide a per-micro-batch term: one [tokens, hidden] tensor per micro-batch in flight is
 0.2-1% of these peaks. So each plan kind also runs with one micro-batch fewer in its first pipeline, which leaves
@@ -20,6 +23,7 @@ tracked peak must equal the predicted change within 0.5%: what one micro-batch k
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,6 +41,7 @@ from flashflex_cli.plan.schema import Plan
 from flashflex_cli.runtime.parallel.groups import build_groups
 from flashflex_cli.runtime.training.engine import OptimConfig, RankEngine
 from flashflex_cli.semantics.runtime_paths import RuntimeOptions
+from tests.infra.half_kernels import HalfKernelsInFloat32
 from tests.infra.tensor_accounting import TensorAccounting
 from tests.infra.worker_pool import WorkerPool, gloo_rank
 
@@ -128,7 +133,9 @@ def _job(rank: int, world: int, plan_json: str, init_file: str, out_dir: str, na
         first = sum(pipe.sequences for pipe in plan.pipelines[:groups.pipeline])
         rows = slice(first, first + plan.pipelines[groups.pipeline].sequences)
         step_rows = [batch[rows] for batch in batches]
-        with TensorAccounting() as accounting:
+        # 16-bit products computed in fp32 below the accounting (entered first): the same tensors counted
+        with HalfKernelsInFloat32() if train.dtype in ("bf16", "fp16") else contextlib.nullcontext(), \
+                TensorAccounting() as accounting:
             engine = RankEngine(plan, rank, groups, torch.device("cpu"), OPTIM, seed=3, options=_options(name))
             engine.module.loss_chunk_tokens = CHUNK
             assert engine.pipeline_slice(train.global_batch) == rows

@@ -1,6 +1,6 @@
 """Gradient reduction overlapped with the backward (RuntimeOptions.overlap_dp): real multi-process gloo runs of
 plans with unlike pipelines (other stage splits and TP degrees, a tied embedding) with overlap on, off, and the
-one-process reference; the bucket post order is the same global order on every rank.
+one-process reference; the bucket post order is the same global order on every rank; a dropped engine is freed.
 
 Tolerances: those of tests/test_parity.py (fp32, sums over at most a few thousand tokens): 1e-5 relative for
 losses and norms, `grad_atol` for gradient elements that nearly cancel. Overlap on and off reduce the same
@@ -11,6 +11,8 @@ sizes), so they agree within the same bounds.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,10 +52,15 @@ def dp_job(rank: int, world: int, plan_json: str, init_file: str, out_dir: str, 
             timings = result.timings
             if step == 0:
                 grads = engine.gather_full_grads()
-        torch.save({"results": results, "grads": grads, "post_log": engine.sync.post_log,
-                    "early": engine.sync.posted_in_backward, "timings": timings,
-                    "hier_sets": sorted(engine.groups.node_splits)}, Path(out_dir) / f"rank{rank}.pt")
+        outputs = {"results": results, "grads": grads, "post_log": engine.sync.post_log,
+                   "early": engine.sync.posted_in_backward, "timings": timings,
+                   "hier_sets": sorted(engine.groups.node_splits)}
         engine.sync.close()
+        sync = weakref.ref(engine.sync)
+        del engine
+        gc.collect()
+        outputs["sync_freed"] = sync() is None  # nothing outside the engine (the gradient hooks) keeps it
+        torch.save(outputs, Path(out_dir) / f"rank{rank}.pt")
 
 
 class DPPool(WorkerPool):
@@ -133,6 +140,8 @@ def test_overlap_on_off_and_reference_agree(tmp_path: Path, dp_pool: DPPool) -> 
         # every stage here holds 2+ layers or the last layer: some bucket left inside the backward
         assert out["early"] >= 1, f"rank {rank}: nothing was reduced during the backward"
         assert out["timings"]["dp_total"] >= 0.0 and out["timings"]["dp_sync"] >= 0.0
+    # a dropped engine is freed, its process groups (and their gloo threads) with it
+    assert all(out["sync_freed"] for out in on + off)
     for out in off:  # blocking: one bucket per holder set, sorted
         assert [members for _, members in out["post_log"]] == sorted(members for _, members in out["post_log"])
 

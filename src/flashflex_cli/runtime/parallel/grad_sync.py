@@ -33,6 +33,8 @@ The gradient norm counts every finest slice once (on its `owner` rank) and is su
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -42,6 +44,13 @@ from .grad_buckets import Bucket, holder_set_buckets, overlap_buckets, rank_buck
 from .groups import PlanGroups, SliceHolders
 from .hier_reduce import hier_chain
 from .shards import slice_view
+
+
+def _call(this: weakref.ref[GradSync], name: str) -> None:
+    """The post-accumulate-grad hook of parameter `name`: `GradSync._on_accumulated`, while the object lives."""
+    sync = this()
+    if sync is not None:
+        sync._on_accumulated(name)
 
 
 class GradSync:
@@ -70,9 +79,13 @@ class GradSync:
         self._posted: list[tuple[list[torch.Tensor], torch.Tensor]] = []  # views and flat sums to copy back
         if overlap and self.layer_buckets:
             watched = set().union(*self._names)
+            # The hooks live on the parameters, outside the garbage collector's reach (a tensor that autograd
+            # also holds is not traversed), so they hold this object weakly: a dropped engine frees its
+            # gradients, buffers and process groups (their gloo threads) instead of keeping them to the end.
+            this = weakref.ref(self)
             for name in sorted(watched):
                 self.params[name][1].register_post_accumulate_grad_hook(
-                    lambda _p, name=name: self._on_accumulated(name))
+                    lambda _p, name=name: _call(this, name))
 
     def _view(self, sl: SliceHolders) -> torch.Tensor:
         info, param = self.params[sl.name]

@@ -6,6 +6,17 @@ may pay), each level-1 partition (`partition.generators`) is turned into pipelin
 (`stage_search.best_pipeline`) and scored (`candidate.score`). Every (k, devices) is one unit of a
 `pool.SearchPool`; results are merged in the units' order, so the candidates do not depend on the number of
 workers. The deadline is checked between units.
+
+On a cluster of more than `THOROUGH_DEVICES` devices both phases run a quick pass: each pipeline's structure is
+its best start (one TP degree per node class, `best_pipeline(descent=False)`), and only the `DESCENDED` best
+partitions within `DESCENT_BAND` of the best quick candidate get the coordinate descent, as candidates beside their
+quick ones (the descent improves each pipeline alone, so the layout can score worse, for the data-parallel
+reductions between unlike pipelines; the final ranking by `cost.estimate` picks between them). On the benchmark
+clusters (`benchmarks/bench_planning_time.py`, 2026-12-07) the descent made a pipeline 1.0-1.3x faster at the 90th
+percentile, 1.25-1.8x at the 99th, so a partition 1.5x behind the best before it hardly ever wins after it; and most
+of the search's time went to partitions far behind (mixed-1024: 5.4 of the 6.0 s of both phases to candidates more
+than 2x slower than the best). The two passes take 0.40-0.73x the CPU time of descending every partition there,
+with the same plan or a faster one.
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ from ..scoring.candidate import Candidate, score
 from ..scoring.cost_cache import CostCache
 from ..scoring.feasibility import model_state_bytes
 from ..space.partition import device_subsets, generators
-from ..structure.stage_search import best_pipeline
+from ..structure.stage_search import THOROUGH_DEVICES, best_pipeline
 from .pool import SearchPool
 
 PHASE2_KS = 3
@@ -25,6 +36,10 @@ DENSE_KS = 16  # every k up to this, then steps of about x1.5
 SURE_KS = 8  # k values up to this are always searched; larger ones (the tail) while they may pay
 TAIL_BATCH = 2  # tail k values searched together (whatever the number of workers: the result does not depend on it)
 TAIL_STOP = 2.0  # the tail stops after a batch whose best new candidate is this many times slower than the best
+DESCENDED = 8  # partitions given the structure descent after a large cluster's quick pass, the best first
+DESCENT_BAND = 1.5  # ... those at most this many times slower than the best quick candidate
+Origin = tuple[int, tuple[int, ...], int]  # a candidate's partition: (k, active devices, position in `generators`)
+Unit = tuple[int, int, int, tuple[int, ...], float, bool, bool, int | None]  # see `collect_unit`
 
 
 class SearchStats:
@@ -61,91 +76,115 @@ def collect_candidates(pool: SearchPool, total_micro: int, seed: int, deadline: 
     `TAIL_BATCH` at a time until a batch's best new candidate is `TAIL_STOP` times slower than the best found
     (more, smaller pipelines only add data-parallel traffic and cuts across nodes from there; `every_k`: all of
     them). Phase 2: the subsets without the slowest kinds of device, for the k values near the best phase-1
-    candidates (scaled to the subset's size). Every (k, devices) is one unit of `pool`; results are merged in
-    the units' order."""
+    candidates (scaled to the subset's size). On a large cluster both are quick passes, then the best partitions
+    get the descent (module docstring). Every (k, devices) is one unit of `pool`; results are merged in the
+    units' order."""
     cache = pool.cache
     g = cache.graph
+    descent = g.size <= THOROUGH_DEVICES
     found: list[Candidate] = []
+    origins: list[Origin] = []
     subsets = device_subsets(g)
     full = tuple(subsets[0])
     ks = pipeline_counts(cache, total_micro, len(full))
     sure = [k for k in ks if k <= SURE_KS]
-    units = [(total_micro, seed, k, full, deadline, n > 0) for n, k in enumerate(sure)]
-    if _merge(cache, units, pool.map(collect_unit, units), found, stats):
+    units: list[Unit] = [(total_micro, seed, k, full, deadline, n > 0, descent, None) for n, k in enumerate(sure)]
+    if _merge(cache, units, pool.map(collect_unit, units), found, origins, stats):
         return found
-    tail = [(total_micro, seed, k, full, deadline, True) for k in ks[len(sure):]]
+    tail = [(total_micro, seed, k, full, deadline, True, descent, None) for k in ks[len(sure):]]
     for start in range(0, len(tail), TAIL_BATCH):
         units = tail[start:start + TAIL_BATCH]
         before = min((c.score_s for c in found), default=float("inf"))
         seen = {c.signature() for c in found}
         count = len(found)
-        if _merge(cache, units, pool.map(collect_unit, units), found, stats):
+        if _merge(cache, units, pool.map(collect_unit, units), found, origins, stats):
             return found
         # (a partition repeated at a larger k, e.g. striped past the devices per node, is not news)
         best = min((c.score_s for c in found[count:] if c.signature() not in seen), default=float("inf"))
         if not every_k and best >= TAIL_STOP * before:
             break
-    if cache.optimizer_shard_ways > 1:  # a sharded search: its band of replica counts on the whole cluster only
-        return found
-    best_ks = []
-    for cand in sorted(found, key=lambda c: (c.score_s, c.signature())):
-        if len(cand.pipes) not in best_ks:
-            best_ks.append(len(cand.pipes))
-        if len(best_ks) == PHASE2_KS:
-            break
-    units = []
-    for active in subsets[1:]:
-        allowed = pipeline_counts(cache, total_micro, len(active))
-        near = set()
-        for k in best_ks:
-            scaled = max(1, round(k * len(active) / len(full)))
-            near.update(x for x in (scaled - 1, scaled, scaled + 1, k) if x in allowed)
-        units.extend((total_micro, seed, k, tuple(active), deadline, True) for k in sorted(near))
-    _merge(cache, units, pool.map(collect_unit, units), found, stats)
+    if cache.optimizer_shard_ways == 1:  # (a sharded search: its band of replica counts on the whole cluster only)
+        best_ks: list[int] = []
+        for cand in sorted(found, key=lambda c: (c.score_s, c.signature())):
+            if len(cand.pipes) not in best_ks:
+                best_ks.append(len(cand.pipes))
+            if len(best_ks) == PHASE2_KS:
+                break
+        units = []
+        for active in subsets[1:]:
+            allowed = pipeline_counts(cache, total_micro, len(active))
+            near = set()
+            for k in best_ks:
+                scaled = max(1, round(k * len(active) / len(full)))
+                near.update(x for x in (scaled - 1, scaled, scaled + 1, k) if x in allowed)
+            units.extend((total_micro, seed, k, tuple(active), deadline, True, descent, None) for k in sorted(near))
+        if _merge(cache, units, pool.map(collect_unit, units), found, origins, stats):
+            return found
+    if not descent:
+        units = [(total_micro, seed, k, active, deadline, True, True, position)
+                 for k, active, position in _to_descend(found, origins)]
+        _merge(cache, units, pool.map(collect_unit, units), found, origins, stats)
     return found
 
 
-def collect_unit(cache: CostCache, item: tuple[int, int, int, tuple[int, ...], float, bool]
-          ) -> tuple[list[Candidate], int, bool]:
-    """One unit of `collect_candidates`: (candidates, how many were scored, whether the deadline had passed)."""
-    total_micro, seed, k, active, deadline, check = item
+def _to_descend(found: list[Candidate], origins: list[Origin]) -> list[Origin]:
+    """The partitions of the `DESCENDED` best candidates by (score, signature) that are at most `DESCENT_BAND` times
+    slower than the best. (Partitions of different device subsets can give one quick layout, the devices that only
+    one of them has left idle, and different ones after the descent: each is searched.)"""
+    ranked = sorted(range(len(found)), key=lambda j: (found[j].score_s, found[j].signature()))
+    limit = DESCENT_BAND * found[ranked[0]].score_s if ranked else 0.0
+    return [origins[j] for j in ranked[:DESCENDED] if found[j].score_s <= limit]
+
+
+def collect_unit(cache: CostCache, item: Unit) -> tuple[list[Candidate], list[Origin], int, bool]:
+    """One unit of `collect_candidates`, item (total micro-batches, seed, k, active devices, deadline, whether to
+    check it, descent, the one partition to search by its position in `generators` or None for all): (candidates,
+    their partitions, how many were scored, whether the deadline had passed)."""
+    total_micro, seed, k, active, deadline, check, descent, only = item
     if check and time.monotonic() >= deadline:
-        return [], 0, True
+        return [], [], 0, True
     stats = SearchStats()
-    out = _candidates_for(cache, total_micro, seed, k, list(active), stats)
-    return out, stats.candidates, False
+    cands, positions = _candidates_for(cache, total_micro, seed, k, list(active), stats, descent, only)
+    return cands, [(k, active, position) for position in positions], stats.candidates, False
 
 
-def _merge(cache: CostCache, units: list, results: list[tuple[list[Candidate], int, bool]],
-           found: list[Candidate], stats: SearchStats) -> bool:
-    """Append units' candidates in order up to the first one the deadline stopped once something was found
-    (a stopped unit before that runs here after all); True if the deadline stopped one."""
-    for unit, (cands, count, hit) in zip(units, results, strict=True):
+def _merge(cache: CostCache, units: list[Unit], results: list[tuple[list[Candidate], list[Origin], int, bool]],
+           found: list[Candidate], origins: list[Origin], stats: SearchStats) -> bool:
+    """Append units' candidates (and their partitions to `origins`) in order up to the first one the deadline
+    stopped once something was found (a stopped unit before that runs here after all); True if the deadline
+    stopped one."""
+    for unit, (cands, where, count, hit) in zip(units, results, strict=True):
         if hit and found:
             stats.budget_hit = True
             return True
         if hit:
-            cands, count, _ = collect_unit(cache, (*unit[:-1], False))
+            cands, where, count, _ = collect_unit(cache, (*unit[:5], False, *unit[6:]))
         found.extend(cands)
+        origins.extend(where)
         stats.candidates += count
     return False
 
 
 def _candidates_for(cache: CostCache, total_micro: int, seed: int, k: int, active: list[int],
-                    stats: SearchStats) -> list[Candidate]:
-    """One candidate per level-1 partition of `active` into k groups."""
+                    stats: SearchStats, descent: bool = True, only: int | None = None
+                    ) -> tuple[list[Candidate], list[int]]:
+    """One candidate per level-1 partition of `active` into k groups (`only`: the one at that position in
+    `generators`), each pipeline's structure with or without the descent; and each one's position."""
     g = cache.graph
     total_flops = float(g.flops[active].sum())
-    out = []
-    for _name, groups in generators(g, k, seed, active):
+    out, positions = [], []
+    for position, (_name, groups) in enumerate(generators(g, k, seed, active)):
+        if only is not None and position != only:
+            continue
         pipes = []
         for group in groups:
             share = float(g.flops[group].sum()) / total_flops
-            pipe = best_pipeline(cache, group, max(1, round(total_micro * share)), total_micro)
+            pipe = best_pipeline(cache, group, max(1, round(total_micro * share)), total_micro, descent=descent)
             if pipe is not None:
                 pipes.append(pipe)
         cand = score(cache, pipes, total_micro)
         stats.candidates += 1
         if cand is not None:
             out.append(cand)
-    return out
+            positions.append(position)
+    return out, positions

@@ -20,7 +20,8 @@ pipeline with more stages than layers drops its slowest stages (their devices go
 descent (one block's options, or the block orders) ends at the first of its cheapest trials when that one beats
 the current structure, so it is searched best-first by an exact lower bound (`trials.Trials.ranked`, `bounds`): a
 trial whose bound reaches the best found is never evaluated, and the result is the one the plain sweep finds
-(tests/test_planner_bounds.py).
+(tests/test_planner_bounds.py). With `descent=False` the best start is the structure (FlashFlex's level 2 alone):
+the quick first pass over a large cluster's partitions (`search.collect`), memoised apart from the full search.
 """
 
 from __future__ import annotations
@@ -104,15 +105,16 @@ def block_orders(cache: CostCache, blocks: list[tuple[int, list[int]]], every: b
 
 
 def best_pipeline(cache: CostCache, group: Sequence[int], micro_estimate: int,
-                  max_stages: int | None = None) -> PipeEval | None:
-    """The best stage structure for one pipeline's devices (see module docstring); None if none fits."""
+                  max_stages: int | None = None, descent: bool = True) -> PipeEval | None:
+    """The best stage structure for one pipeline's devices (see module docstring); None if none fits.
+    `descent=False`: the best start, without the coordinate descent."""
     g = cache.graph
     micro_estimate = bucket(micro_estimate)
     blocks = node_blocks(cache, group)
     nodes = [node for node, _ in blocks]
     local = g.local_list
     signature = (tuple((g.node_class[node], tuple([local[i] for i in devs])) for node, devs in blocks),
-                 g.node_bw_key(nodes), micro_estimate, max_stages)
+                 g.node_bw_key(nodes), micro_estimate, max_stages, descent)
     memo = cache.memo(StructureMemo)
     if signature in memo:  # an equal group elsewhere in the cluster: reuse its structure
         found = memo[signature]
@@ -120,7 +122,7 @@ def best_pipeline(cache: CostCache, group: Sequence[int], micro_estimate: int,
             return None
         pipe = evaluate_pipeline(cache, assemble(cache, blocks, found[0], found[1]))
         return pipe if pipe.ok else None
-    result = _search_structure(cache, blocks, micro_estimate, max_stages or cache.model.num_layers)
+    result = _search_structure(cache, blocks, micro_estimate, max_stages or cache.model.num_layers, descent)
     memo[signature] = None if result is None else result[1]
     return None if result is None else result[0]
 
@@ -133,8 +135,8 @@ def bucket(micro: int) -> int:
     return int(round(2 ** (round(math.log2(micro) * 4) / 4)))
 
 
-def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], micro_estimate: int, max_stages: int
-                      ) -> tuple[PipeEval, tuple[Sizes, tuple[int, ...]]] | None:
+def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], micro_estimate: int, max_stages: int,
+                      descent: bool = True) -> tuple[PipeEval, tuple[Sizes, tuple[int, ...]]] | None:
     g = cache.graph
     largest = max(len(devs) for _, devs in blocks)
     degrees = tp_degrees(cache.model, largest)
@@ -148,7 +150,7 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
 
     # 1. one degree per node class (FlashFlex's level 2), under the block orders; the best `used` starts by
     #    (cost, position) go on (`Trials.ranked` skips the ones a lower bound shows cannot be among them)
-    used = STARTS if thorough and len(blocks) <= 4 else 1
+    used = STARTS if descent and thorough and len(blocks) <= 4 else 1
     by_degree = [{b: tuple(chunk_sizes(len(devs), degree, degrees)) for b, (_, devs) in enumerate(blocks)}
                  for degree in degrees]
     tried = [(sizes, order) for sizes in by_degree for order in orders]
@@ -160,6 +162,9 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
         if not thorough or not holds_model_state(cache, [i for _, devs in blocks for i in devs]):
             return None
         starts = [(inf, *trial) for trial in tried]
+    if not descent:
+        cost, sizes, order = starts[0]
+        return None if cost == inf else (trials.cost(sizes, order)[1], (sizes, order))
     # 2. from the best few starts, coordinate descent: each block (or each class, for long pipelines) picks
     #    its own group sizes, then the block order is re-tried; the best local optimum wins
     classes = sorted({g.node_class[node] for node, _ in blocks})

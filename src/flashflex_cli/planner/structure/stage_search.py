@@ -141,10 +141,7 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
     largest = max(len(devs) for _, devs in blocks)
     degrees = tp_degrees(cache.model, largest)
     thorough = cache.graph.size <= THOROUGH_DEVICES
-    options = [size_options(len(devs), degrees, MAX_OPTIONS_THOROUGH if thorough else MAX_OPTIONS, every=thorough)
-               for _, devs in blocks]
     orders = block_orders(cache, blocks, every=len(blocks) <= 3)
-    all_orders = block_orders(cache, blocks, every=True)
     trials = Trials(cache, blocks, micro_estimate, max_stages)
     inf = float("inf")
 
@@ -165,6 +162,9 @@ def _search_structure(cache: CostCache, blocks: list[tuple[int, list[int]]], mic
     if not descent:
         cost, sizes, order = starts[0]
         return None if cost == inf else (trials.cost(sizes, order)[1], (sizes, order))
+    options = [size_options(len(devs), degrees, MAX_OPTIONS_THOROUGH if thorough else MAX_OPTIONS, every=thorough)
+               for _, devs in blocks]
+    all_orders = block_orders(cache, blocks, every=True)
     # 2. from the best few starts, coordinate descent: each block (or each class, for long pipelines) picks
     #    its own group sizes, then the block order is re-tried; the best local optimum wins
     classes = sorted({g.node_class[node] for node, _ in blocks})

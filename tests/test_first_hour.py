@@ -178,6 +178,22 @@ def test_markdown_is_text_and_a_vocabulary_mismatch_says_what_to_do(tmp_path: Pa
     assert not (tmp_path / "run").exists()
 
 
+def test_a_wrote_line_names_its_file_whole_however_long_the_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A path longer than the console (160 columns piped, 80 here through COLUMNS) is not broken across lines, so
+    `grep wrote` finds it whole."""
+    deep = tmp_path / ("a-long-folder-name-" * 6) / ("another-long-folder-name-" * 6)
+    deep.mkdir(parents=True)
+    (tmp_path / "notes.txt").write_text("some text\n")
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["data", "prepare", str(tmp_path / "notes.txt"), "--out", str(deep / "data.bin")]) == 0
+    assert f"wrote {deep / 'data.bin'}: " in capsys.readouterr().out
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["plan", str(CLUSTER), "--model", "llama-tiny", "--global-batch", "4", "--seq-len", "8", "--dtype",
+                 "fp32", "--time-budget", "5", "--no-baseline", "--out", str(deep / "plan.json")]) == 0
+    assert f"  wrote {deep / 'plan.json'}\n" in capsys.readouterr().out
+
+
 def test_the_byte_level_tokenizer_gives_the_ids_data_prepare_writes(tmp_path: Path) -> None:
     from tokenizers import Tokenizer
 

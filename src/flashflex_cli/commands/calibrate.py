@@ -83,7 +83,7 @@ def calibrate_command(
                       f"{1e3 * f.layer.bwd_s:.3f} ms")
     console.print(table)
     for target in targets:
-        console.print(f"  wrote {target}")
+        console.print(f"  wrote {target}", soft_wrap=True)
     if json_out:
         typer.echo(json.dumps({
             "profiles": [str(t) for t in targets],

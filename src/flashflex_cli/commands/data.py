@@ -46,7 +46,8 @@ def prepare_command(
         typer.echo(json.dumps(result))
     else:
         results().print(f"wrote [bold]{out}[/]: {summary.tokens:,} tokens ({summary.documents:,} document(s) from "
-                      f"{summary.files} file(s)), vocab {summary.vocab_size} ({result['tokenizer']} tokenizer)")
+                      f"{summary.files} file(s)), vocab {summary.vocab_size} ({result['tokenizer']} tokenizer)",
+                      soft_wrap=True)
 
 
 @contextmanager

@@ -36,7 +36,7 @@ def export_command(
     tok = f", {summary.tokenizer_note}"
     results().print(
         f"wrote {summary.out}: {summary.tensors} tensors, {summary.total_bytes / 2**20:.1f} MiB in "
-        f"{len(summary.files)} file(s){tok}", markup=False)
+        f"{len(summary.files)} file(s){tok}", markup=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

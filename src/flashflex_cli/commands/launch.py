@@ -343,10 +343,10 @@ def launch_command(
             save_run_config(dataclasses.replace(options, resume=decision.resume))
         if decision.line:
             console.print(decision.line, markup=False)
-        console.print(f"wrote {options.path}")
+        console.print(f"wrote {options.path}", soft_wrap=True)
     if script is not None:
         atomic_write_text(script, text, mode=0o777)
-        console.print(f"wrote {script}")
+        console.print(f"wrote {script}", soft_wrap=True)
     if as_json:
         typer.echo(json.dumps({"launcher": launcher, "script": text,
                                "commands": command_lines(text) if launcher == "torchrun" else None}))

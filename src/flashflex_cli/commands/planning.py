@@ -215,7 +215,7 @@ def plan_command(
                   + (" (time budget reached: the result may depend on machine speed)" if stats.budget_hit else ""))
     fleet.render(console, explain_groups)
     if out is not None:
-        console.print(f"  wrote {out}")
+        console.print(f"  wrote {out}", soft_wrap=True)
 
 
 def show_command(

@@ -139,7 +139,7 @@ def profile(
         cluster = cluster_of_nodes([node], name=cluster_name, description=description)
     save_cluster(out, cluster)
     render_summary(cluster)
-    results().print(f"wrote {out}")
+    results().print(f"wrote {out}", soft_wrap=True)
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def merge(
                             sources=[str(p) for p in files])
     save_cluster(out, merged)
     render_summary(merged)
-    results().print(f"wrote {out}")
+    results().print(f"wrote {out}", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

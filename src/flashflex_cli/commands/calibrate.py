@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from .cluster_input import load_cluster_warned
-from .consoles import results
+from .consoles import results, wrote
 
 
 def _targets(profiles: list, out: Path | None, out_dir: Path | None) -> list[Path]:
@@ -83,7 +83,7 @@ def calibrate_command(
                       f"{1e3 * f.layer.bwd_s:.3f} ms")
     console.print(table)
     for target in targets:
-        console.print(f"  wrote {target}", soft_wrap=True)
+        wrote(console, target, indent="  ")
     if json_out:
         typer.echo(json.dumps({
             "profiles": [str(t) for t in targets],

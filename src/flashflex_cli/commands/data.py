@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from .consoles import diagnostics, results
+from .consoles import diagnostics, results, wrote
 
 data_app = typer.Typer(help="Prepare training data (token files).", no_args_is_help=True)
 
@@ -45,9 +45,9 @@ def prepare_command(
     if as_json:
         typer.echo(json.dumps(result))
     else:
-        results().print(f"wrote [bold]{out}[/]: {summary.tokens:,} tokens ({summary.documents:,} document(s) from "
-                      f"{summary.files} file(s)), vocab {summary.vocab_size} ({result['tokenizer']} tokenizer)",
-                      soft_wrap=True)
+        wrote(results(), out, f": {summary.tokens:,} tokens ({summary.documents:,} document(s) from "
+                              f"{summary.files} file(s)), vocab {summary.vocab_size} ({result['tokenizer']} tokenizer)",
+                  path_style="bold")
 
 
 @contextmanager

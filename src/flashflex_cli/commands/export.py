@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from .consoles import results
+from .consoles import results, wrote
 
 
 def export_command(
@@ -34,9 +34,8 @@ def export_command(
                                "bytes": summary.total_bytes, "copied": list(summary.copied)}))
         return
     tok = f", {summary.tokenizer_note}"
-    results().print(
-        f"wrote {summary.out}: {summary.tensors} tensors, {summary.total_bytes / 2**20:.1f} MiB in "
-        f"{len(summary.files)} file(s){tok}", markup=False, soft_wrap=True)
+    wrote(results(), summary.out, f": {summary.tensors} tensors, {summary.total_bytes / 2**20:.1f} MiB in "
+                                  f"{len(summary.files)} file(s){tok}")
 
 
 def register(app: typer.Typer) -> None:

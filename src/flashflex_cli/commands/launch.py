@@ -34,6 +34,7 @@ from ..semantics.runtime_paths import RuntimeOptions
 from ..validate_numbers import port as port_number
 from . import runtime_switches as switches
 from .cluster_input import load_cluster_warned
+from .consoles import wrote
 
 if TYPE_CHECKING:
     from ..plan.schema import Plan
@@ -343,10 +344,10 @@ def launch_command(
             save_run_config(dataclasses.replace(options, resume=decision.resume))
         if decision.line:
             console.print(decision.line, markup=False)
-        console.print(f"wrote {options.path}", soft_wrap=True)
+        wrote(console, options.path)
     if script is not None:
         atomic_write_text(script, text, mode=0o777)
-        console.print(f"wrote {script}", soft_wrap=True)
+        wrote(console, script)
     if as_json:
         typer.echo(json.dumps({"launcher": launcher, "script": text,
                                "commands": command_lines(text) if launcher == "torchrun" else None}))

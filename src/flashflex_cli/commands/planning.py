@@ -26,7 +26,7 @@ from ..planner.fleet.precision import AUTO, AUTO_DTYPES, DTYPE_CHOICES, DtypeTri
 from ..semantics.runtime_paths import RuntimeOptions
 from . import runtime_switches as switches
 from .cluster_input import load_cluster_warned
-from .consoles import diagnostics, results
+from .consoles import diagnostics, results, wrote
 from .plan_objective import PRICES_HELP, Fleet, device_prices
 
 LAYERS_HELP = "Measured layer profile (flashflex.layers/1); repeatable. Stages it matches are costed from it."
@@ -215,7 +215,7 @@ def plan_command(
                   + (" (time budget reached: the result may depend on machine speed)" if stats.budget_hit else ""))
     fleet.render(console, explain_groups)
     if out is not None:
-        console.print(f"  wrote {out}", soft_wrap=True)
+        wrote(console, out, indent="  ")
 
 
 def show_command(

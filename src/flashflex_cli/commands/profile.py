@@ -15,7 +15,7 @@ from ..fileio import check_writable_output, refuse_same_path
 from ..hardware.cluster import Cluster, load_cluster, save_cluster
 from ..units import byte_size
 from ..validate_numbers import MAX_DEVICES_PER_NODE, int_in_range
-from .consoles import diagnostics, results
+from .consoles import diagnostics, results, wrote
 
 profile_app = typer.Typer(
     help="Describe the hardware as a cluster file (flashflex.cluster/1).",
@@ -139,7 +139,7 @@ def profile(
         cluster = cluster_of_nodes([node], name=cluster_name, description=description)
     save_cluster(out, cluster)
     render_summary(cluster)
-    results().print(f"wrote {out}", soft_wrap=True)
+    wrote(results(), out)
 
 
 @dataclass(frozen=True)
@@ -235,8 +235,8 @@ def profile_layers(request: LayerRequest, out: Path) -> None:
         raise InfeasibleError("every micro-batch size was skipped (out of memory); nothing written")
     profile = build_profile(config, entries, _device_type(kind), _source_line())
     save_layer_profile(out, profile)
-    console.print(f"wrote {out}: {len(profile.entries)} entries, {config.spec.name}, seq_len {config.seq_len}, "
-                  f"{config.dtype}, attention {config.attention}")
+    wrote(console, out, f": {len(profile.entries)} entries, {config.spec.name}, seq_len {config.seq_len}, "
+                        f"{config.dtype}, attention {config.attention}")
 
 
 @profile_app.command("merge")
@@ -256,7 +256,7 @@ def merge(
                             sources=[str(p) for p in files])
     save_cluster(out, merged)
     render_summary(merged)
-    results().print(f"wrote {out}", soft_wrap=True)
+    wrote(results(), out)
 
 
 def register(app: typer.Typer) -> None:

@@ -222,7 +222,7 @@ def test_pipeline_counts_past_the_sure_ones_stop_where_they_cannot_pay_and_go_on
 
     ran: list[int] = []
     unit = search.collect_unit
-    monkeypatch.setattr(search, "collect_unit", lambda cache, item: ran.append(item[2]) or unit(cache, item))
+    monkeypatch.setattr(search, "collect_unit", lambda cache, item: ran.append(item.k) or unit(cache, item))
     spec = ("1x8xA100-80G-SXM:nic=ib:link=nvlink,1x8xRTX-4090:nic=eth,1x8xRTX-3090:nic=eth,1x8xA100-40G-SXM:nic=roce,"
             * 4).rstrip(",")
     cluster, train = build_cluster(spec), TrainConfig(global_batch=256, seq_len=4096)

@@ -70,7 +70,7 @@ def test_a_large_cluster_descends_only_its_best_partitions(monkeypatch: pytest.M
     ran: list[tuple] = []
     unit = collect.collect_unit
 
-    def recorded(cache: CostCache, item: tuple) -> tuple:
+    def recorded(cache: CostCache, item: collect.Unit) -> tuple:
         result = unit(cache, item)
         ran.append((item, result))
         return result
@@ -79,9 +79,9 @@ def test_a_large_cluster_descends_only_its_best_partitions(monkeypatch: pytest.M
     cache = _cache(2)
     with SearchPool(cache, 1) as pool:
         found = collect.collect_candidates(pool, 64, 0, float("inf"), collect.SearchStats())
-    quick = [(item, result) for item, result in ran if not item[6]]
-    descended = [(item, result) for item, result in ran if item[6]]
-    assert quick and all(item[7] is None for item, _ in quick)
+    quick = [(item, result) for item, result in ran if not item.descent]
+    descended = [(item, result) for item, result in ran if item.descent]
+    assert quick and all(item.only is None for item, _ in quick)
     assert ran == quick + descended  # the descent after both phases
     first = [cand for _, (cands, *_rest) in quick for cand in cands]
     origins = [origin for _, (_cands, where, *_rest) in quick for origin in where]
@@ -92,7 +92,7 @@ def test_a_large_cluster_descends_only_its_best_partitions(monkeypatch: pytest.M
     assert 0 < len(within) < len(first)
     assert (len(within) > collect.DESCENDED) == (band is None)
     within = within[:collect.DESCENDED]
-    assert [(item[2], item[3], item[7]) for item, _ in descended] == [origins[j] for j in within]
+    assert [(item.k, item.active, item.only) for item, _ in descended] == [origins[j] for j in within]
     for j, (_item, (cands, where, *_rest)) in zip(within, descended, strict=True):
         assert where == [origins[j]] and len(cands) == 1
     changed = [cands[0].score_s / first[j].score_s for j, (_, (cands, *_r)) in zip(within, descended, strict=True)
@@ -111,4 +111,4 @@ def test_a_small_cluster_descends_every_partition(monkeypatch: pytest.MonkeyPatc
     assert cache.graph.size <= stage_search.THOROUGH_DEVICES
     with SearchPool(cache, 1) as pool:
         collect.collect_candidates(pool, 64, 0, float("inf"), collect.SearchStats())
-    assert ran and all(item[6] and item[7] is None for item in ran)
+    assert ran and all(item.descent and item.only is None for item in ran)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import NamedTuple
 
 from ..scoring.candidate import Candidate, score
 from ..scoring.cost_cache import CostCache
@@ -39,7 +40,19 @@ TAIL_STOP = 2.0  # the tail stops after a batch whose best new candidate is this
 DESCENDED = 8  # partitions given the structure descent after a large cluster's quick pass, the best first
 DESCENT_BAND = 1.5  # ... those at most this many times slower than the best quick candidate
 Origin = tuple[int, tuple[int, ...], int]  # a candidate's partition: (k, active devices, position in `generators`)
-Unit = tuple[int, int, int, tuple[int, ...], float, bool, bool, int | None]  # see `collect_unit`
+
+
+class Unit(NamedTuple):
+    """One unit of work of `collect_candidates`: the partitions of `active` into k groups, scored."""
+
+    total_micro: int  # micro-batches in a step
+    seed: int
+    k: int  # pipelines
+    active: tuple[int, ...]  # the devices partitioned
+    deadline: float  # time.monotonic() seconds
+    check: bool  # whether to stop at the deadline
+    descent: bool  # each pipeline's structure with the coordinate descent (else its best start)
+    only: int | None  # the one partition to search, by its position in `generators`; None: all of them
 
 
 class SearchStats:
@@ -88,10 +101,10 @@ def collect_candidates(pool: SearchPool, total_micro: int, seed: int, deadline: 
     full = tuple(subsets[0])
     ks = pipeline_counts(cache, total_micro, len(full))
     sure = [k for k in ks if k <= SURE_KS]
-    units: list[Unit] = [(total_micro, seed, k, full, deadline, n > 0, descent, None) for n, k in enumerate(sure)]
+    units = [Unit(total_micro, seed, k, full, deadline, n > 0, descent, None) for n, k in enumerate(sure)]
     if _merge(cache, units, pool.map(collect_unit, units), found, origins, stats):
         return found
-    tail = [(total_micro, seed, k, full, deadline, True, descent, None) for k in ks[len(sure):]]
+    tail = [Unit(total_micro, seed, k, full, deadline, True, descent, None) for k in ks[len(sure):]]
     for start in range(0, len(tail), TAIL_BATCH):
         units = tail[start:start + TAIL_BATCH]
         before = min((c.score_s for c in found), default=float("inf"))
@@ -117,11 +130,11 @@ def collect_candidates(pool: SearchPool, total_micro: int, seed: int, deadline: 
             for k in best_ks:
                 scaled = max(1, round(k * len(active) / len(full)))
                 near.update(x for x in (scaled - 1, scaled, scaled + 1, k) if x in allowed)
-            units.extend((total_micro, seed, k, tuple(active), deadline, True, descent, None) for k in sorted(near))
+            units.extend(Unit(total_micro, seed, k, tuple(active), deadline, True, descent, None) for k in sorted(near))
         if _merge(cache, units, pool.map(collect_unit, units), found, origins, stats):
             return found
     if not descent:
-        units = [(total_micro, seed, k, active, deadline, True, True, position)
+        units = [Unit(total_micro, seed, k, active, deadline, True, True, position)
                  for k, active, position in _to_descend(found, origins)]
         _merge(cache, units, pool.map(collect_unit, units), found, origins, stats)
     return found
@@ -136,16 +149,15 @@ def _to_descend(found: list[Candidate], origins: list[Origin]) -> list[Origin]:
     return [origins[j] for j in ranked[:DESCENDED] if found[j].score_s <= limit]
 
 
-def collect_unit(cache: CostCache, item: Unit) -> tuple[list[Candidate], list[Origin], int, bool]:
-    """One unit of `collect_candidates`, item (total micro-batches, seed, k, active devices, deadline, whether to
-    check it, descent, the one partition to search by its position in `generators` or None for all): (candidates,
-    their partitions, how many were scored, whether the deadline had passed)."""
-    total_micro, seed, k, active, deadline, check, descent, only = item
-    if check and time.monotonic() >= deadline:
+def collect_unit(cache: CostCache, unit: Unit) -> tuple[list[Candidate], list[Origin], int, bool]:
+    """One unit of `collect_candidates`: (candidates, their partitions, how many were scored, whether the deadline
+    had passed)."""
+    if unit.check and time.monotonic() >= unit.deadline:
         return [], [], 0, True
     stats = SearchStats()
-    cands, positions = _candidates_for(cache, total_micro, seed, k, list(active), stats, descent, only)
-    return cands, [(k, active, position) for position in positions], stats.candidates, False
+    cands, positions = _candidates_for(cache, unit.total_micro, unit.seed, unit.k, list(unit.active), stats,
+                                       unit.descent, unit.only)
+    return cands, [(unit.k, unit.active, position) for position in positions], stats.candidates, False
 
 
 def _merge(cache: CostCache, units: list[Unit], results: list[tuple[list[Candidate], list[Origin], int, bool]],
@@ -158,7 +170,7 @@ def _merge(cache: CostCache, units: list[Unit], results: list[tuple[list[Candida
             stats.budget_hit = True
             return True
         if hit:
-            cands, where, count, _ = collect_unit(cache, (*unit[:5], False, *unit[6:]))
+            cands, where, count, _ = collect_unit(cache, unit._replace(check=False))
         found.extend(cands)
         origins.extend(where)
         stats.candidates += count
